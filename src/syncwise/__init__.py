@@ -1,0 +1,25 @@
+"""syncwise: FSDP training for LLM post-training whose gradient accumulation syncs once per optimizer step."""
+
+from .comm import CollectiveCounter, count_collectives, expected_collectives
+from .config import Config, ConfigError, load_config
+from .engine import Engine, ForwardBackwardResult
+from .losses import LossOutput, Normalizer, sft_loss
+from .sync import SyncMode, gradient_sync
+
+__all__ = [
+    "CollectiveCounter",
+    "Config",
+    "ConfigError",
+    "Engine",
+    "ForwardBackwardResult",
+    "LossOutput",
+    "Normalizer",
+    "SyncMode",
+    "count_collectives",
+    "expected_collectives",
+    "gradient_sync",
+    "load_config",
+    "sft_loss",
+]
+
+__version__ = "0.1.0"

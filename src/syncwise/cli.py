@@ -1,0 +1,53 @@
+"""``syncwise`` command line: ``syncwise sft [config.yaml] [section.key=value ...]``.
+
+Run directly, it spawns ``dist.nproc`` local ranks itself; under ``torchrun`` it runs as the rank torchrun
+made (``torchrun --nproc-per-node 2 -m syncwise sft ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, config_to_dict, load_config
+from .distributed import launch_local, launched_by_torchrun
+
+
+def _split_args(values: list[str]) -> tuple[str | None, list[str]]:
+    """An optional leading YAML path, then key=value overrides."""
+    path = None
+    if values and "=" not in values[0]:
+        path, values = values[0], values[1:]
+    return path, values
+
+
+def _run_job(worker, args: argparse.Namespace) -> int:
+    path, overrides = _split_args(args.args)
+    try:
+        config = load_config(path, overrides)
+    except ConfigError as exc:
+        print(f"syncwise: config error: {exc}", file=sys.stderr)
+        return 2
+    config_dict = config_to_dict(config)
+    if launched_by_torchrun():
+        worker(config_dict)
+    else:
+        launch_local(worker, config.dist.nproc, config_dict)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="syncwise", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sft = sub.add_parser("sft", help="supervised fine-tuning job (the built-in task by default)")
+    sft.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
+    args = parser.parse_args(argv)
+    if args.command == "sft":
+        from .sft import sft_worker
+
+        return _run_job(sft_worker, args)
+    return 1  # pragma: no cover - argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Dataclass configs, loaded from YAML with ``key=value`` overrides and validated with clear errors.
+
+Every error names the offending key (dotted, e.g. ``engine.strategy``) and, where there is a fixed set,
+the allowed values, so a typo fails before any process group is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+STRATEGIES = ("fsdp2", "fsdp1", "ddp", "none")
+SYNC_MODES = ("per_microbatch", "deferred")
+DTYPES = ("float32", "bfloat16", "float16")
+OPTIMIZERS = ("adamw", "sgd")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or an invalid value. The message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    """Which causal LM to build. ``path`` (a local Hugging Face directory) wins over ``preset``."""
+
+    preset: str = "qwen2-tiny"
+    path: str | None = None
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    seed: int = 0
+
+
+@dataclass
+class EngineConfig:
+    """How the model is wrapped and fed."""
+
+    strategy: str = "fsdp2"
+    micro_batch_size: int = 2
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    # >1 builds a 2-D (replicate x shard) mesh: HSDP with this many replicas.
+    hsdp_replicas: int = 1
+    # DDP only: needed when some parameters get no gradient in a forward.
+    find_unused_parameters: bool = False
+
+
+@dataclass
+class SyncConfig:
+    """When gradients are communicated across the micro-batches of one optimizer step."""
+
+    mode: str = "deferred"
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class DistConfig:
+    """Process-group set-up. Under torchrun the environment wins and ``nproc`` is ignored."""
+
+    nproc: int = 2
+    backend: str = "auto"
+    timeout_s: float = 600.0
+
+
+@dataclass
+class SFTConfig:
+    """The built-in SFT job (`syncwise sft`): a synthetic sequence task the tiny model learns in seconds."""
+
+    steps: int = 30
+    batch_size: int = 8
+    min_len: int = 8
+    max_len: int = 32
+    seed: int = 0
+    out_dir: str = "runs/sft"
+    log_every: int = 1
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def validate(self) -> Config:
+        _choice("engine.strategy", self.engine.strategy, STRATEGIES)
+        _choice("sync.mode", self.sync.mode, SYNC_MODES)
+        _choice("model.param_dtype", self.model.param_dtype, DTYPES)
+        _choice("model.reduce_dtype", self.model.reduce_dtype, DTYPES)
+        _choice("optim.name", self.optim.name, OPTIMIZERS)
+        _choice("dist.backend", self.dist.backend, BACKENDS)
+        _positive("engine.micro_batch_size", self.engine.micro_batch_size)
+        _positive("engine.hsdp_replicas", self.engine.hsdp_replicas)
+        _positive("dist.nproc", self.dist.nproc)
+        _positive("dist.timeout_s", self.dist.timeout_s)
+        _positive("optim.lr", self.optim.lr)
+        _positive("sft.steps", self.sft.steps)
+        _positive("sft.batch_size", self.sft.batch_size)
+        _positive("sft.min_len", self.sft.min_len)
+        if self.optim.grad_clip < 0:
+            raise ConfigError(f"optim.grad_clip: must be >= 0 (0 disables clipping), got {self.optim.grad_clip}")
+        if self.sft.max_len < self.sft.min_len:
+            raise ConfigError(
+                f"sft.max_len: must be >= sft.min_len ({self.sft.min_len}), got {self.sft.max_len}"
+            )
+        if self.engine.hsdp_replicas > 1 and self.engine.strategy not in ("fsdp2", "fsdp1"):
+            raise ConfigError(
+                f"engine.hsdp_replicas={self.engine.hsdp_replicas} needs engine.strategy fsdp2 or fsdp1, "
+                f"got {self.engine.strategy!r}"
+            )
+        if self.model.param_dtype != "float32" and self.engine.strategy not in ("fsdp2", "fsdp1"):
+            raise ConfigError(
+                f"model.param_dtype={self.model.param_dtype!r} (mixed precision) needs engine.strategy "
+                f"fsdp2 or fsdp1, got {self.engine.strategy!r}"
+            )
+        return self
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key}: must be > 0, got {value}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build a validated :class:`Config` from an optional YAML file and ``section.key=value`` overrides.
+
+    Values in overrides are parsed as YAML scalars (``lr=3e-4``, ``cpu_offload=true``, ``path=null``).
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        node = data
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+    return load_config_dict(data)
+
+
+def load_config_dict(data: dict[str, Any]) -> Config:
+    """A validated :class:`Config` from a nested dict (as :func:`config_to_dict` writes it)."""
+    return _build(Config, data, prefix="").validate()
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists) for logging or writing back to YAML."""
+    return yaml.safe_load(yaml.safe_dump(dataclasses.asdict(config), default_flow_style=False))
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{prefix}{key}'{hint}; known keys: {', '.join(names)}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, prefix=f"{key}.")
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported config type {tp}")  # pragma: no cover - a bug in this module

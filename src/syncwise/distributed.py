@@ -1,0 +1,137 @@
+"""Process groups and device meshes: torchrun (env://) or the built-in local launcher.
+
+The local launcher spawns N ranks on this machine with the same environment variables torchrun sets, so
+the code under it cannot tell the difference.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def pick_backend(backend: str = "auto") -> str:
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInfo:
+    """Join the process group described by the torchrun environment (a no-op group-less run if absent).
+
+    ``timeout_s`` bounds every collective, so a rank that never arrives becomes an error, not a hang.
+    """
+    backend = pick_backend(backend)
+    if not launched_by_torchrun():
+        device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+        return DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def shutdown(clean: bool = True) -> None:
+    """Leave the process group. ``clean``: barrier first (gloo can abort at exit without it); after an
+    error, skip the barrier, which the other ranks may never reach."""
+    if dist.is_initialized():
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_rank(fn: Callable[..., Any], *args: Any, backend: str = "auto", timeout_s: float = 600.0) -> Any:
+    """Join the process group, run ``fn(info, *args)``, and leave it -- cleanly unless ``fn`` raised."""
+    info = init_distributed(backend, timeout_s)
+    try:
+        result = fn(info, *args)
+    except BaseException:
+        shutdown(clean=False)
+        raise
+    shutdown()
+    return result
+
+
+def build_mesh(info: DistInfo, hsdp_replicas: int = 1) -> DeviceMesh | None:
+    """1-D mesh ("shard",) for FSDP, or 2-D ("replicate", "shard") for HSDP; None without a process group."""
+    if not dist.is_initialized():
+        return None
+    device_type = info.device.type
+    if hsdp_replicas <= 1:
+        return init_device_mesh(device_type, (info.world_size,), mesh_dim_names=("shard",))
+    if info.world_size % hsdp_replicas:
+        raise ValueError(
+            f"engine.hsdp_replicas={hsdp_replicas} does not divide the world size {info.world_size}"
+        )
+    shape = (hsdp_replicas, info.world_size // hsdp_replicas)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    fn(*args)
+
+
+def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
+    """Run ``fn(*args)`` on ``nproc`` local ranks (spawned processes with torchrun's environment).
+
+    Raises if any rank raises; ``fn`` must be picklable (a module-level function).
+    """
+    port = free_port()
+    # Each rank gets its share of the cores; oversubscribing threads slows CPU runs several-fold.
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    mp.start_processes(
+        _local_entry, args=(nproc, port, fn, args), nprocs=nproc, join=True, start_method="spawn"
+    )

@@ -1,0 +1,294 @@
+"""The training engine: micro-batched forward/backward whose gradients sync once per optimizer step.
+
+Data flow of :meth:`Engine.train_batch` (one optimizer step on this rank's share of the batch)::
+
+    zero grads -> split into micro-batches -> global normaliser (one all-reduce)
+    -> for each micro-batch: with gradient_sync(model, enabled=mode.syncs(i, n)): forward, loss, backward
+    -> optimizer_step: grad norm (one all-reduce), clip, skip if non-finite, step
+    -> metrics (one all-reduce), including every collective counted during the step
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .batching import Batch, BatchError, MicroBatch, restore_order, split_fixed
+from .comm import CollectiveCounter, expected_collectives
+from .config import Config, OptimConfig
+from .distributed import DistInfo, build_mesh, init_distributed
+from .losses import LossFn, LossOutput, Normalizer, target_mask, token_log_probs
+from .models import build_model
+from .sync import SyncMode, fsdp2_units, gradient_sync
+from .wrap import WrappedModel, wrap_model
+
+
+@dataclass
+class ForwardBackwardResult:
+    """What one pass over a batch produced on this rank."""
+
+    metrics: dict[str, float]  # loss-function metrics summed over micro-batches (this rank's share)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # per sample, original order
+    num_microbatches: int = 0
+
+
+def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    raise ValueError(f"optim.name: {cfg.name!r} is not one of adamw, sgd")
+
+
+class Engine:
+    """FSDP2 / FSDP1 / DDP / single-process training of a causal LM with deferred gradient sync.
+
+    Build it inside an initialised process group (``syncwise.distributed.init_distributed`` or the local
+    launcher). ``model`` defaults to the one ``config.model`` describes; pass your own (fp32, on CPU,
+    identical on every rank) to wrap it instead.
+    """
+
+    def __init__(self, config: Config, model: nn.Module | None = None, info: DistInfo | None = None):
+        self.config = config.validate()
+        self.info = info or init_distributed(config.dist.backend, config.dist.timeout_s)
+        self.sync_mode = SyncMode(config.sync.mode)
+        raw = model if model is not None else build_model(config.model)
+        mesh = None
+        if config.engine.strategy in ("fsdp2", "fsdp1"):
+            mesh = build_mesh(self.info, config.engine.hsdp_replicas)
+        self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh)
+        self.model = self.wrapped.module
+        self.optimizer = build_optimizer(self.model.parameters(), config.optim)
+        self.step = 0
+        self.skipped_steps = 0
+
+    # ----------------------------------------------------------------------------------------------
+    # forward / backward
+    # ----------------------------------------------------------------------------------------------
+    def forward_backward_batch(
+        self, batch: Batch, loss_fn: LossFn | None = None, forward_only: bool = False
+    ) -> ForwardBackwardResult:
+        """Run every micro-batch of ``batch`` forward (and backward unless ``forward_only``).
+
+        Gradients accumulate into ``.grad``; with ``sync.mode=deferred`` they are communicated only by the
+        last micro-batch. Forward-only passes (log-probs, evaluation) run under ``no_grad`` and never
+        touch the sync state. Returns summed loss metrics and per-sample outputs in the original order:
+        always ``log_probs`` [B, T-1] when ``forward_only``, plus whatever the loss function returns.
+        """
+        if not forward_only and loss_fn is None:
+            raise ValueError("forward_backward_batch: a loss_fn is needed unless forward_only=True")
+        batch = {k: v.to(self.info.device) for k, v in batch.items()} if _is_batch(batch) else batch
+        micro_batches, norm = self._prepare(batch)
+        self.model.train(not forward_only)
+        totals: dict[str, torch.Tensor] = {}
+        chunks: dict[str, list[torch.Tensor]] = {}
+        n = len(micro_batches)
+        try:
+            for i, mb in enumerate(micro_batches):
+                if forward_only:
+                    with torch.no_grad():
+                        result = self._forward(mb.data, loss_fn, norm, with_log_probs=True)
+                else:
+                    with gradient_sync(self.model, enabled=self.sync_mode.syncs(i, n)):
+                        result = self._forward(mb.data, loss_fn, norm, with_log_probs=False)
+                        result.loss.backward()
+                for key, value in result.metrics.items():
+                    totals[key] = totals.get(key, 0.0) + value.detach().float()
+                for key, value in result.outputs.items():
+                    chunks.setdefault(key, []).append(value.detach())
+        except BaseException:
+            self._recover_from_error()
+            raise
+        outputs = {key: restore_order(parts, micro_batches) for key, parts in chunks.items()}
+        return ForwardBackwardResult(
+            metrics={k: float(v) for k, v in totals.items()}, outputs=outputs, num_microbatches=n
+        )
+
+    def _forward(
+        self, data: Batch, loss_fn: LossFn | None, norm: Normalizer, with_log_probs: bool
+    ) -> LossOutput:
+        model_out = self.model(input_ids=data["input_ids"], attention_mask=data.get("attention_mask"))
+        if loss_fn is not None:
+            result = loss_fn(model_out, data, norm)
+        else:
+            result = LossOutput(loss=torch.zeros((), device=self.info.device))
+        if with_log_probs:
+            result.outputs.setdefault("log_probs", token_log_probs(model_out.logits, data["input_ids"]))
+        return result
+
+    def _prepare(self, batch: Batch) -> tuple[list[MicroBatch], Normalizer]:
+        """Validate and split the batch, then agree with the other ranks in one all-reduce.
+
+        The all-reduce carries the loss-token and sequence counts (the global normaliser), the number of
+        micro-batches (every rank must run the same number, or deferred collectives hang) and an error
+        flag, so a rank with bad input makes every rank raise instead of leaving the others waiting.
+        """
+        error: BatchError | None = None
+        micro_batches: list[MicroBatch] = []
+        tokens = sequences = 0.0
+        try:
+            micro_batches = split_fixed(batch, self.config.engine.micro_batch_size)
+            mask = target_mask(batch)
+            tokens = float(mask.sum())
+            sequences = float((mask.sum(dim=1) > 0).sum())
+        except BatchError as exc:
+            error = exc
+        n = len(micro_batches)
+        stats = torch.tensor([tokens, sequences, n, n * n, error is not None], dtype=torch.float64)
+        if dist.is_initialized():
+            stats = stats.to(self.info.device)
+            dist.all_reduce(stats)
+            stats = stats.cpu()
+        tokens, sequences, n_sum, n_sq_sum, bad_ranks = stats.tolist()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if error is not None:
+            raise error
+        if bad_ranks:
+            raise BatchError(f"batch: invalid on {int(bad_ranks)} other rank(s); see the error raised there")
+        if n_sq_sum * world != n_sum * n_sum:  # equal on every rank iff all counts are equal
+            raise BatchError(
+                f"batch: ranks would run different numbers of micro-batches (this rank {n}, mean "
+                f"{n_sum / world:g}); give every rank the same number of samples"
+            )
+        return micro_batches, Normalizer(tokens=tokens, sequences=sequences, dp_size=self.wrapped.dp_size)
+
+    def _recover_from_error(self) -> None:
+        """After an exception mid-step: drop partial gradients and FSDP2's per-iteration state."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for unit in fsdp2_units(self.model):
+            if unit._get_fsdp_state()._is_root and hasattr(unit, "reset_iter_state"):
+                unit.reset_iter_state()
+
+    # ----------------------------------------------------------------------------------------------
+    # optimizer
+    # ----------------------------------------------------------------------------------------------
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradients, correct for sharded (FSDP1/FSDP2) and replicated ones.
+
+        Each rank sums the squares of its local gradient shards; one all-reduce over the shard group adds
+        them up (HSDP replicas hold the same shards, so they are not added again).
+        """
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        device = self.info.device
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        if grads:
+            sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+        if self.wrapped.strategy in ("fsdp2", "fsdp1"):
+            mesh = self.wrapped.mesh
+            group = mesh.get_group("shard") if mesh is not None else None
+            dist.all_reduce(sq, group=group)
+        return sq.sqrt()
+
+    def optimizer_step(self) -> float:
+        """Clip to ``optim.grad_clip``, step, and zero the gradients. Returns the pre-clip grad norm.
+
+        A non-finite norm skips the update (gradients are zeroed, ``skipped_steps`` counts it).
+        """
+        norm = self.grad_norm()
+        norm_value = float(norm)
+        if not math.isfinite(norm_value):
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm_value
+        clip = self.config.optim.grad_clip
+        if clip > 0 and norm_value > clip:
+            grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, clip / (norm_value + 1e-6))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return norm_value
+
+    def train_batch(self, batch: Batch, loss_fn: LossFn) -> dict[str, Any]:
+        """One optimizer step on ``batch``; returns metrics reduced over ranks (same dict on every rank).
+
+        ``comm/*`` count every collective of the step (forward, backward, normaliser, grad norm and
+        this metrics reduction); ``comm/expected_*`` give the formula's count for the mode, to compare.
+        """
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        skipped_before = self.skipped_steps
+        with CollectiveCounter() as counter:
+            result = self.forward_backward_batch(batch, loss_fn)
+            grad_norm = self.optimizer_step()
+            metrics = self._reduce_metrics(result.metrics)
+        elapsed = time.perf_counter() - start
+        metrics.update(
+            {
+                "train/step": self.step,
+                "train/grad_norm": grad_norm,
+                "train/skipped": self.skipped_steps - skipped_before,
+                "train/num_microbatches": result.num_microbatches,
+                "train/step_time_s": elapsed,
+                "sync/mode": self.sync_mode.value,
+            }
+        )
+        metrics.update(counter.totals.as_metrics())
+        expected = self.expected_collectives(result.num_microbatches)
+        if expected is not None:
+            metrics.update({f"comm/expected_{kind}_count": count for kind, count in expected.items()})
+        return metrics
+
+    def _reduce_metrics(self, local: dict[str, float]) -> dict[str, float]:
+        """Sum loss metrics over DP ranks in one all-reduce (keys sorted so every rank packs alike)."""
+        keys = sorted(local)
+        if not keys:
+            return {}
+        values = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.info.device)
+        if dist.is_initialized() and self.wrapped.dp_size > 1:
+            dist.all_reduce(values)
+        return dict(zip(keys, values.cpu().tolist()))
+
+    def expected_collectives(self, num_microbatches: int) -> dict[str, int] | None:
+        """The collective counts one ``train_batch`` should produce (FSDP strategies), else None."""
+        if self.wrapped.strategy not in ("fsdp2", "fsdp1"):
+            return None
+        return expected_collectives(
+            self.sync_mode.value,
+            num_microbatches,
+            self.wrapped.num_units,
+            reshard_after_forward=self.config.engine.reshard_after_forward,
+            hsdp=self.wrapped.mesh is not None and self.wrapped.mesh.ndim == 2,
+            engine_all_reduces=3,  # normaliser, grad norm, metrics
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # evaluation and state
+    # ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_batch(self, batch: Batch, loss_fn: LossFn | None = None) -> ForwardBackwardResult:
+        """Forward-only pass (log-probs, validation loss). Never touches gradients or sync state."""
+        result = self.forward_backward_batch(batch, loss_fn, forward_only=True)
+        result.metrics = self._reduce_metrics(result.metrics)
+        return result
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state (sharded DTensors under FSDP2), for ``torch.distributed.checkpoint``."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "engine": {"step": self.step}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        self.step = int(state.get("engine", {}).get("step", self.step))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _is_batch(batch: Any) -> bool:
+    return isinstance(batch, dict) and all(isinstance(v, torch.Tensor) for v in batch.values())

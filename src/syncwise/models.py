@@ -1,0 +1,78 @@
+"""Build Hugging Face causal LMs from a local directory or from a built-in config preset (never downloads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from .config import ModelConfig
+
+# Tiny shapes for CPU jobs, tests and benchmarks. Param counts with vocab 512 / 2048.
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.43M params: unit tests.
+    "qwen2-test": dict(
+        model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    ),
+    # ~2.9M params: the default job and the small benchmark.
+    "qwen2-tiny": dict(
+        model_type="qwen2", vocab_size=2048, hidden_size=256, intermediate_size=704,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    ),
+    # ~20M params: the larger CPU benchmark.
+    "qwen2-20m": dict(
+        model_type="qwen2", vocab_size=8192, hidden_size=512, intermediate_size=1408,
+        num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+    ),
+    "llama-test": dict(
+        model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    ),
+}
+_COMMON = dict(max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def preset_config(name: str, **overrides: Any):
+    """A ``transformers`` config for a built-in preset."""
+    if name not in PRESETS:
+        raise ValueError(f"model.preset: {name!r} is not one of {', '.join(PRESETS)}")
+    kwargs = {**_COMMON, **PRESETS[name], **overrides}
+    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+
+
+def build_model(cfg: ModelConfig) -> PreTrainedModel:
+    """Instantiate the model in fp32 on CPU, with identical weights on every rank (seeded init)."""
+    if cfg.path:
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.path, local_files_only=True, dtype=torch.float32,
+            attn_implementation=cfg.attn_implementation,
+        )
+    hf_config = preset_config(cfg.preset)
+    hf_config._attn_implementation = cfg.attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+
+
+def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """Classes named in ``_no_split_modules`` that occur in the model: the per-layer FSDP units."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(
+            f"{type(model).__name__} names no decoder layer class in _no_split_modules ({sorted(names)}); "
+            "cannot wrap it per layer"
+        )
+    return classes
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    classes = tuple(decoder_layer_classes(model))
+    return [m for m in model.modules() if isinstance(m, classes)]
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

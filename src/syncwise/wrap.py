@@ -1,0 +1,150 @@
+"""Wrap a Hugging Face causal LM for data-parallel training: FSDP2, FSDP1, DDP, or a plain module.
+
+FSDP units are one per decoder layer (the classes in ``_no_split_modules``) plus the root, which holds the
+embeddings, final norm and LM head. The unit count is what the expected-collective formula needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .comm import ddp_counting_hook
+from .config import EngineConfig, ModelConfig
+from .models import decoder_layer_classes, decoder_layers
+
+DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class WrappedModel:
+    """A model ready to train, and what the engine needs to know about how it is wrapped."""
+
+    module: nn.Module
+    strategy: str
+    num_units: int  # FSDP units with parameters (0 for DDP / plain)
+    dp_size: int  # ranks over which gradients are averaged
+    mesh: DeviceMesh | None
+
+
+def wrap_model(
+    model: nn.Module,
+    engine_cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    device: torch.device,
+    mesh: DeviceMesh | None,
+) -> WrappedModel:
+    """Wrap ``model`` (fp32, on CPU, same weights on every rank) according to ``engine_cfg.strategy``."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    strategy = engine_cfg.strategy
+    if strategy == "none":
+        if world_size > 1:
+            raise ValueError(
+                f"engine.strategy='none' trains a single process, but the world size is {world_size}; "
+                "use fsdp2, fsdp1 or ddp"
+            )
+        return WrappedModel(model.to(device), strategy, num_units=0, dp_size=1, mesh=None)
+    if not dist.is_initialized():
+        raise ValueError(f"engine.strategy={strategy!r} needs a process group (run under the launcher)")
+    if strategy == "fsdp2":
+        module = _wrap_fsdp2(model, engine_cfg, model_cfg, device, mesh)
+        units = sum(1 for m in module.modules() if isinstance(m, FSDPModule) and _has_fsdp2_params(m))
+    elif strategy == "fsdp1":
+        module = _wrap_fsdp1(model, engine_cfg, model_cfg, device, mesh)
+        units = len(FSDP1.fsdp_modules(module))
+    elif strategy == "ddp":
+        module = _wrap_ddp(model, engine_cfg, device)
+        units = 0
+    else:
+        raise ValueError(f"engine.strategy: {strategy!r} is not one of fsdp2, fsdp1, ddp, none")
+    return WrappedModel(module, strategy, num_units=units, dp_size=world_size, mesh=mesh)
+
+
+def _has_fsdp2_params(unit: FSDPModule) -> bool:
+    return any(group.fsdp_params for group in unit._get_fsdp_state()._fsdp_param_groups)
+
+
+def _wrap_fsdp2(
+    model: nn.Module, engine_cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device,
+    mesh: DeviceMesh | None,
+) -> nn.Module:
+    param_dtype = DTYPE_BY_NAME[model_cfg.param_dtype]
+    reduce_dtype = DTYPE_BY_NAME[model_cfg.reduce_dtype]
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=engine_cfg.reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    )
+    if engine_cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    else:
+        model.to(device)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    # The root's parameters are needed again at the start of backward (LM head): FSDP2's default for the
+    # root keeps them unsharded after forward instead of gathering them twice, so only pass False.
+    root_kwargs = dict(kwargs)
+    if engine_cfg.reshard_after_forward:
+        del root_kwargs["reshard_after_forward"]
+    fully_shard(model, **root_kwargs)
+    return model
+
+
+def _wrap_fsdp1(
+    model: nn.Module, engine_cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device,
+    mesh: DeviceMesh | None,
+) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    hsdp = mesh is not None and mesh.ndim == 2
+    if hsdp:
+        strategy = ShardingStrategy.HYBRID_SHARD if engine_cfg.reshard_after_forward else (
+            ShardingStrategy._HYBRID_SHARD_ZERO2
+        )
+    else:
+        strategy = (
+            ShardingStrategy.FULL_SHARD if engine_cfg.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+        )
+    mixed = None
+    if model_cfg.param_dtype != "float32" or model_cfg.reduce_dtype != "float32":
+        mixed = MixedPrecision(
+            param_dtype=DTYPE_BY_NAME[model_cfg.param_dtype],
+            reduce_dtype=DTYPE_BY_NAME[model_cfg.reduce_dtype],
+            buffer_dtype=torch.float32,
+        )
+    return FSDP1(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)),
+        sharding_strategy=strategy,
+        device_mesh=mesh if hsdp else None,
+        mixed_precision=mixed,
+        cpu_offload=CPUOffload(offload_params=engine_cfg.cpu_offload),
+        device_id=device,  # required on CPU, where FSDP1 cannot infer it
+        use_orig_params=True,
+    )
+
+
+def _wrap_ddp(model: nn.Module, engine_cfg: EngineConfig, device: torch.device) -> nn.Module:
+    model.to(device)
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        # Buffers here are deterministic (rotary tables); broadcasting them each forward is wasted traffic.
+        broadcast_buffers=False,
+        find_unused_parameters=engine_cfg.find_unused_parameters,
+    )
+    ddp.register_comm_hook(None, ddp_counting_hook)
+    return ddp

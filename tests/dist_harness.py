@@ -1,0 +1,29 @@
+"""Run a function on N real gloo ranks (spawned processes) and collect what each rank returns."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from syncwise.distributed import launch_local, run_rank
+
+# A hang becomes an error after this long, so a broken test fails instead of stalling CI.
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+def _rank_main(fn, args: tuple, out_dir: str) -> None:
+    def body(info):
+        result = fn(info, *args)
+        torch.save(result, Path(out_dir) / f"rank{info.rank}.pt")
+
+    run_rank(body, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
+
+
+def run_distributed(fn, world_size: int, *args: Any) -> list[Any]:
+    """``fn(info, *args)`` on ``world_size`` ranks; returns each rank's (torch.save-able) result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        launch_local(_rank_main, world_size, fn, args, out_dir)
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
