@@ -136,3 +136,124 @@ def equivalence_suite(info, cases: list[str]) -> dict:
         for mode in ("per_microbatch", "deferred"):
             out[(case, mode)] = one_step(info, strategy, mode, *extra, unused=case.endswith("_unused"))
     return out
+
+
+def full_batch_reference(world_size: int) -> dict[str, torch.Tensor]:
+    """Gradients of the token-mean loss over every rank's batch at once, in one plain process (no FSDP)."""
+    cfg = engine_config("none", "deferred", "engine.micro_batch_size=1000")
+    model = build_model(cfg.model)
+    batches = [make_batch(seed=100 + r) for r in range(world_size)]
+    batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    from syncwise.losses import Normalizer, target_mask
+
+    mask = target_mask(batch)
+    norm = Normalizer(tokens=float(mask.sum()), sequences=float((mask.sum(1) > 0).sum()), dp_size=1)
+    sft_loss(out, batch, norm).loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def equivalence_suite_with_reference(info, cases: list[str]) -> dict:
+    out = equivalence_suite(info, cases)
+    if info.rank == 0:
+        out["reference"] = full_batch_reference(info.world_size)
+    return out
+
+
+def _sync_flags_all_on(engine: Engine) -> bool:
+    from syncwise.sync import fsdp2_sync_flags, fsdp2_units
+
+    return all(flags == (True, True) for u in fsdp2_units(engine.model) for flags in fsdp2_sync_flags(u))
+
+
+def _fails_on_call(n: int):
+    calls = {"n": 0}
+
+    def loss_fn(outputs, micro_batch, norm):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise RuntimeError(f"injected failure in micro-batch {n}")
+        return sft_loss(outputs, micro_batch, norm)
+
+    return loss_fn
+
+
+def recovery_case(info, strategy: str, mode: str) -> dict:
+    """An exception in micro-batch 2 of 3, then a normal step, vs a run that never failed."""
+    out = {}
+    runs = {}
+    for label in ("faulty", "clean"):
+        cfg = engine_config(strategy, mode, "optim.name=adamw", "optim.lr=0.01", "optim.grad_clip=1.0")
+        engine = Engine(cfg, build_model(cfg.model), info)
+        engine.train_batch(make_batch(seed=10 + info.rank), sft_loss)
+        if label == "faulty":
+            try:
+                engine.train_batch(make_batch(seed=20 + info.rank), _fails_on_call(2))
+            except RuntimeError as exc:
+                out["error"] = str(exc)
+            out["flags_restored"] = _sync_flags_all_on(engine)
+            out["grads_after_error"] = sum(p.grad is not None for p in engine.model.parameters())
+        metrics = engine.train_batch(make_batch(seed=30 + info.rank), sft_loss)
+        runs[label] = (full_params(engine), metrics)
+    out["faulty_params"], out["faulty_metrics"] = runs["faulty"]
+    out["clean_params"], out["clean_metrics"] = runs["clean"]
+    return out
+
+
+def engine_suite(info) -> dict:
+    """train_batch metrics, recovery after an exception, forward-only passes, bad input, state dicts."""
+    from syncwise.batching import BatchError
+
+    out: dict = {}
+    for strategy in ("fsdp2", "fsdp1"):
+        for mode in ("per_microbatch", "deferred"):
+            cfg = engine_config(strategy, mode)
+            engine = Engine(cfg, build_model(cfg.model), info)
+            out[("metrics", strategy, mode)] = engine.train_batch(make_batch(seed=info.rank), sft_loss)
+    for strategy in ("fsdp2", "fsdp1", "ddp"):
+        out[("recovery", strategy)] = recovery_case(info, strategy, "deferred")
+
+    # Forward-only: log-probs in sample order, no gradient, no reduce-scatter, sync flags untouched.
+    cfg = engine_config("fsdp2", "deferred")
+    engine = Engine(cfg, build_model(cfg.model), info)
+    batch = make_batch(seed=40 + info.rank, size=5)
+    with count_collectives() as counts:
+        result = engine.eval_batch(batch, sft_loss)
+    reference_model = build_model(cfg.model)
+    with torch.no_grad():
+        logits = reference_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    from syncwise.losses import token_log_probs
+
+    out["forward_only"] = {
+        "log_probs": result.outputs["log_probs"],
+        "reference": token_log_probs(logits, batch["input_ids"]),
+        "counts": dict(counts.counts),
+        "grads": sum(p.grad is not None for p in engine.model.parameters()),
+        "flags_on": _sync_flags_all_on(engine),
+        "loss": result.metrics["loss"],
+    }
+
+    # Bad input on rank 1 only: every rank raises, none hangs, and the engine still trains afterwards.
+    good = make_batch(seed=50 + info.rank)
+    bad = {k: v for k, v in good.items() if k != "input_ids"} if info.rank == 1 else good
+    try:
+        engine.train_batch(bad, sft_loss)
+        out["bad_input_error"] = None
+    except BatchError as exc:
+        out["bad_input_error"] = str(exc)
+    uneven = make_batch(seed=60, size=6 if info.rank == 0 else 2)
+    try:
+        engine.train_batch(uneven, sft_loss)
+        out["uneven_error"] = None
+    except BatchError as exc:
+        out["uneven_error"] = str(exc)
+    out["after_errors"] = engine.train_batch(good, sft_loss)
+
+    # State dict round trip into a fresh engine.
+    other = Engine(cfg, build_model(cfg.model), info)
+    other.load_state_dict(engine.state_dict())
+    out["state_dict_equal"] = all(
+        torch.equal(a, b) for a, b in zip(full_params(engine).values(), full_params(other).values(), strict=True)
+    )
+    out["state_dict_step"] = (engine.step, other.step)
+    return out

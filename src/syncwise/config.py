@@ -211,7 +211,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        return tuple(_coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -25,7 +25,7 @@ from .config import Config, OptimConfig
 from .distributed import DistInfo, build_mesh, init_distributed
 from .losses import LossFn, LossOutput, Normalizer, target_mask, token_log_probs
 from .models import build_model
-from .sync import SyncMode, fsdp2_units, gradient_sync
+from .sync import SyncMode, discard_unsynced_grads, fsdp2_units, gradient_sync
 from .wrap import WrappedModel, wrap_model
 
 
@@ -160,11 +160,13 @@ class Engine:
         return micro_batches, Normalizer(tokens=tokens, sequences=sequences, dp_size=self.wrapped.dp_size)
 
     def _recover_from_error(self) -> None:
-        """After an exception mid-step: drop partial gradients and FSDP2's per-iteration state."""
+        """After an exception mid-step: drop partial gradients (also FSDP2's unsynced ones) and FSDP2's
+        per-iteration state, so the next step starts clean."""
         self.optimizer.zero_grad(set_to_none=True)
         for unit in fsdp2_units(self.model):
             if unit._get_fsdp_state()._is_root and hasattr(unit, "reset_iter_state"):
                 unit.reset_iter_state()
+        discard_unsynced_grads(self.model)
 
     # ----------------------------------------------------------------------------------------------
     # optimizer
@@ -244,7 +246,7 @@ class Engine:
         values = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.info.device)
         if dist.is_initialized() and self.wrapped.dp_size > 1:
             dist.all_reduce(values)
-        return dict(zip(keys, values.cpu().tolist()))
+        return dict(zip(keys, values.cpu().tolist(), strict=True))
 
     def expected_collectives(self, num_microbatches: int) -> dict[str, int] | None:
         """The collective counts one ``train_batch`` should produce (FSDP strategies), else None."""

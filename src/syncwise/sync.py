@@ -66,9 +66,25 @@ def restore_fsdp2_sync_flags(unit: FSDPModule, flags: list[tuple[bool, bool]]) -
             unit.set_requires_all_reduce(all_reduce_grads, recurse=False)
         return
     # Groups of one unit disagree (only possible through private edits): restore each as it was.
-    for group, (reduce_grads, all_reduce_grads) in zip(unit._get_fsdp_state()._fsdp_param_groups, flags):
+    for group, (reduce_grads, all_reduce_grads) in zip(unit._get_fsdp_state()._fsdp_param_groups, flags, strict=True):
         group.reduce_grads = reduce_grads
         group.all_reduce_grads = all_reduce_grads
+
+
+def discard_unsynced_grads(module: nn.Module) -> None:
+    """Drop gradients FSDP2 accumulated locally under ``no sync`` but never reduced.
+
+    They live on FSDP2's unsharded parameters (``unsharded_param.grad``, or ``unsharded_accumulated_grad``
+    when the reduce dtype differs), out of reach of ``optimizer.zero_grad()`` and of
+    ``reset_iter_state()``; after an aborted deferred step they would leak into the next one.
+    """
+    for unit in fsdp2_units(module):
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
 
 
 @contextmanager
