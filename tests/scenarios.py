@@ -96,6 +96,7 @@ def one_step(info, strategy: str, mode: str, *extra: str, unused: bool = False) 
     model = build_model(cfg.model)
     if unused:
         add_unused_parameter(model)
+    num_params = sum(p.numel() for p in model.parameters())
     engine = Engine(cfg, model, info)
     batch = make_batch(seed=100 + info.rank)
     with count_collectives() as counts:
@@ -113,6 +114,8 @@ def one_step(info, strategy: str, mode: str, *extra: str, unused: bool = False) 
         "num_microbatches": result.num_microbatches,
         "grad_norm": grad_norm,
         "loss": result.metrics["loss"],
+        "retained_grad_bytes": result.retained_grad_bytes,
+        "num_params": num_params,
     }
 
 
@@ -231,6 +234,8 @@ def engine_suite(info) -> dict:
         "grads": sum(p.grad is not None for p in engine.model.parameters()),
         "flags_on": _sync_flags_all_on(engine),
         "loss": result.metrics["loss"],
+        "retained_grad_bytes": result.retained_grad_bytes,
+        "num_params": num_params,
     }
 
     # Bad input on rank 1 only: every rank raises, none hangs, and the engine still trains afterwards.

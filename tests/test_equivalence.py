@@ -89,3 +89,16 @@ def test_ddp_deferred_all_reduces_fewer_buckets(results):
 def test_grad_norm_agrees_across_strategies(results):
     norms = {case: results[(case, "deferred")]["grad_norm"] for case in ("fsdp2", "fsdp1", "ddp")}
     assert max(norms.values()) - min(norms.values()) < 1e-5, norms
+
+
+@pytest.mark.parametrize("case", ["fsdp2", "fsdp2_bf16", "fsdp1"])
+def test_deferral_holds_full_fp32_gradient_on_every_rank(results, case):
+    """Deferred: 4 bytes x every parameter (reduce dtype fp32), whatever the world size; per-micro-batch:
+    only the 1/W shard (plus FSDP's padding to a multiple of W)."""
+    world_size = 2
+    deferred = results[(case, "deferred")]
+    per_mb = results[(case, "per_microbatch")]
+    params = deferred["num_params"]
+    padding = 4 * world_size * 64  # at most a few elements per flat parameter / DTensor shard
+    assert 4 * params <= deferred["retained_grad_bytes"] <= 4 * params + padding
+    assert 4 * params / world_size <= per_mb["retained_grad_bytes"] <= 4 * params / world_size + padding

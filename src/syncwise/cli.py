@@ -41,12 +41,40 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sft = sub.add_parser("sft", help="supervised fine-tuning job (the built-in task by default)")
     sft.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
+    bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
+    bench.add_argument("--quick", action="store_true", help="the small 2-minute version")
+    bench.add_argument("--nproc", type=int, default=2, help="local ranks (ignored under torchrun)")
+    bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
+    bench.add_argument("--presets", nargs="+", help="model presets (default qwen2-tiny qwen2-20m)")
+    bench.add_argument("--microbatches", nargs="+", type=int, help="micro-batches per step (default 2 4 8)")
+    bench.add_argument("--modes", nargs="+", help="sync modes (default: all)")
+    bench.add_argument("--repeats", type=int, help="timed steps per configuration")
     args = parser.parse_args(argv)
     if args.command == "sft":
         from .sft import sft_worker
 
         return _run_job(sft_worker, args)
+    if args.command == "bench":
+        return _run_bench(args)
     return 1  # pragma: no cover - argparse rejects unknown commands
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from .bench import BenchSpec, bench_worker
+
+    spec = BenchSpec.quick(args.out) if args.quick else BenchSpec(out_dir=args.out)
+    for name in ("presets", "microbatches", "modes", "repeats"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(spec, name, value)
+    spec_dict = dataclasses.asdict(spec)
+    if launched_by_torchrun():
+        bench_worker(spec_dict)
+    else:
+        launch_local(bench_worker, args.nproc, spec_dict)
+    return 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from .comm import CollectiveCounter, expected_collectives
 from .config import Config, OptimConfig
 from .distributed import DistInfo, build_mesh, init_distributed
 from .losses import LossFn, LossOutput, Normalizer, target_mask, token_log_probs
+from .memory import grad_bytes
 from .models import build_model
 from .sync import SyncMode, discard_unsynced_grads, fsdp2_units, gradient_sync
 from .wrap import WrappedModel, wrap_model
@@ -36,6 +37,7 @@ class ForwardBackwardResult:
     metrics: dict[str, float]  # loss-function metrics summed over micro-batches (this rank's share)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # per sample, original order
     num_microbatches: int = 0
+    retained_grad_bytes: int = 0  # most gradient bytes held after any micro-batch's backward
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -90,6 +92,7 @@ class Engine:
         totals: dict[str, torch.Tensor] = {}
         chunks: dict[str, list[torch.Tensor]] = {}
         n = len(micro_batches)
+        retained = 0
         try:
             for i, mb in enumerate(micro_batches):
                 if forward_only:
@@ -99,6 +102,7 @@ class Engine:
                     with gradient_sync(self.model, enabled=self.sync_mode.syncs(i, n)):
                         result = self._forward(mb.data, loss_fn, norm, with_log_probs=False)
                         result.loss.backward()
+                    retained = max(retained, grad_bytes(self.model))
                 for key, value in result.metrics.items():
                     totals[key] = totals.get(key, 0.0) + value.detach().float()
                 for key, value in result.outputs.items():
@@ -108,7 +112,10 @@ class Engine:
             raise
         outputs = {key: restore_order(parts, micro_batches) for key, parts in chunks.items()}
         return ForwardBackwardResult(
-            metrics={k: float(v) for k, v in totals.items()}, outputs=outputs, num_microbatches=n
+            metrics={k: float(v) for k, v in totals.items()},
+            outputs=outputs,
+            num_microbatches=n,
+            retained_grad_bytes=retained,
         )
 
     def _forward(
@@ -229,6 +236,7 @@ class Engine:
                 "train/skipped": self.skipped_steps - skipped_before,
                 "train/num_microbatches": result.num_microbatches,
                 "train/step_time_s": elapsed,
+                "memory/retained_grad_bytes": result.retained_grad_bytes,
                 "sync/mode": self.sync_mode.value,
             }
         )

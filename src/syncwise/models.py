@@ -10,21 +10,21 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from .config import ModelConfig
 
-# Tiny shapes for CPU jobs, tests and benchmarks. Param counts with vocab 512 / 2048.
+# Tiny shapes for CPU jobs, tests and benchmarks.
 PRESETS: dict[str, dict[str, Any]] = {
-    # ~0.43M params: unit tests.
+    # ~0.43M params: tests.
     "qwen2-test": dict(
         model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     ),
     # ~2.9M params: the default job and the small benchmark.
     "qwen2-tiny": dict(
-        model_type="qwen2", vocab_size=2048, hidden_size=256, intermediate_size=704,
+        model_type="qwen2", vocab_size=1024, hidden_size=256, intermediate_size=512,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     ),
-    # ~20M params: the larger CPU benchmark.
+    # ~22M params: the larger CPU benchmark.
     "qwen2-20m": dict(
-        model_type="qwen2", vocab_size=8192, hidden_size=512, intermediate_size=1408,
+        model_type="qwen2", vocab_size=4096, hidden_size=512, intermediate_size=1408,
         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
     ),
     "llama-test": dict(

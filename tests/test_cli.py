@@ -1,0 +1,40 @@
+"""The `syncwise` command as a user runs it: spawned local ranks, printed steps, metrics.jsonl."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from syncwise.metrics import read_jsonl
+
+
+def _run(args: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "syncwise", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_sft_job_on_two_local_ranks(tmp_path):
+    proc = _run(
+        ["sft", "sft.steps=3", "sft.batch_size=4", "model.preset=qwen2-test", f"sft.out_dir={tmp_path}/run"],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fsdp2 on 2 rank(s), sync.mode=deferred" in proc.stdout
+    assert "step   3/3 loss" in proc.stdout
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["train/step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["comm/reduce_scatter_count"] == row["comm/expected_reduce_scatter_count"] == 3
+        assert row["comm/all_gather_count"] == row["comm/expected_all_gather_count"] == 2 * 5
+        assert row["train/num_microbatches"] == 2
+    assert (tmp_path / "run" / "config.yaml").is_file()
+
+
+def test_config_error_exits_2_before_spawning(tmp_path):
+    proc = _run(["sft", "engine.strategy=fsdp3"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "config error: engine.strategy: 'fsdp3' is not one of fsdp2, fsdp1, ddp, none" in proc.stderr
+    assert "Traceback" not in proc.stderr

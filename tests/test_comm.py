@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from syncwise.comm import CollectiveCounter, count_collectives, expected_collectives
+
+
+def test_expected_counts_match_reference_measurements():
+    # REFERENCE.md: Qwen2 tiny, 5 FSDP units, 4 micro-batches: 36 all-gathers; 20 vs 5 reduce-scatters.
+    per_mb = expected_collectives("per_microbatch", 4, 5, engine_all_reduces=0)
+    deferred = expected_collectives("deferred", 4, 5, engine_all_reduces=0)
+    assert per_mb == {"all_gather": 36, "reduce_scatter": 20, "all_reduce": 0}
+    assert deferred == {"all_gather": 36, "reduce_scatter": 5, "all_reduce": 0}
+
+
+def test_expected_counts_variants():
+    assert expected_collectives("deferred", 8, 3, reshard_after_forward=False)["all_gather"] == 24
+    hsdp = expected_collectives("per_microbatch", 2, 3, hsdp=True, engine_all_reduces=3)
+    assert hsdp["all_reduce"] == 3 + 6
+    assert expected_collectives("deferred", 2, 3, hsdp=True)["all_reduce"] == 2 + 3
+    with pytest.raises(ValueError, match="mode 'lazy'"):
+        expected_collectives("lazy", 2, 3)
+    with pytest.raises(ValueError):
+        expected_collectives("deferred", 0, 3)
+
+
+def test_counter_patches_and_restores_torch_distributed():
+    original = dist.all_reduce
+    with count_collectives():
+        assert dist.all_reduce is not original
+        assert dist.all_reduce.__wrapped__ is original
+    assert dist.all_reduce is original
+
+
+def test_deprecated_alias_counted_once_with_full_buffer_bytes():
+    """all_gather_into_tensor calls all_gather_single through the module: one collective, not two."""
+    out, inp = torch.zeros(8), torch.zeros(4)
+    with count_collectives() as counts, pytest.raises((ValueError, RuntimeError)):
+        dist.all_gather_into_tensor(out, inp)  # no process group here: raises after being counted
+    assert counts.counts == {"all_gather": 1, "reduce_scatter": 0, "all_reduce": 0}
+    assert counts.bytes["all_gather"] == 8 * 4
+
+
+def test_nested_counters_both_count():
+    with CollectiveCounter() as outer:
+        with CollectiveCounter() as inner, pytest.raises((ValueError, RuntimeError)):
+            dist.reduce_scatter_single(output=torch.zeros(2), input=torch.zeros(4))
+        with pytest.raises((ValueError, RuntimeError)):
+            dist.all_reduce(torch.zeros(3))
+    assert inner.totals.counts["reduce_scatter"] == 1 and inner.totals.counts["all_reduce"] == 0
+    assert outer.totals.counts == {"all_gather": 0, "reduce_scatter": 1, "all_reduce": 1}
+    assert outer.totals.bytes["reduce_scatter"] == 16

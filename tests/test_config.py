@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+
+from syncwise.config import ConfigError, config_to_dict, load_config, load_config_dict
+
+
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert cfg.engine.strategy == "fsdp2"
+    assert cfg.sync.mode == "deferred"
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("engine:\n  strategy: fsdp1\n  micro_batch_size: 4\noptim:\n  lr: 3.0e-4\n")
+    cfg = load_config(path, ["optim.lr=1e-3", "sync.mode=per_microbatch", "optim.betas=[0.9, 0.95]"])
+    assert cfg.engine.strategy == "fsdp1"
+    assert cfg.engine.micro_batch_size == 4
+    assert cfg.optim.lr == pytest.approx(1e-3)  # "1e-3" is a string to YAML; coerced
+    assert cfg.optim.betas == (0.9, 0.95)
+    assert cfg.sync.mode == "per_microbatch"
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(None, ["model.path=/models/x", "engine.cpu_offload=true"])
+    assert load_config_dict(config_to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("engine.strategy=fsdp3", "engine.strategy: 'fsdp3' is not one of fsdp2, fsdp1, ddp, none"),
+        ("sync.mode=lazy", "sync.mode: 'lazy' is not one of per_microbatch, deferred"),
+        ("engine.stratgy=fsdp2", "unknown key 'engine.stratgy' (did you mean 'engine.strategy'?)"),
+        ("engin.strategy=fsdp2", "unknown key 'engin' (did you mean 'engine'?)"),
+        ("engine.micro_batch_size=two", "engine.micro_batch_size: expected an integer, got 'two'"),
+        ("engine.micro_batch_size=0", "engine.micro_batch_size: must be > 0, got 0"),
+        ("engine.cpu_offload=maybe", "engine.cpu_offload: expected true or false, got 'maybe'"),
+        ("optim.lr=fast", "optim.lr: expected a number, got 'fast'"),
+        ("optim.betas=0.9", "optim.betas: expected a list of 2 values, got 0.9"),
+        ("model.param_dtype=fp8", "model.param_dtype: 'fp8' is not one of float32, bfloat16, float16"),
+        ("sft.max_len=2", "sft.max_len: must be >= sft.min_len"),
+        ("engine", "override 'engine': expected section.key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+
+
+def test_impossible_combinations():
+    with pytest.raises(ConfigError, match="engine.hsdp_replicas=2 needs engine.strategy fsdp2 or fsdp1"):
+        load_config(None, ["engine.strategy=ddp", "engine.hsdp_replicas=2"])
+    with pytest.raises(ConfigError, match="mixed precision"):
+        load_config(None, ["engine.strategy=ddp", "model.param_dtype=bfloat16"])
+
+
+def test_missing_file_and_bad_top_level(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path)
