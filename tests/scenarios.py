@@ -234,8 +234,6 @@ def engine_suite(info) -> dict:
         "grads": sum(p.grad is not None for p in engine.model.parameters()),
         "flags_on": _sync_flags_all_on(engine),
         "loss": result.metrics["loss"],
-        "retained_grad_bytes": result.retained_grad_bytes,
-        "num_params": num_params,
     }
 
     # Bad input on rank 1 only: every rank raises, none hangs, and the engine still trains afterwards.
