@@ -8,7 +8,7 @@ from syncwise.config import ConfigError, config_to_dict, load_config, load_confi
 def test_defaults_are_valid():
     cfg = load_config()
     assert cfg.engine.strategy == "fsdp2"
-    assert cfg.sync.mode == "deferred"
+    assert cfg.sync.mode == "auto"
 
 
 def test_yaml_and_overrides(tmp_path):

@@ -33,7 +33,9 @@ class FakeFSDP2(FSDPModule, nn.Module):
         self.name = name
         self.log = log
         self.inner = inner if inner is not None else nn.Identity()
-        self.group = SimpleNamespace(reduce_grads=True, all_reduce_grads=True, fsdp_params=[])
+        self.group = SimpleNamespace(
+            reduce_grads=True, all_reduce_grads=True, fsdp_params=[], _partial_reduce_output=None
+        )
 
     def _apply(self, *args, **kwargs):  # FSDPModule._apply reshards real parameter groups
         return nn.Module._apply(self, *args, **kwargs)

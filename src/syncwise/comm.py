@@ -166,26 +166,40 @@ def expected_collectives(
     num_units: int,
     *,
     reshard_after_forward: bool = True,
+    unsharded_forward: bool = False,
     hsdp: bool = False,
     engine_all_reduces: int = 2,
 ) -> dict[str, int]:
-    """Collectives one engine step (FSDP1 or FSDP2) should issue.
+    """Collectives one engine step (FSDP1 or FSDP2, U units, N micro-batches) should issue.
 
-    Per micro-batch FSDP all-gathers every unit's parameters for forward, and again for backward each
-    unit that was resharded after forward (all but the root, whose parameters FSDP keeps unsharded until
-    backward): ``2U - 1`` all-gathers, or ``U`` when ``reshard_after_forward`` is off. A micro-batch
-    that syncs reduce-scatters each unit once (and, under HSDP, all-reduces it across replicas once).
-    ``per_microbatch`` syncs N micro-batches, ``deferred`` only the last. ``engine_all_reduces`` are the
-    engine's own: the global loss normaliser and the gradient norm.
+    All-gathers: each micro-batch gathers every unit for forward and, for backward, every unit that was
+    resharded after forward (all but the root, which FSDP keeps unsharded until backward): ``2U - 1``, or
+    ``U`` when ``reshard_after_forward`` is off. ``deferred_unsharded`` keeps parameters unsharded after
+    backward, so only the first forward gathers all U and each micro-batch's backward re-gathers the U - 1
+    resharded after forward: ``U + (U - 1) N``; with ``unsharded_forward`` (or ``reshard_after_forward``
+    off) just ``U``.
+
+    Reduce-scatters: U per micro-batch that syncs (every one for ``per_microbatch`` and
+    ``replica_deferred``, the last one otherwise). HSDP all-reduces across replicas: U per micro-batch
+    that syncs fully (only the last one for every mode but ``per_microbatch``). ``engine_all_reduces`` are
+    the engine's own (loss normaliser, gradient norm, metrics).
     """
     if num_microbatches < 1 or num_units < 1:
         raise ValueError("num_microbatches and num_units must be >= 1")
-    synced = {"per_microbatch": num_microbatches, "deferred": 1}
-    if mode not in synced:
-        raise ValueError(f"mode {mode!r} is not one of {', '.join(synced)}")
-    gathers_per_microbatch = 2 * num_units - 1 if reshard_after_forward else num_units
+    n, u = num_microbatches, num_units
+    modes = ("per_microbatch", "deferred", "deferred_unsharded", "replica_deferred")
+    if mode not in modes:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(modes)}")
+    if mode == "replica_deferred" and not hsdp:
+        raise ValueError("mode 'replica_deferred' needs HSDP (hsdp=True)")
+    if mode == "deferred_unsharded":
+        gathers = u if (unsharded_forward or not reshard_after_forward) else u + (u - 1) * n
+    else:
+        gathers = (2 * u - 1 if reshard_after_forward else u) * n
+    scatter_steps = n if mode in ("per_microbatch", "replica_deferred") else 1
+    replica_steps = n if mode == "per_microbatch" else 1
     return {
-        "all_gather": gathers_per_microbatch * num_microbatches,
-        "reduce_scatter": num_units * synced[mode],
-        "all_reduce": engine_all_reduces + (num_units * synced[mode] if hsdp else 0),
+        "all_gather": gathers,
+        "reduce_scatter": u * scatter_steps,
+        "all_reduce": engine_all_reduces + (u * replica_steps if hsdp else 0),
     }

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 STRATEGIES = ("fsdp2", "fsdp1", "ddp", "none")
-SYNC_MODES = ("per_microbatch", "deferred")
+SYNC_MODES = ("per_microbatch", "deferred", "deferred_unsharded", "replica_deferred", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "sgd")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -57,7 +57,15 @@ class EngineConfig:
 class SyncConfig:
     """When gradients are communicated across the micro-batches of one optimizer step."""
 
-    mode: str = "deferred"
+    mode: str = "auto"
+    # Bytes (> 1), a fraction of this rank's device memory ((0, 1]), or 0 for 90% of it. Used by auto.
+    memory_budget: float = 0.0
+    # deferred_unsharded: also keep parameters unsharded after forward (no backward all-gather at all).
+    unsharded_forward: bool = True
+    # auto on CPU: re-measure the true peak with the (slow) tracker every N steps; 0 = first step only.
+    auto_recheck_every: int = 50
+    # Raise instead of warning when the counted collectives differ from the mode's formula.
+    strict: bool = False
 
 
 @dataclass
@@ -111,6 +119,23 @@ class Config:
         _positive("engine.micro_batch_size", self.engine.micro_batch_size)
         _positive("engine.hsdp_replicas", self.engine.hsdp_replicas)
         _positive("dist.nproc", self.dist.nproc)
+        if self.sync.memory_budget < 0:
+            raise ConfigError(
+                f"sync.memory_budget: must be >= 0 (0 = 90% of the device), got {self.sync.memory_budget}"
+            )
+        if self.sync.auto_recheck_every < 0:
+            raise ConfigError(f"sync.auto_recheck_every: must be >= 0, got {self.sync.auto_recheck_every}")
+        hsdp = self.engine.hsdp_replicas > 1
+        if self.sync.mode == "replica_deferred" and not (self.engine.strategy == "fsdp2" and hsdp):
+            raise ConfigError(
+                "sync.mode='replica_deferred' defers only the cross-replica all-reduce: it needs "
+                "engine.strategy=fsdp2 with engine.hsdp_replicas > 1"
+            )
+        if self.sync.mode == "deferred_unsharded" and self.engine.strategy != "fsdp2":
+            raise ConfigError(
+                f"sync.mode='deferred_unsharded' needs engine.strategy=fsdp2 (set_reshard_after_backward), "
+                f"got {self.engine.strategy!r}; use deferred"
+            )
         _positive("dist.timeout_s", self.dist.timeout_s)
         _positive("optim.lr", self.optim.lr)
         _positive("sft.steps", self.sft.steps)

@@ -3,15 +3,18 @@
 Data flow of :meth:`Engine.train_batch` (one optimizer step on this rank's share of the batch)::
 
     zero grads -> split into micro-batches -> global normaliser (one all-reduce)
-    -> for each micro-batch: with gradient_sync(model, enabled=mode.syncs(i, n)): forward, loss, backward
+    -> for each micro-batch: with apply_policy(model, microbatch_policy(mode, i, n)): forward, loss, backward
     -> optimizer_step: grad norm (one all-reduce), clip, skip if non-finite, step
-    -> metrics (one all-reduce), including every collective counted during the step
+    -> metrics (one all-reduce; auto adds one for the agreed peak), every collective counted and checked
+       against the mode's formula
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +22,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .autosync import AutoSync
 from .batching import Batch, BatchError, MicroBatch, restore_order, split_fixed
 from .comm import CollectiveCounter, expected_collectives
 from .config import Config, OptimConfig
 from .distributed import DistInfo, build_mesh, init_distributed
 from .losses import LossFn, LossOutput, Normalizer, target_mask, token_log_probs
-from .memory import grad_bytes
+from .memory import PeakMeter, grad_bytes, resolve_budget, sharded_model_of, unsharded_param_bytes
 from .models import build_model
-from .sync import SyncMode, discard_unsynced_grads, fsdp2_units, gradient_sync
+from .sync import (
+    SyncMode,
+    apply_policy,
+    check_mode,
+    discard_unsynced_grads,
+    fsdp2_units,
+    microbatch_policy,
+    supported_modes,
+)
 from .wrap import WrappedModel, wrap_model
+
+
+class SyncNoOpError(RuntimeError):
+    """The collectives counted in a step differ from what the sync mode should issue (``sync.strict``)."""
 
 
 @dataclass
@@ -38,6 +54,7 @@ class ForwardBackwardResult:
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # per sample, original order
     num_microbatches: int = 0
     retained_grad_bytes: int = 0  # most gradient bytes held after any micro-batch's backward
+    unsharded_param_bytes: int = 0  # most all-gathered parameter bytes held after any backward
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -60,16 +77,31 @@ class Engine:
     def __init__(self, config: Config, model: nn.Module | None = None, info: DistInfo | None = None):
         self.config = config.validate()
         self.info = info or init_distributed(config.dist.backend, config.dist.timeout_s)
-        self.sync_mode = SyncMode(config.sync.mode)
+        self.sync_mode = SyncMode(config.sync.mode)  # as configured; may be AUTO
         raw = model if model is not None else build_model(config.model)
         mesh = None
         if config.engine.strategy in ("fsdp2", "fsdp1"):
             mesh = build_mesh(self.info, config.engine.hsdp_replicas)
+        hsdp = mesh is not None and mesh.ndim == 2
+        check_mode(self.sync_mode, config.engine.strategy, hsdp)
         self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh)
         self.model = self.wrapped.module
         self.optimizer = build_optimizer(self.model.parameters(), config.optim)
         self.step = 0
         self.skipped_steps = 0
+        self.memory_model = sharded_model_of(
+            self.wrapped.units, self.wrapped.shard_size, config.model.param_dtype, config.model.reduce_dtype
+        )
+        self.auto: AutoSync | None = None
+        self.active_mode = self.sync_mode  # the concrete mode the next step runs
+        if self.sync_mode is SyncMode.AUTO:
+            budget = resolve_budget(
+                config.sync.memory_budget, self.info.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            )
+            self.auto = AutoSync(self.memory_model, supported_modes(self.wrapped.strategy, hsdp), budget)
+            self.active_mode = SyncMode.PER_MICROBATCH  # the safe mode measures the first step
+        self._warned_mismatch = False
+        self._peak_meter: PeakMeter | None = None
 
     # ----------------------------------------------------------------------------------------------
     # forward / backward
@@ -79,10 +111,11 @@ class Engine:
     ) -> ForwardBackwardResult:
         """Run every micro-batch of ``batch`` forward (and backward unless ``forward_only``).
 
-        Gradients accumulate into ``.grad``; with ``sync.mode=deferred`` they are communicated only by the
-        last micro-batch. Forward-only passes (log-probs, evaluation) run under ``no_grad`` and never
-        touch the sync state. Returns summed loss metrics and per-sample outputs in the original order:
-        always ``log_probs`` [B, T-1] when ``forward_only``, plus whatever the loss function returns.
+        Gradients accumulate into ``.grad``; each micro-batch runs with the FSDP switches of the active
+        sync mode (``deferred``: only the last micro-batch communicates). Forward-only passes (log-probs,
+        evaluation) run under ``no_grad`` and never touch the sync state. Returns summed loss metrics and
+        per-sample outputs in the original order: always ``log_probs`` [B, T-1] when ``forward_only``,
+        plus whatever the loss function returns.
         """
         if not forward_only and loss_fn is None:
             raise ValueError("forward_backward_batch: a loss_fn is needed unless forward_only=True")
@@ -92,17 +125,22 @@ class Engine:
         totals: dict[str, torch.Tensor] = {}
         chunks: dict[str, list[torch.Tensor]] = {}
         n = len(micro_batches)
-        retained = 0
+        retained = unsharded = 0
+        mode = self.active_mode
+        unsharded_forward = self.config.sync.unsharded_forward
         try:
             for i, mb in enumerate(micro_batches):
+                if self._peak_meter is not None:
+                    self._peak_meter.before_microbatch()
                 if forward_only:
                     with torch.no_grad():
                         result = self._forward(mb.data, loss_fn, norm, with_log_probs=True)
                 else:
-                    with gradient_sync(self.model, enabled=self.sync_mode.syncs(i, n)):
+                    with apply_policy(self.model, microbatch_policy(mode, i, n, unsharded_forward)):
                         result = self._forward(mb.data, loss_fn, norm, with_log_probs=False)
                         result.loss.backward()
                     retained = max(retained, grad_bytes(self.model))
+                    unsharded = max(unsharded, unsharded_param_bytes(self.model))
                 for key, value in result.metrics.items():
                     totals[key] = totals.get(key, 0.0) + value.detach().float()
                 for key, value in result.outputs.items():
@@ -116,6 +154,7 @@ class Engine:
             outputs=outputs,
             num_microbatches=n,
             retained_grad_bytes=retained,
+            unsharded_param_bytes=unsharded,
         )
 
     def _forward(
@@ -218,16 +257,31 @@ class Engine:
     def train_batch(self, batch: Batch, loss_fn: LossFn) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns metrics reduced over ranks (same dict on every rank).
 
-        ``comm/*`` count every collective of the step (forward, backward, normaliser, grad norm and
-        this metrics reduction); ``comm/expected_*`` give the formula's count for the mode, to compare.
+        ``comm/*`` count every collective of the step (forward, backward, normaliser, grad norm and the
+        metrics reduction); ``comm/expected_*`` give the formula's count for the mode. A mismatch -- the
+        sync switches silently did nothing -- warns once, or raises :class:`SyncNoOpError` with
+        ``sync.strict``. Under ``sync.mode=auto`` the step also measures memory and may change the mode
+        of the steps that follow (``sync/decision`` says why).
         """
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         skipped_before = self.skipped_steps
+        mode = self.active_mode
+        meter = self._meter_for_step()
         with CollectiveCounter() as counter:
-            result = self.forward_backward_batch(batch, loss_fn)
-            grad_norm = self.optimizer_step()
+            self._peak_meter = meter
+            try:
+                if meter is not None:
+                    with meter:
+                        result = self.forward_backward_batch(batch, loss_fn)
+                        grad_norm = self.optimizer_step()
+                else:
+                    result = self.forward_backward_batch(batch, loss_fn)
+                    grad_norm = self.optimizer_step()
+            finally:
+                self._peak_meter = None
             metrics = self._reduce_metrics(result.metrics)
+            memory = self._memory_metrics(result, meter)
         elapsed = time.perf_counter() - start
         metrics.update(
             {
@@ -236,15 +290,77 @@ class Engine:
                 "train/skipped": self.skipped_steps - skipped_before,
                 "train/num_microbatches": result.num_microbatches,
                 "train/step_time_s": elapsed,
-                "memory/retained_grad_bytes": result.retained_grad_bytes,
-                "sync/mode": self.sync_mode.value,
+                "sync/mode": mode.value,
+                **memory,
             }
         )
         metrics.update(counter.totals.as_metrics())
-        expected = self.expected_collectives(result.num_microbatches)
+        expected = self.expected_collectives(result.num_microbatches, mode)
         if expected is not None:
             metrics.update({f"comm/expected_{kind}_count": count for kind, count in expected.items()})
+            self._check_collectives(counter.totals.counts, expected, mode)
+        if self.auto is not None:
+            metrics["sync/decision"] = self._auto_after_step(memory, mode, result.num_microbatches)
+            metrics["sync/next_mode"] = self.active_mode.value
         return metrics
+
+    def _meter_for_step(self) -> PeakMeter | None:
+        """A peak meter when auto needs a true peak: always on CUDA (cheap); on CPU the first step and
+        every ``sync.auto_recheck_every`` steps (the tracker is slow)."""
+        if self.auto is None:
+            return None
+        every = self.config.sync.auto_recheck_every
+        due = not self.auto.decided or (every > 0 and self.step % every == 0)
+        if self.info.device.type == "cuda" or due:
+            return PeakMeter(self.model, self.optimizer, self.info.device)
+        return None
+
+    def _memory_metrics(self, result: ForwardBackwardResult, meter: PeakMeter | None) -> dict[str, Any]:
+        """Memory of the step; under auto the peak is agreed (max over ranks) so every rank decides alike."""
+        memory: dict[str, Any] = {
+            "memory/retained_grad_bytes": result.retained_grad_bytes,
+            "memory/unsharded_param_bytes": result.unsharded_param_bytes,
+        }
+        if self.auto is None:
+            return memory
+        if meter is not None:
+            peak, measured = meter.peak, 1
+        else:  # CPU between tracked steps: the measured base plus the sync bytes measured from tensors
+            baseline = self.memory_model.retained_grad_bytes(SyncMode.PER_MICROBATCH, result.num_microbatches)
+            extra = max(0, result.retained_grad_bytes - baseline) + result.unsharded_param_bytes
+            peak, measured = self.auto.base_peak + extra, 0
+        agreed = torch.tensor([float(peak)], dtype=torch.float64, device=self.info.device)
+        if dist.is_initialized():
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        memory.update(
+            {"memory/peak_bytes": int(agreed.item()), "memory/peak_measured": measured,
+             "memory/budget_bytes": self.auto.budget}
+        )
+        return memory
+
+    def _auto_after_step(self, memory: dict[str, Any], mode: SyncMode, num_microbatches: int) -> str:
+        peak = memory["memory/peak_bytes"]
+        decisions = len(self.auto.decisions)
+        if not self.auto.decided:
+            self.active_mode = self.auto.decide(peak, mode, num_microbatches)
+        else:
+            self.active_mode = self.auto.observe(peak, num_microbatches)
+        if len(self.auto.decisions) > decisions and self.info.is_main:
+            print(f"syncwise: {self.auto.decisions[-1]}", flush=True)
+        return self.auto.decisions[-1] if len(self.auto.decisions) > decisions else ""
+
+    def _check_collectives(self, counted: dict[str, int], expected: dict[str, int], mode: SyncMode) -> None:
+        if counted == expected:
+            return
+        message = (
+            f"sync.mode={mode.value}: counted collectives {counted} differ from the expected {expected}; "
+            "the sync switches may be doing nothing (see docs/perf_tuning.md)"
+        )
+        if self.config.sync.strict:
+            raise SyncNoOpError(message)
+        if not self._warned_mismatch:
+            self._warned_mismatch = True
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def _reduce_metrics(self, local: dict[str, float]) -> dict[str, float]:
         """Sum loss metrics over DP ranks in one all-reduce (keys sorted so every rank packs alike)."""
@@ -256,17 +372,20 @@ class Engine:
             dist.all_reduce(values)
         return dict(zip(keys, values.cpu().tolist(), strict=True))
 
-    def expected_collectives(self, num_microbatches: int) -> dict[str, int] | None:
-        """The collective counts one ``train_batch`` should produce (FSDP strategies), else None."""
+    def expected_collectives(self, num_microbatches: int, mode: SyncMode | None = None) -> dict[str, int] | None:
+        """The collective counts one ``train_batch`` in ``mode`` (default: the active one) should produce
+        (FSDP strategies), else None."""
         if self.wrapped.strategy not in ("fsdp2", "fsdp1"):
             return None
         return expected_collectives(
-            self.sync_mode.value,
+            (mode or self.active_mode).value,
             num_microbatches,
             self.wrapped.num_units,
             reshard_after_forward=self.config.engine.reshard_after_forward,
-            hsdp=self.wrapped.mesh is not None and self.wrapped.mesh.ndim == 2,
-            engine_all_reduces=3,  # normaliser, grad norm, metrics
+            unsharded_forward=self.config.sync.unsharded_forward,
+            hsdp=self.wrapped.hsdp,
+            # normaliser, grad norm, metrics; auto agrees on the peak in one more
+            engine_all_reduces=3 + (self.auto is not None),
         )
 
     # ----------------------------------------------------------------------------------------------

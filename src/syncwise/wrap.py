@@ -6,7 +6,7 @@ embeddings, final norm and LM head. The unit count is what the expected-collecti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,18 @@ class WrappedModel:
     num_units: int  # FSDP units with parameters (0 for DDP / plain)
     dp_size: int  # ranks over which gradients are averaged
     mesh: DeviceMesh | None
+    units: list[nn.Module] = field(default_factory=list)  # FSDP units (root first); [model] otherwise
+
+    @property
+    def hsdp(self) -> bool:
+        return self.mesh is not None and self.mesh.ndim == 2
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks each parameter is sharded over (1 when parameters are replicated)."""
+        if self.strategy not in ("fsdp2", "fsdp1") or self.mesh is None:
+            return 1
+        return self.mesh.size(self.mesh.ndim - 1)
 
 
 def wrap_model(
@@ -55,21 +67,21 @@ def wrap_model(
                 f"engine.strategy='none' trains a single process, but the world size is {world_size}; "
                 "use fsdp2, fsdp1 or ddp"
             )
-        return WrappedModel(model.to(device), strategy, num_units=0, dp_size=1, mesh=None)
+        return WrappedModel(model.to(device), strategy, num_units=0, dp_size=1, mesh=None, units=[model])
     if not dist.is_initialized():
         raise ValueError(f"engine.strategy={strategy!r} needs a process group (run under the launcher)")
     if strategy == "fsdp2":
         module = _wrap_fsdp2(model, engine_cfg, model_cfg, device, mesh)
-        units = sum(1 for m in module.modules() if isinstance(m, FSDPModule) and _has_fsdp2_params(m))
+        units = [m for m in module.modules() if isinstance(m, FSDPModule) and _has_fsdp2_params(m)]
     elif strategy == "fsdp1":
         module = _wrap_fsdp1(model, engine_cfg, model_cfg, device, mesh)
-        units = len(FSDP1.fsdp_modules(module))
+        units = list(FSDP1.fsdp_modules(module))
     elif strategy == "ddp":
         module = _wrap_ddp(model, engine_cfg, device)
-        units = 0
+        return WrappedModel(module, strategy, num_units=0, dp_size=world_size, mesh=mesh, units=[module])
     else:
         raise ValueError(f"engine.strategy: {strategy!r} is not one of fsdp2, fsdp1, ddp, none")
-    return WrappedModel(module, strategy, num_units=units, dp_size=world_size, mesh=mesh)
+    return WrappedModel(module, strategy, num_units=len(units), dp_size=world_size, mesh=mesh, units=units)
 
 
 def _has_fsdp2_params(unit: FSDPModule) -> bool:
@@ -99,6 +111,9 @@ def _wrap_fsdp2(
     if engine_cfg.reshard_after_forward:
         del root_kwargs["reshard_after_forward"]
     fully_shard(model, **root_kwargs)
+    # Resolve the root now rather than at the first forward: the sync modes save and restore reshard
+    # flags, and the root's own (kept unsharded after forward) is only set by this initialisation.
+    model._get_fsdp_state()._lazy_init()
     return model
 
 

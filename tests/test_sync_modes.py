@@ -1,0 +1,146 @@
+"""Every sync mode on real gloo ranks: gradients equal per_microbatch, collectives equal the formula,
+held bytes equal the estimator (measured by FSDPMemTracker), state restored after an exception, and
+`auto` choosing and stepping down by memory. FSDP2 at W=2; HSDP on a 2x2 mesh at W=4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from scenarios_modes import FSDP2_MODES, HSDP_MODES, NUM_MICROBATCHES, hsdp_suite, modes_suite
+from syncwise.comm import expected_collectives
+
+UNITS = 3  # qwen2-test: two decoder layers + root
+
+
+@pytest.fixture(scope="module")
+def w2():
+    return run_distributed(modes_suite, 2)[0]
+
+
+@pytest.fixture(scope="module")
+def w4():
+    return run_distributed(hsdp_suite, 4)[0]
+
+
+def _close(a: dict, b: dict, atol: float) -> None:
+    for name in a:
+        assert torch.allclose(a[name].float(), b[name].float(), atol=atol, rtol=0), name
+
+
+@pytest.mark.parametrize("name", list(FSDP2_MODES))
+def test_fsdp2_mode_gradients_and_update_match_per_microbatch(w2, name):
+    reference = w2[("step", "per_microbatch_bf16" if name.endswith("bf16") else "per_microbatch")]
+    atol = 1e-5 if name.endswith("bf16") else 1e-6
+    _close(w2[("step", name)]["grads"], reference["grads"], atol)
+    _close(w2[("step", name)]["params"], reference["params"], atol)
+
+
+@pytest.mark.parametrize("mode", HSDP_MODES)
+def test_hsdp_mode_gradients_and_update_match_per_microbatch(w4, mode):
+    _close(w4[("step", mode)]["grads"], w4[("step", "per_microbatch")]["grads"], 1e-6)
+    _close(w4[("step", mode)]["params"], w4[("step", "per_microbatch")]["params"], 1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "all_gathers", "reduce_scatters"),
+    [
+        ("per_microbatch", 3 * (2 * UNITS - 1), 3 * UNITS),
+        ("deferred", 3 * (2 * UNITS - 1), UNITS),
+        ("deferred_unsharded", UNITS, UNITS),  # gathered once, kept through forward and backward
+        ("deferred_unsharded_reshard_fwd", UNITS + 3 * (UNITS - 1), UNITS),
+    ],
+)
+def test_fsdp2_collectives_exact(w2, name, all_gathers, reduce_scatters):
+    m = w2[("step", name)]["metrics"]
+    assert (m["comm/all_gather_count"], m["comm/reduce_scatter_count"], m["comm/all_reduce_count"]) == (
+        all_gathers, reduce_scatters, 3,
+    )
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert m[f"comm/{kind}_count"] == m[f"comm/expected_{kind}_count"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "reduce_scatters", "replica_all_reduces"),
+    [
+        ("per_microbatch", 3 * UNITS, 3 * UNITS),
+        ("deferred", UNITS, UNITS),
+        ("deferred_unsharded", UNITS, UNITS),
+        ("replica_deferred", 3 * UNITS, UNITS),  # shard-group reduce-scatter every time, replicas once
+    ],
+)
+def test_hsdp_collectives_exact(w4, mode, reduce_scatters, replica_all_reduces):
+    m = w4[("step", mode)]["metrics"]
+    assert m["comm/reduce_scatter_count"] == reduce_scatters
+    assert m["comm/all_reduce_count"] == 3 + replica_all_reduces
+    expected = expected_collectives(
+        mode, NUM_MICROBATCHES, UNITS, hsdp=True, unsharded_forward=True, engine_all_reduces=3
+    )
+    assert {k: m[f"comm/{k}_count"] for k in expected} == expected
+
+
+def _assert_estimate(result: dict, baseline: dict) -> None:
+    assert result["retained_grad_bytes"] == result["predicted_retained"]
+    assert result["unsharded_param_bytes"] == result["predicted_unsharded"]
+    held_extra = result["held_between_microbatches"] - baseline["held_between_microbatches"]
+    assert held_extra == pytest.approx(result["predicted_extra"], rel=0.05, abs=64)
+
+
+@pytest.mark.parametrize("name", list(FSDP2_MODES))
+def test_fsdp2_estimator_matches_tracker_within_5_percent(w2, name):
+    baseline = w2[("step", "per_microbatch_bf16" if name.endswith("bf16") else "per_microbatch")]
+    _assert_estimate(w2[("step", name)], baseline)
+
+
+@pytest.mark.parametrize("mode", HSDP_MODES)
+def test_hsdp_estimator_matches_tracker_within_5_percent(w4, mode):
+    _assert_estimate(w4[("step", mode)], w4[("step", "per_microbatch")])
+
+
+def test_deferral_extra_is_the_unsharded_fp32_gradient(w2):
+    """deferred holds 4 bytes x every parameter instead of a 1/W shard: +4P(1 - 1/W) at W=2."""
+    params = 427_136
+    assert w2[("step", "deferred")]["predicted_extra"] == 4 * params // 2
+    assert w2[("step", "deferred_unsharded")]["predicted_extra"] == 4 * params // 2 + 4 * params
+    assert w2[("step", "deferred_unsharded_bf16")]["predicted_extra"] == 4 * params // 2 + 2 * params
+
+
+@pytest.mark.parametrize("name", list(FSDP2_MODES))
+def test_flags_restored_after_each_microbatch(w2, name):
+    assert w2[("step", name)]["flags_restored"]
+
+
+def test_state_restored_after_exception_in_every_mode(w2, w4):
+    cases = [v for k, v in w2.items() if k[0] == "recovery"] + [w4[("recovery", "replica_deferred")]]
+    assert len(cases) == 4
+    for case in cases:
+        assert case["error"] == "injected failure in micro-batch 2"
+        assert case["flags_restored"], "sync and reshard flags are back"
+        assert case["max_param_diff"] < 1e-6
+        assert case["faulty_metrics"]["loss"] == pytest.approx(case["clean_metrics"]["loss"], abs=1e-6)
+
+
+def test_auto_picks_by_budget(w2):
+    base, medium, tight = w2["auto_budgets"]
+    assert tight < medium
+    picks = {b: [m["sync/mode"] for m in w2[("auto", b)]] for b in ("ample", "medium", "tight")}
+    assert picks == {
+        "ample": ["per_microbatch", "deferred_unsharded", "deferred_unsharded"],
+        "medium": ["per_microbatch", "deferred", "deferred"],
+        "tight": ["per_microbatch"] * 3,
+    }
+    decision = w2[("auto", "medium")][0]["sync/decision"]
+    assert "deferred_unsharded needs +2.44 MiB" in decision and "=> deferred" in decision
+    for step in w2[("auto", "medium")]:
+        assert step["memory/peak_bytes"] <= step["memory/budget_bytes"]
+        assert step["comm/reduce_scatter_count"] == step["comm/expected_reduce_scatter_count"]
+
+
+def test_auto_steps_down_when_a_measured_peak_exceeds_the_budget(w2):
+    steps = w2[("auto", "step_down")]
+    assert [m["sync/mode"] for m in steps] == ["per_microbatch", "deferred", "deferred", "per_microbatch"]
+    over = steps[2]
+    assert over["memory/peak_bytes"] > over["memory/budget_bytes"] and over["memory/peak_measured"] == 1
+    assert "stepping down" in over["sync/decision"] and over["sync/next_mode"] == "per_microbatch"
+    assert all(m["train/skipped"] == 0 for m in steps)
