@@ -108,7 +108,7 @@ def modes_suite(info) -> dict:
     short = make_batch(seed=300 + info.rank)
     long = make_batch(seed=400 + info.rank, size=6, seq_len=128)
     out[("auto", "step_down")] = auto_case(
-        info, medium, "sync.auto_recheck_every=1", batches=[short, short, long, short]
+        info, medium, "sync.peak_every=1", batches=[short, short, long, short]
     )
     return out
 

@@ -4,7 +4,7 @@ The first step runs in the safe mode (``per_microbatch``) and measures its peak.
 peak is that measured base plus the bytes the mode holds beyond ``per_microbatch`` (the estimator in
 :mod:`syncwise.memory`); the fastest that fits is chosen, and the decision is logged with its numbers.
 Later steps keep measuring (CUDA: the allocator's peak, every step; CPU: a full tracked step every
-``sync.auto_recheck_every`` steps, else the base plus the sync bytes measured from the tensors); if a
+``sync.peak_every`` steps, else the base plus the sync bytes measured from the tensors); if a
 peak exceeds the budget, auto steps down to the next cheaper mode that fits -- never back up.
 """
 

@@ -168,7 +168,7 @@ def expected_collectives(
     reshard_after_forward: bool = True,
     unsharded_forward: bool = False,
     hsdp: bool = False,
-    engine_all_reduces: int = 2,
+    engine_all_reduces: int = 4,
 ) -> dict[str, int]:
     """Collectives one engine step (FSDP1 or FSDP2, U units, N micro-batches) should issue.
 
@@ -182,7 +182,7 @@ def expected_collectives(
     Reduce-scatters: U per micro-batch that syncs (every one for ``per_microbatch`` and
     ``replica_deferred``, the last one otherwise). HSDP all-reduces across replicas: U per micro-batch
     that syncs fully (only the last one for every mode but ``per_microbatch``). ``engine_all_reduces`` are
-    the engine's own (loss normaliser, gradient norm, metrics).
+    the engine's own (loss normaliser, gradient norm, metrics, agreed memory peak).
     """
     if num_microbatches < 1 or num_units < 1:
         raise ValueError("num_microbatches and num_units must be >= 1")

@@ -62,8 +62,9 @@ class SyncConfig:
     memory_budget: float = 0.0
     # deferred_unsharded: also keep parameters unsharded after forward (no backward all-gather at all).
     unsharded_forward: bool = True
-    # auto on CPU: re-measure the true peak with the (slow) tracker every N steps; 0 = first step only.
-    auto_recheck_every: int = 50
+    # CPU: measure the true peak with the (slow) tensor tracker on the first step and every N steps
+    # (0 = first only); in between it is estimated. CUDA measures every step.
+    peak_every: int = 50
     # Raise instead of warning when the counted collectives differ from the mode's formula.
     strict: bool = False
 
@@ -123,8 +124,8 @@ class Config:
             raise ConfigError(
                 f"sync.memory_budget: must be >= 0 (0 = 90% of the device), got {self.sync.memory_budget}"
             )
-        if self.sync.auto_recheck_every < 0:
-            raise ConfigError(f"sync.auto_recheck_every: must be >= 0, got {self.sync.auto_recheck_every}")
+        if self.sync.peak_every < 0:
+            raise ConfigError(f"sync.peak_every: must be >= 0, got {self.sync.peak_every}")
         hsdp = self.engine.hsdp_replicas > 1
         if self.sync.mode == "replica_deferred" and not (self.engine.strategy == "fsdp2" and hsdp):
             raise ConfigError(

@@ -5,8 +5,8 @@ Data flow of :meth:`Engine.train_batch` (one optimizer step on this rank's share
     zero grads -> split into micro-batches -> global normaliser (one all-reduce)
     -> for each micro-batch: with apply_policy(model, microbatch_policy(mode, i, n)): forward, loss, backward
     -> optimizer_step: grad norm (one all-reduce), clip, skip if non-finite, step
-    -> metrics (one all-reduce; auto adds one for the agreed peak), every collective counted and checked
-       against the mode's formula
+    -> metrics (one all-reduce) and the memory peak (one all-reduce, max), every collective counted and
+       checked against the mode's formula
 """
 
 from __future__ import annotations
@@ -94,7 +94,13 @@ class Engine:
         )
         self.auto: AutoSync | None = None
         self.active_mode = self.sync_mode  # the concrete mode the next step runs
+        self.peak_measurable = PeakMeter.supported(self.model, self.info.device)
         if self.sync_mode is SyncMode.AUTO:
+            if not self.peak_measurable:
+                raise ValueError(
+                    "sync.mode=auto decides from a measured memory peak, which is not available for "
+                    "engine.strategy=fsdp1 on CPU; choose sync.mode=deferred or per_microbatch"
+                )
             budget = resolve_budget(
                 config.sync.memory_budget, self.info.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             )
@@ -102,6 +108,7 @@ class Engine:
             self.active_mode = SyncMode.PER_MICROBATCH  # the safe mode measures the first step
         self._warned_mismatch = False
         self._peak_meter: PeakMeter | None = None
+        self._base_peak: int | None = None  # measured peak minus the mode's held extra (per_microbatch's)
 
     # ----------------------------------------------------------------------------------------------
     # forward / backward
@@ -281,7 +288,7 @@ class Engine:
             finally:
                 self._peak_meter = None
             metrics = self._reduce_metrics(result.metrics)
-            memory = self._memory_metrics(result, meter)
+            memory = self._memory_metrics(result, meter, mode)
         elapsed = time.perf_counter() - start
         metrics.update(
             {
@@ -305,37 +312,45 @@ class Engine:
         return metrics
 
     def _meter_for_step(self) -> PeakMeter | None:
-        """A peak meter when auto needs a true peak: always on CUDA (cheap); on CPU the first step and
-        every ``sync.auto_recheck_every`` steps (the tracker is slow)."""
-        if self.auto is None:
+        """A peak meter when a true peak is due: every step on CUDA (the allocator's counter is free); on
+        CPU the first step and then every ``sync.peak_every`` steps (the tracker sees every op: slow)."""
+        if not self.peak_measurable:
             return None
-        every = self.config.sync.auto_recheck_every
-        due = not self.auto.decided or (every > 0 and self.step % every == 0)
+        every = self.config.sync.peak_every
+        due = self._base_peak is None or (every > 0 and self.step % every == 0)
         if self.info.device.type == "cuda" or due:
             return PeakMeter(self.model, self.optimizer, self.info.device)
         return None
 
-    def _memory_metrics(self, result: ForwardBackwardResult, meter: PeakMeter | None) -> dict[str, Any]:
-        """Memory of the step; under auto the peak is agreed (max over ranks) so every rank decides alike."""
+    def _memory_metrics(
+        self, result: ForwardBackwardResult, meter: PeakMeter | None, mode: SyncMode
+    ) -> dict[str, Any]:
+        """Memory of the step. The peak is measured (``memory/peak_measured`` = 1) or, on CPU between
+        measured steps, the last measured base plus the sync bytes measured from the tensors this step.
+        It is agreed over ranks (max) so that ``auto`` decides the same on every rank. (No peak for FSDP1
+        on CPU, where the tracker cannot follow its flat-parameter views.)"""
         memory: dict[str, Any] = {
             "memory/retained_grad_bytes": result.retained_grad_bytes,
             "memory/unsharded_param_bytes": result.unsharded_param_bytes,
         }
-        if self.auto is None:
+        if not self.peak_measurable:
             return memory
+        n = result.num_microbatches
+        baseline = self.memory_model.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)
+        held_extra = max(0, result.retained_grad_bytes - baseline) + result.unsharded_param_bytes
         if meter is not None:
             peak, measured = meter.peak, 1
-        else:  # CPU between tracked steps: the measured base plus the sync bytes measured from tensors
-            baseline = self.memory_model.retained_grad_bytes(SyncMode.PER_MICROBATCH, result.num_microbatches)
-            extra = max(0, result.retained_grad_bytes - baseline) + result.unsharded_param_bytes
-            peak, measured = self.auto.base_peak + extra, 0
+        else:
+            peak, measured = self._base_peak + held_extra, 0
         agreed = torch.tensor([float(peak)], dtype=torch.float64, device=self.info.device)
         if dist.is_initialized():
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        memory.update(
-            {"memory/peak_bytes": int(agreed.item()), "memory/peak_measured": measured,
-             "memory/budget_bytes": self.auto.budget}
-        )
+        peak = int(agreed.item())
+        if measured:
+            self._base_peak = peak - self.memory_model.extra_bytes(mode, n)
+        memory.update({"memory/peak_bytes": peak, "memory/peak_measured": measured})
+        if self.auto is not None:
+            memory["memory/budget_bytes"] = self.auto.budget
         return memory
 
     def _auto_after_step(self, memory: dict[str, Any], mode: SyncMode, num_microbatches: int) -> str:
@@ -384,8 +399,8 @@ class Engine:
             reshard_after_forward=self.config.engine.reshard_after_forward,
             unsharded_forward=self.config.sync.unsharded_forward,
             hsdp=self.wrapped.hsdp,
-            # normaliser, grad norm, metrics; auto agrees on the peak in one more
-            engine_all_reduces=3 + (self.auto is not None),
+            # loss normaliser, grad norm, metrics, and the agreed memory peak where one is measured
+            engine_all_reduces=3 + self.peak_measurable,
         )
 
     # ----------------------------------------------------------------------------------------------

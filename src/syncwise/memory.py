@@ -164,10 +164,16 @@ class PeakMeter:
     block (it sees every op), so the engine uses it for one step at a time."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+        if not self.supported(model, device):
+            raise ValueError("no peak-memory meter for FSDP1 on CPU (its flat-parameter views defeat the tracker)")
         self.model, self.optimizer, self.device = model, optimizer, device
         self._tracker = None
         self.peak = 0
         self.held_between_microbatches = 0  # most memory in use between two micro-batches (CPU tracker)
+
+    @staticmethod
+    def supported(model: nn.Module, device: torch.device) -> bool:
+        return device.type == "cuda" or not FSDP1.fsdp_modules(model)
 
     def __enter__(self) -> PeakMeter:
         if self.device.type == "cuda":
