@@ -110,6 +110,7 @@ def modes_suite(info) -> dict:
     out[("auto", "step_down")] = auto_case(
         info, medium, "sync.peak_every=1", batches=[short, short, long, short]
     )
+    out["silent_noop"] = silent_noop(info)
     return out
 
 
@@ -123,3 +124,33 @@ def hsdp_suite(info) -> dict:
     out[("recovery", "replica_deferred")] = recovery(info, "replica_deferred", "engine.hsdp_replicas=2")
     return out
 
+
+
+def silent_noop(info) -> dict:
+    """A sync switch that silently does nothing (the commonest deferral bug): detected by counting."""
+    import contextlib
+    import warnings
+
+    import syncwise.engine as engine_module
+    from syncwise.engine import SyncNoOpError
+
+    out = {}
+    real = engine_module.apply_policy
+    engine_module.apply_policy = lambda module, policy: contextlib.nullcontext()
+    try:
+        cfg = engine_config("fsdp2", "deferred")
+        engine = Engine(cfg, build_model(cfg.model), info)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.train_batch(make_batch(seed=1), sft_loss)
+            engine.train_batch(make_batch(seed=2), sft_loss)
+        out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        strict = Engine(engine_config("fsdp2", "deferred", "sync.strict=true"), build_model(cfg.model), info)
+        try:
+            strict.train_batch(make_batch(seed=1), sft_loss)
+            out["strict_error"] = None
+        except SyncNoOpError as exc:
+            out["strict_error"] = str(exc)
+    finally:
+        engine_module.apply_policy = real
+    return out

@@ -52,3 +52,39 @@ def test_nested_counters_both_count():
     assert inner.totals.counts["reduce_scatter"] == 1 and inner.totals.counts["all_reduce"] == 0
     assert outer.totals.counts == {"all_gather": 0, "reduce_scatter": 1, "all_reduce": 1}
     assert outer.totals.bytes["reduce_scatter"] == 16
+
+
+def _closed_form(mode, n, u, raf, uf, hsdp):
+    if mode == "deferred_unsharded":
+        gathers = u if (uf or not raf) else u + (u - 1) * n
+    else:
+        gathers = (2 * u - 1 if raf else u) * n
+    scatters = u * n if mode in ("per_microbatch", "replica_deferred") else u
+    replica = (u * n if mode == "per_microbatch" else u) if hsdp else 0
+    return {"all_gather": gathers, "reduce_scatter": scatters, "all_reduce": replica}
+
+
+@pytest.mark.parametrize("mode", ["per_microbatch", "deferred", "deferred_unsharded", "replica_deferred"])
+def test_schedule_simulation_equals_closed_form(mode):
+    for n in range(1, 6):
+        for u in range(1, 7):
+            for raf in (True, False):
+                for uf in (True, False):
+                    for hsdp in (True, False):
+                        if mode == "replica_deferred" and not hsdp:
+                            continue
+                        got = expected_collectives(
+                            mode, n, u, reshard_after_forward=raf, unsharded_forward=uf, hsdp=hsdp,
+                            engine_all_reduces=0,
+                        )
+                        assert got == _closed_form(mode, n, u, raf, uf, hsdp), (mode, n, u, raf, uf, hsdp)
+
+
+def test_step_traffic_bytes():
+    from syncwise.comm import UnitTraffic, step_traffic
+
+    units = [UnitTraffic(100, 400, 200), UnitTraffic(10, 40, 20), UnitTraffic(10, 40, 20)]
+    deferred = step_traffic("deferred", 4, units, hsdp=True)
+    assert deferred.bytes == {"all_gather": 4 * (120 + 20), "reduce_scatter": 480, "all_reduce": 240}
+    per_mb = step_traffic("per_microbatch", 4, units)
+    assert per_mb.bytes == {"all_gather": 4 * 140, "reduce_scatter": 4 * 480, "all_reduce": 0}

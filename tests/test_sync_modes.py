@@ -144,3 +144,35 @@ def test_auto_steps_down_when_a_measured_peak_exceeds_the_budget(w2):
     assert over["memory/peak_bytes"] > over["memory/budget_bytes"] and over["memory/peak_measured"] == 1
     assert "stepping down" in over["sync/decision"] and over["sync/next_mode"] == "per_microbatch"
     assert all(m["train/skipped"] == 0 for m in steps)
+
+
+def test_silent_noop_is_detected_by_counting(w2):
+    r = w2["silent_noop"]
+    assert len(r["warnings"]) == 1, "warned once, not every step"
+    assert "sync.mode=deferred: counted collectives" in r["warnings"][0]
+    assert "'reduce_scatter': 9" in r["warnings"][0] and "'reduce_scatter': 3" in r["warnings"][0]
+    assert r["strict_error"] is not None and "differ from the expected" in r["strict_error"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["engine.strategy=fsdp1", "sync.mode=deferred_unsharded"], "needs engine.strategy=fsdp2"),
+        (["engine.strategy=ddp", "sync.mode=deferred_unsharded"], "needs engine.strategy=fsdp2"),
+        (["engine.strategy=fsdp2", "sync.mode=replica_deferred"], "engine.hsdp_replicas > 1"),
+        (["engine.strategy=fsdp1", "engine.hsdp_replicas=2", "sync.mode=replica_deferred"], "strategy=fsdp2"),
+    ],
+)
+def test_unsupported_mode_combinations_are_config_errors(overrides, message):
+    from syncwise.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_check_mode_lists_the_allowed_modes():
+    from syncwise.sync import SyncMode, check_mode
+
+    with pytest.raises(ValueError, match="choose one of per_microbatch, deferred or auto"):
+        check_mode(SyncMode.DEFERRED_UNSHARDED, "ddp", hsdp=False)
+    check_mode(SyncMode.REPLICA_DEFERRED, "fsdp2", hsdp=True)

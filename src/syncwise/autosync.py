@@ -41,11 +41,15 @@ class AutoSync:
             raise RuntimeError("auto sync: no measured base peak yet")
         return self.base_peak + self.estimator.extra_bytes(mode, num_microbatches)
 
-    def decide(self, measured_peak: int, measured_mode: SyncMode, num_microbatches: int) -> SyncMode:
-        """Take a measured peak (of a step run in ``measured_mode``) and choose the mode for what follows."""
+    def decide(
+        self, measured_peak: int, measured_mode: SyncMode, num_microbatches: int, source: str = "measured"
+    ) -> SyncMode:
+        """Take a peak (of a step run in ``measured_mode``; ``source`` says how it was obtained) and choose
+        the mode for what follows."""
         self.base_peak = measured_peak - self.estimator.extra_bytes(measured_mode, num_microbatches)
-        return self._choose(num_microbatches, reason=f"measured peak {format_bytes(measured_peak)} "
-                            f"in {measured_mode.value}")
+        return self._choose(
+            num_microbatches, reason=f"{source} peak {format_bytes(measured_peak)} in {measured_mode.value}"
+        )
 
     def _choose(self, num_microbatches: int, reason: str) -> SyncMode:
         free = self.budget - self.base_peak

@@ -1,4 +1,4 @@
-"""``syncwise`` command line: ``syncwise sft [config.yaml] [section.key=value ...]``.
+"""``syncwise`` command line: ``sft`` (a training job), ``bench`` (modes side by side), ``plan`` (costs).
 
 Run directly, it spawns ``dist.nproc`` local ranks itself; under ``torchrun`` it runs as the rank torchrun
 made (``torchrun --nproc-per-node 2 -m syncwise sft ...``).
@@ -49,7 +49,23 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--microbatches", nargs="+", type=int, help="micro-batches per step (default 2 4 8)")
     bench.add_argument("--modes", nargs="+", help="sync modes (default: all)")
     bench.add_argument("--repeats", type=int, help="timed steps per configuration")
+    plan = sub.add_parser("plan", help="what each sync mode costs for a model and cluster (no job is run)")
+    plan.add_argument("model", help="built-in shape (qwen3-4b, llama-3-8b, ...) or a local HF model dir / config.json")
+    plan.add_argument("--world-size", type=int, default=8)
+    plan.add_argument("--replicas", type=int, default=1, help="HSDP replicas (world size / replicas shards each)")
+    plan.add_argument("--microbatches", type=int, default=8, help="micro-batches per optimizer step")
+    plan.add_argument("--param-dtype", default="bfloat16")
+    plan.add_argument("--reduce-dtype", default="float32")
+    plan.add_argument("--device-memory-gib", type=float, default=80.0)
+    plan.add_argument("--budget-fraction", type=float, default=0.9, help="of device memory (auto's budget)")
+    plan.add_argument("--activation-gib", type=float, default=0.0, help="activation memory per rank")
+    plan.add_argument("--bandwidth-gbps", type=float, default=100.0, help="GB/s per rank in a shard group")
+    plan.add_argument("--replica-bandwidth-gbps", type=float, help="GB/s across replicas (HSDP)")
+    plan.add_argument("--latency-us", type=float, default=10.0)
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _run_plan(args)
     if args.command == "sft":
         from .sft import sft_worker
 
@@ -57,6 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _run_bench(args)
     return 1  # pragma: no cover - argparse rejects unknown commands
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .plan import PlanInput, format_plan, make_plan, plan_to_json
+
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "json")}
+    try:
+        plan = make_plan(PlanInput(**fields))
+    except (ValueError, OSError) as exc:
+        print(f"syncwise plan: {exc}", file=sys.stderr)
+        return 2
+    print(plan_to_json(plan) if args.json else format_plan(plan))
+    return 0
 
 
 def _run_bench(args: argparse.Namespace) -> int:

@@ -160,6 +160,65 @@ def count_collectives() -> Iterator[CollectiveCounts]:
         yield counter.totals
 
 
+@dataclass(frozen=True)
+class UnitTraffic:
+    """Bytes one FSDP unit moves per collective: its all-gather output, its reduce-scatter input, and
+    (HSDP) its cross-replica all-reduce buffer (the shard-group shard)."""
+
+    gather_bytes: int = 0
+    reduce_bytes: int = 0
+    replica_bytes: int = 0
+
+
+def step_traffic(
+    mode: str,
+    num_microbatches: int,
+    units: list[UnitTraffic],
+    *,
+    reshard_after_forward: bool = True,
+    unsharded_forward: bool = False,
+    hsdp: bool = False,
+) -> CollectiveCounts:
+    """Collectives (count and bytes) of one step's micro-batch loop, by playing the schedule through.
+
+    ``units[0]`` is the root, which FSDP keeps unsharded from its forward to its backward. Each
+    micro-batch runs with the switches :func:`syncwise.sync.microbatch_policy` gives it: a forward
+    gathers the units not already unsharded; after forward the others are resharded unless
+    ``reshard_after_forward`` is off (for this micro-batch); backward gathers what was resharded; after
+    backward everything is resharded unless the policy keeps it. A micro-batch that syncs reduce-scatters
+    each unit; under HSDP one that syncs fully also all-reduces it across replicas.
+    """
+    from .sync import SyncMode, microbatch_policy
+
+    if num_microbatches < 1 or not units:
+        raise ValueError("num_microbatches and the number of units must be >= 1")
+    modes = ("per_microbatch", "deferred", "deferred_unsharded", "replica_deferred")
+    if mode not in modes:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(modes)}")
+    if mode == "replica_deferred" and not hsdp:
+        raise ValueError("mode 'replica_deferred' needs HSDP (hsdp=True)")
+    totals = CollectiveCounts()
+    unsharded = [False] * len(units)
+    for i in range(num_microbatches):
+        policy = microbatch_policy(SyncMode(mode), i, num_microbatches, unsharded_forward)
+        for k, unit in enumerate(units):  # forward
+            if not unsharded[k]:
+                totals.add("all_gather", unit.gather_bytes)
+                unsharded[k] = True
+        reshard_fwd = reshard_after_forward if policy.reshard_after_forward is None else policy.reshard_after_forward
+        resharded = [k > 0 and reshard_fwd for k in range(len(units))]
+        for k, unit in enumerate(units):  # backward
+            if resharded[k]:
+                totals.add("all_gather", unit.gather_bytes)
+            if policy.sync_grads:
+                totals.add("reduce_scatter", unit.reduce_bytes)
+                if hsdp and policy.all_reduce_grads:
+                    totals.add("all_reduce", unit.replica_bytes)
+        keep = policy.reshard_after_backward is False
+        unsharded = [keep] * len(units)
+    return totals
+
+
 def expected_collectives(
     mode: str,
     num_microbatches: int,
@@ -172,34 +231,17 @@ def expected_collectives(
 ) -> dict[str, int]:
     """Collectives one engine step (FSDP1 or FSDP2, U units, N micro-batches) should issue.
 
-    All-gathers: each micro-batch gathers every unit for forward and, for backward, every unit that was
-    resharded after forward (all but the root, which FSDP keeps unsharded until backward): ``2U - 1``, or
-    ``U`` when ``reshard_after_forward`` is off. ``deferred_unsharded`` keeps parameters unsharded after
-    backward, so only the first forward gathers all U and each micro-batch's backward re-gathers the U - 1
-    resharded after forward: ``U + (U - 1) N``; with ``unsharded_forward`` (or ``reshard_after_forward``
-    off) just ``U``.
-
-    Reduce-scatters: U per micro-batch that syncs (every one for ``per_microbatch`` and
-    ``replica_deferred``, the last one otherwise). HSDP all-reduces across replicas: U per micro-batch
-    that syncs fully (only the last one for every mode but ``per_microbatch``). ``engine_all_reduces`` are
-    the engine's own (loss normaliser, gradient norm, metrics, agreed memory peak).
+    In closed form: all-gathers ``(2U - 1) N`` (``U N`` without ``reshard_after_forward``) for
+    ``per_microbatch``, ``deferred`` and ``replica_deferred``; for ``deferred_unsharded``
+    ``U + (U - 1) N``, or ``U`` with ``unsharded_forward``. Reduce-scatters ``U N`` for
+    ``per_microbatch`` and ``replica_deferred``, ``U`` otherwise. HSDP replica all-reduces ``U N`` for
+    ``per_microbatch``, ``U`` otherwise. Plus ``engine_all_reduces``: the engine's own (loss normaliser,
+    gradient norm, metrics, agreed memory peak). See :func:`step_traffic` for the schedule behind it.
     """
-    if num_microbatches < 1 or num_units < 1:
+    if num_units < 1:
         raise ValueError("num_microbatches and num_units must be >= 1")
-    n, u = num_microbatches, num_units
-    modes = ("per_microbatch", "deferred", "deferred_unsharded", "replica_deferred")
-    if mode not in modes:
-        raise ValueError(f"mode {mode!r} is not one of {', '.join(modes)}")
-    if mode == "replica_deferred" and not hsdp:
-        raise ValueError("mode 'replica_deferred' needs HSDP (hsdp=True)")
-    if mode == "deferred_unsharded":
-        gathers = u if (unsharded_forward or not reshard_after_forward) else u + (u - 1) * n
-    else:
-        gathers = (2 * u - 1 if reshard_after_forward else u) * n
-    scatter_steps = n if mode in ("per_microbatch", "replica_deferred") else 1
-    replica_steps = n if mode == "per_microbatch" else 1
-    return {
-        "all_gather": gathers,
-        "reduce_scatter": u * scatter_steps,
-        "all_reduce": engine_all_reduces + (u * replica_steps if hsdp else 0),
-    }
+    counts = step_traffic(
+        mode, num_microbatches, [UnitTraffic()] * num_units,
+        reshard_after_forward=reshard_after_forward, unsharded_forward=unsharded_forward, hsdp=hsdp,
+    ).counts
+    return {**counts, "all_reduce": counts["all_reduce"] + engine_all_reduces}

@@ -40,9 +40,12 @@ class ShardedModel:
     def num_params(self) -> int:
         return sum(math.prod(s) for unit in self.unit_shapes for s in unit)
 
+    def unit_padded_numels(self) -> list[int]:
+        """All-gathered elements per unit: FSDP2 pads each parameter's dim 0 to a multiple of the shard size."""
+        return [sum(_padded(shape, self.shard_size) for shape in unit) for unit in self.unit_shapes]
+
     def padded_numel(self) -> int:
-        """All-gathered elements: FSDP2 pads each parameter's dim 0 to a multiple of the shard size."""
-        return sum(_padded(shape, self.shard_size) for unit in self.unit_shapes for shape in unit)
+        return sum(self.unit_padded_numels())
 
     def retained_grad_bytes(self, mode: SyncMode, num_microbatches: int) -> int:
         """Most gradient bytes held after any micro-batch's backward within a step."""

@@ -1,0 +1,218 @@
+"""``syncwise plan``: what each sync mode costs for a model and cluster, without running a job.
+
+The model is built on the meta device from its Hugging Face config (no weights, no memory), wrapped the
+way the engine wraps it (one FSDP unit per decoder layer plus the root), and fed to the same byte
+estimator and collective schedule the engine checks itself against. Communication time uses an α-β ring
+model per collective over its group of g ranks: all-gather and reduce-scatter ``(g-1)·α + (g-1)/g·S/β``,
+all-reduce twice that. Memory: parameters, gradients and AdamW state sharded in fp32, plus activations
+you give, plus what the mode holds between micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .autosync import AutoSync
+from .comm import UnitTraffic, step_traffic
+from .memory import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
+from .models import decoder_layers
+from .sync import SPEED_ORDER, SyncMode, supported_modes
+
+# Shapes of common models, from their public config.json files (weights are never needed).
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-4b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+    ),
+}
+
+ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32, sharded like the parameters
+
+
+@dataclass
+class PlanInput:
+    model: str
+    world_size: int = 8
+    replicas: int = 1  # > 1: HSDP with this many replicas of world_size / replicas shards
+    microbatches: int = 8
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    device_memory_gib: float = 80.0
+    budget_fraction: float = 0.9
+    activation_gib: float = 0.0  # per rank, for one micro-batch (what a profile of your job shows)
+    bandwidth_gbps: float = 100.0  # GB/s per rank within a shard group
+    replica_bandwidth_gbps: float | None = None  # GB/s across replicas (default: bandwidth_gbps)
+    latency_us: float = 10.0
+
+    def validate(self) -> None:
+        if self.world_size < 1 or self.replicas < 1 or self.world_size % self.replicas:
+            raise ValueError(f"--replicas {self.replicas} must divide --world-size {self.world_size}")
+        if self.microbatches < 1:
+            raise ValueError("--microbatches must be >= 1")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)!r} is not one of "
+                                 f"{', '.join(DTYPE_BYTES)}")
+        if self.bandwidth_gbps <= 0 or self.device_memory_gib <= 0:
+            raise ValueError("--bandwidth-gbps and --device-memory-gib must be > 0")
+
+
+@dataclass
+class ModePlan:
+    mode: str
+    retained_grad_bytes: int
+    unsharded_param_bytes: int
+    extra_bytes: int
+    peak_bytes: int
+    fits: bool
+    collectives: dict[str, int]
+    collective_bytes: dict[str, int]
+    comm_time_s: float
+
+
+@dataclass
+class Plan:
+    input: PlanInput
+    num_params: int
+    num_units: int
+    base_bytes: int
+    budget_bytes: int
+    modes: list[ModePlan] = field(default_factory=list)
+    auto_choice: str = ""
+    auto_reason: str = ""
+
+
+def load_hf_config(spec: str):
+    """A built-in shape name (case-insensitive), a model directory, or a config.json path."""
+    key = spec.lower()
+    if key in SHAPES:
+        kwargs = dict(SHAPES[key])
+        return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    path = Path(spec)
+    if path.is_dir() or path.is_file():
+        return AutoConfig.from_pretrained(path.parent if path.is_file() else path, local_files_only=True)
+    raise ValueError(f"model {spec!r}: not a built-in shape ({', '.join(SHAPES)}) nor a local path")
+
+
+def sharded_model_for(hf_config, shard_size: int, param_dtype: str, reduce_dtype: str) -> ShardedModel:
+    """The estimator input for the engine's wrapping of this model, built on the meta device."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return sharded_model_of([model, *decoder_layers(model)], shard_size, param_dtype, reduce_dtype)
+
+
+def make_plan(inp: PlanInput, hf_config=None) -> Plan:
+    inp.validate()
+    hf_config = hf_config if hf_config is not None else load_hf_config(inp.model)
+    shard = inp.world_size // inp.replicas
+    hsdp = inp.replicas > 1
+    sharded = sharded_model_for(hf_config, shard, inp.param_dtype, inp.reduce_dtype)
+    n = inp.microbatches
+    local = sharded.padded_numel() // shard
+    base = (
+        local * DTYPE_BYTES[sharded.orig_dtype]  # sharded parameters
+        + sharded.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)  # sharded gradients
+        + local * ADAMW_STATE_BYTES
+        + int(inp.activation_gib * 2**30)
+    )
+    budget = int(inp.device_memory_gib * 2**30 * inp.budget_fraction)
+    plan = Plan(inp, sharded.num_params, len(sharded.unit_shapes), base, budget)
+    units = [
+        UnitTraffic(
+            gather_bytes=numel * DTYPE_BYTES[inp.param_dtype],
+            reduce_bytes=numel * DTYPE_BYTES[inp.reduce_dtype],
+            replica_bytes=numel // shard * DTYPE_BYTES[inp.reduce_dtype],
+        )
+        for numel in sharded.unit_padded_numels()
+    ]
+    modes = [m for m in SPEED_ORDER if m in supported_modes("fsdp2", hsdp)]
+    for mode in modes:
+        traffic = step_traffic(mode.value, n, units, unsharded_forward=True, hsdp=hsdp)
+        extra = sharded.extra_bytes(mode, n)
+        plan.modes.append(ModePlan(
+            mode=mode.value,
+            retained_grad_bytes=sharded.retained_grad_bytes(mode, n),
+            unsharded_param_bytes=sharded.unsharded_param_bytes(mode, n),
+            extra_bytes=extra,
+            peak_bytes=base + extra,
+            fits=base + extra <= budget,
+            collectives=dict(traffic.counts),
+            collective_bytes=dict(traffic.bytes),
+            comm_time_s=_ring_time(traffic.counts, traffic.bytes, shard, inp),
+        ))
+    auto = AutoSync(sharded, tuple(modes), budget)
+    plan.auto_choice = auto.decide(base, SyncMode.PER_MICROBATCH, n, source="estimated").value
+    plan.auto_reason = auto.decisions[-1]
+    return plan
+
+
+def _ring_time(counts: dict[str, int], nbytes: dict[str, int], shard: int, inp: PlanInput) -> float:
+    alpha = inp.latency_us * 1e-6
+    beta = inp.bandwidth_gbps * 1e9
+    replica_beta = (inp.replica_bandwidth_gbps or inp.bandwidth_gbps) * 1e9
+    g, r = shard, inp.replicas
+    time = 0.0
+    for kind in ("all_gather", "reduce_scatter"):
+        if g > 1:
+            time += counts[kind] * (g - 1) * alpha + (g - 1) / g * nbytes[kind] / beta
+    if r > 1:
+        time += 2 * counts["all_reduce"] * (r - 1) * alpha + 2 * (r - 1) / r * nbytes["all_reduce"] / replica_beta
+    return time
+
+
+def format_plan(plan: Plan) -> str:
+    inp = plan.input
+    mesh = f"{inp.replicas} x {inp.world_size // inp.replicas} (HSDP)" if inp.replicas > 1 else f"{inp.world_size}"
+    lines = [
+        f"{inp.model}: {plan.num_params / 1e9:.3f}B parameters in {plan.num_units} FSDP units; ranks {mesh}; "
+        f"{inp.microbatches} micro-batches/step; params {inp.param_dtype}, reduce {inp.reduce_dtype}",
+        f"per rank: base {format_bytes(plan.base_bytes)} (sharded fp32 params + grads + AdamW"
+        f"{f' + {inp.activation_gib:g} GiB activations' if inp.activation_gib else ''}), budget "
+        f"{format_bytes(plan.budget_bytes)} ({inp.budget_fraction:.0%} of {inp.device_memory_gib:g} GiB); "
+        f"links {inp.bandwidth_gbps:g} GB/s, {inp.latency_us:g} us",
+        "",
+        "| mode | held grads | held params | extra | peak | fits | all-gathers | reduce-scatters | all-reduces "
+        "| AG bytes | RS bytes | AR bytes | comm time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in plan.modes:
+        lines.append(
+            f"| {m.mode} | {format_bytes(m.retained_grad_bytes)} | {format_bytes(m.unsharded_param_bytes)} "
+            f"| +{format_bytes(m.extra_bytes)} | {format_bytes(m.peak_bytes)} | {'yes' if m.fits else 'NO'} "
+            f"| {m.collectives['all_gather']} | {m.collectives['reduce_scatter']} | {m.collectives['all_reduce']} "
+            f"| {format_bytes(m.collective_bytes['all_gather'])} "
+            f"| {format_bytes(m.collective_bytes['reduce_scatter'])} "
+            f"| {format_bytes(m.collective_bytes['all_reduce'])} | {m.comm_time_s * 1e3:.1f} ms |"
+        )
+    lines += ["", f"auto would choose: {plan.auto_choice}", f"  {plan.auto_reason}"]
+    return "\n".join(lines)
+
+
+def plan_to_json(plan: Plan) -> str:
+    return json.dumps(asdict(plan), indent=1)

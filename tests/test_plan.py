@@ -1,0 +1,99 @@
+"""`syncwise plan` against bytes computed by hand for qwen2-test (P = 427,136 parameters: root 131,200
+= embed 65,536 + lm_head 65,536 + norm 128; two decoder layers of 147,968; every dim 0 even)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from syncwise.models import preset_config
+from syncwise.plan import PlanInput, load_hf_config, make_plan
+
+P, ROOT = 427_136, 131_200
+LAYERS = P - ROOT
+
+
+@pytest.fixture(scope="module")
+def config_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2-test")
+    preset_config("qwen2-test").save_pretrained(path)
+    return path
+
+
+def _plan(config_dir, **kw):
+    inp = PlanInput(
+        model=str(config_dir), world_size=2, microbatches=4, param_dtype="float32", reduce_dtype="float32",
+        device_memory_gib=1.0, bandwidth_gbps=1.0, latency_us=0.0, **kw,
+    )
+    return make_plan(inp)
+
+
+def test_plan_bytes_and_counts_by_hand(config_dir):
+    plan = _plan(config_dir)
+    assert (plan.num_params, plan.num_units) == (P, 3)
+    shard = P // 2
+    assert plan.base_bytes == shard * 4 + shard * 4 + shard * 8  # params, grads, AdamW (fp32, sharded)
+    modes = {m.mode: m for m in plan.modes}
+    assert list(modes) == ["deferred_unsharded", "deferred", "per_microbatch"]
+
+    per_mb, deferred, unsharded = modes["per_microbatch"], modes["deferred"], modes["deferred_unsharded"]
+    assert per_mb.retained_grad_bytes == 4 * P // 2 and per_mb.extra_bytes == 0
+    assert deferred.retained_grad_bytes == 4 * P and deferred.extra_bytes == 4 * P // 2
+    assert unsharded.unsharded_param_bytes == 4 * P and unsharded.extra_bytes == 4 * P // 2 + 4 * P
+
+    assert per_mb.collectives == {"all_gather": 4 * 5, "reduce_scatter": 4 * 3, "all_reduce": 0}
+    assert deferred.collectives == {"all_gather": 4 * 5, "reduce_scatter": 3, "all_reduce": 0}
+    assert unsharded.collectives == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 0}
+    gathered_per_microbatch = (P + LAYERS) * 4  # every unit for forward, the layers again for backward
+    assert per_mb.collective_bytes == {"all_gather": 4 * gathered_per_microbatch, "reduce_scatter": 4 * 4 * P,
+                                       "all_reduce": 0}
+    assert deferred.collective_bytes["reduce_scatter"] == 4 * P
+    assert unsharded.collective_bytes["all_gather"] == 4 * P
+    # Ring, alpha = 0, 1 GB/s: (g - 1) / g of the bytes cross each link.
+    assert per_mb.comm_time_s == pytest.approx((4 * gathered_per_microbatch + 16 * P) / 2 / 1e9)
+    assert deferred.comm_time_s == pytest.approx((4 * gathered_per_microbatch + 4 * P) / 2 / 1e9)
+
+
+def test_plan_auto_choice_follows_budget(config_dir):
+    base = (P // 2) * 16
+    for budget, expected in [
+        (base + 4 * P // 2 + 4 * P, "deferred_unsharded"),
+        (base + 4 * P // 2, "deferred"),
+        (base + 1, "per_microbatch"),
+    ]:
+        plan = _plan(config_dir, budget_fraction=budget / 2**30)
+        assert plan.auto_choice == expected, (budget, plan.auto_reason)
+        assert {m.mode: m.fits for m in plan.modes}[expected]
+
+
+def test_plan_hsdp_replica_deferred(config_dir):
+    inp = PlanInput(model=str(config_dir), world_size=4, replicas=2, microbatches=4, param_dtype="float32",
+                    device_memory_gib=1.0, bandwidth_gbps=1.0, latency_us=0.0)
+    modes = {m.mode: m for m in make_plan(inp).modes}
+    replica = modes["replica_deferred"]
+    assert replica.collectives == {"all_gather": 20, "reduce_scatter": 12, "all_reduce": 3}
+    assert replica.collective_bytes["all_reduce"] == 4 * P // 2  # the shard each replica group all-reduces
+    assert replica.extra_bytes == 0
+    assert modes["per_microbatch"].collectives["all_reduce"] == 12
+
+
+def test_builtin_shapes_have_their_published_sizes():
+    from syncwise.plan import sharded_model_for
+
+    sizes = {"qwen3-4b": 4.022e9, "llama-3-8b": 8.030e9, "qwen2.5-7b": 7.616e9, "llama-3.2-1b": 1.236e9}
+    for name, params in sizes.items():
+        model = sharded_model_for(load_hf_config(name), 8, "bfloat16", "float32")
+        assert model.num_params == pytest.approx(params, rel=2e-3), name
+
+
+def test_plan_command(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "syncwise", "plan", "qwen3-4b", "--world-size", "8",
+                         "--device-memory-gib", "64"], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "qwen3-4b: 4.022B parameters in 37 FSDP units" in ok.stdout
+    assert "auto would choose:" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "syncwise", "plan", "gpt-17"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "not a built-in shape" in bad.stderr
