@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .config import SYNC_MODES, load_config
+from .config import load_config
 from .distributed import DistInfo
 from .engine import Engine
 from .losses import sft_loss
@@ -27,7 +27,7 @@ from .models import build_model, count_parameters
 class BenchSpec:
     presets: list[str] = field(default_factory=lambda: ["qwen2-tiny", "qwen2-20m"])
     microbatches: list[int] = field(default_factory=lambda: [2, 4, 8])
-    modes: list[str] = field(default_factory=lambda: list(SYNC_MODES))
+    modes: list[str] = field(default_factory=lambda: ["per_microbatch", "deferred", "deferred_unsharded"])
     strategy: str = "fsdp2"
     seq_len: int = 64
     warmup: int = 2
