@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ class BatchError(ValueError):
 @dataclass
 class MicroBatch:
     indices: torch.Tensor  # positions of its samples in the original batch
-    data: Batch
+    data: Batch | None  # None: an empty micro-batch (this rank has fewer samples than micro-batches)
 
 
 def batch_size_of(batch: Batch) -> int:
@@ -55,33 +56,130 @@ def _describe(value: object) -> str:
     return type(value).__name__
 
 
-def num_microbatches(batch_size: int, micro_batch_size: int) -> int:
-    return math.ceil(batch_size / micro_batch_size)
+def sequence_lengths(batch: Batch) -> torch.Tensor:
+    """Tokens per sample: ``attention_mask`` sums, or the full width without a mask."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        return torch.full((batch["input_ids"].shape[0],), batch["input_ids"].shape[1], dtype=torch.long)
+    return mask.sum(dim=1).long()
 
 
-def split_fixed(batch: Batch, micro_batch_size: int) -> list[MicroBatch]:
-    """Consecutive micro-batches of ``micro_batch_size`` samples (the last may be smaller)."""
+def workloads(lengths: torch.Tensor, linear_coef: float = 24576.0) -> list[float]:
+    """Compute estimate per sequence: ``a·L + L²`` (the linear layers, then attention), as verl does."""
+    return [linear_coef * float(n) + float(n) ** 2 for n in lengths.tolist()]
+
+
+def microbatches_needed(batch: Batch, micro_batch_size: int, max_tokens: int = 0) -> int:
+    """This rank's own count: ``ceil(B / size)``, or with a token budget ``ceil(tokens / budget)``."""
     size = batch_size_of(batch)
+    if max_tokens > 0:
+        lengths = sequence_lengths(batch)
+        if int(lengths.max()) > max_tokens:
+            raise BatchError(
+                f"batch: a sequence of {int(lengths.max())} tokens exceeds "
+                f"engine.max_tokens_per_micro_batch={max_tokens}"
+            )
+        return max(1, math.ceil(int(lengths.sum()) / max_tokens))
+    return math.ceil(size / micro_batch_size)
+
+
+def karmarkar_karp(weights: list[float], k: int) -> list[list[int]]:
+    """Partition item indices into ``k`` sets with near-equal weight sums (largest differencing method).
+
+    Every item starts as a k-way partial partition (itself in one set, k-1 empty); repeatedly the two
+    partial partitions with the largest spread are merged, heaviest set of one with lightest of the
+    other, until one remains. Far better balanced than greedy or consecutive splits on long tails.
+    """
+    if k < 1:
+        raise ValueError("karmarkar_karp: k must be >= 1")
+    heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
+    for i, w in enumerate(weights):
+        sets = [(float(w), [i])] + [(0.0, []) for _ in range(k - 1)]
+        heapq.heappush(heap, (-float(w), i, sets))
+    if not heap:
+        return [[] for _ in range(k)]
+    counter = len(weights)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        a = sorted(a, key=lambda s: s[0], reverse=True)
+        b = sorted(b, key=lambda s: s[0])
+        merged = sorted(((wa + wb, ia + ib) for (wa, ia), (wb, ib) in zip(a, b, strict=True)),
+                        key=lambda s: s[0], reverse=True)
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), counter, merged))
+        counter += 1
+    return [sorted(indices) for _, indices in heap[0][2]]
+
+
+def imbalance(weights: list[float], partitions: list[list[int]]) -> float:
+    """max / min workload over the non-empty partitions (1.0 = perfectly balanced)."""
+    sums = [sum(weights[i] for i in part) for part in partitions if part]
+    return max(sums) / min(sums) if sums and min(sums) > 0 else float("inf")
+
+
+def _trim(data: Batch) -> Batch:
+    """Drop trailing columns no sample uses (right padding), so a micro-batch is as wide as its longest.
+
+    Per-token tensors ([B, T]) keep ``width`` columns, per-target ones ([B, T-1]: old log-probs,
+    advantages, ...) ``width - 1``; anything else is left alone."""
+    mask = data.get("attention_mask")
+    if mask is None or mask.shape[1] == 0:
+        return data
+    full = mask.shape[1]
+    used = mask.any(dim=0).nonzero()
+    width = max(int(used.max()) + 1 if used.numel() else 1, 2)
+    if width >= full:
+        return data
+    trimmed = {}
+    for key, value in data.items():
+        if value.dim() >= 2 and value.shape[1] == full:
+            value = value[:, :width]
+        elif value.dim() >= 2 and value.shape[1] == full - 1:
+            value = value[:, : width - 1]
+        trimmed[key] = value
+    return trimmed
+
+
+def split_batch(
+    batch: Batch, num_microbatches: int, *, balance: bool = False, linear_coef: float = 24576.0
+) -> list[MicroBatch]:
+    """Exactly ``num_microbatches`` micro-batches, each trimmed to its longest sequence.
+
+    ``balance``: partition by Karmarkar–Karp on the workload estimate (token-budget batching); otherwise
+    consecutive, near-equal chunks. A rank with fewer samples than micro-batches gets empty ones
+    (``data`` None): the engine still runs them, with zero gradient, so every rank issues the same
+    collectives.
+    """
+    size = batch_size_of(batch)
+    if balance:
+        parts = karmarkar_karp(workloads(sequence_lengths(batch), linear_coef), num_microbatches)
+        parts.sort(key=lambda p: (not p, p[:1]))  # non-empty first, in sample order
+    else:
+        parts = [chunk.tolist() for chunk in torch.arange(size).tensor_split(num_microbatches)]
     out = []
-    for start in range(0, size, micro_batch_size):
-        indices = torch.arange(start, min(start + micro_batch_size, size))
-        out.append(MicroBatch(indices, {k: v[indices] for k, v in batch.items()}))
+    for part in parts:
+        indices = torch.tensor(part, dtype=torch.long)
+        data = _trim({k: v[indices] for k, v in batch.items()}) if part else None
+        out.append(MicroBatch(indices, data))
     return out
 
 
-def restore_order(chunks: list[torch.Tensor], micro_batches: list[MicroBatch]) -> torch.Tensor:
-    """Concatenate per-micro-batch outputs and undo the split's permutation.
+def restore_order(
+    chunks: list[torch.Tensor], micro_batches: list[MicroBatch], width: int | None = None
+) -> torch.Tensor:
+    """Concatenate per-micro-batch outputs (one per non-empty micro-batch, in order) and undo the split.
 
-    Trailing dimensions may differ between chunks (micro-batches trimmed to their own longest sequence):
-    each is right-padded with zeros to the longest first.
+    Dimension 1 may differ between chunks (micro-batches trimmed to their own longest sequence): each is
+    right-padded with zeros to ``width`` (default: the widest chunk).
     """
-    if not chunks:
-        raise ValueError("restore_order: no chunks")
+    filled = [mb for mb in micro_batches if mb.data is not None]
+    if not chunks or len(chunks) != len(filled):
+        raise ValueError(f"restore_order: {len(chunks)} chunks for {len(filled)} non-empty micro-batches")
     if chunks[0].dim() > 1:
-        width = max(c.shape[1] for c in chunks)
+        width = width or max(c.shape[1] for c in chunks)
         chunks = [F.pad(c, (0, 0) * (c.dim() - 2) + (0, width - c.shape[1])) for c in chunks]
     merged = torch.cat(chunks)
-    order = torch.cat([mb.indices for mb in micro_batches])
+    order = torch.cat([mb.indices for mb in filled])
     restored = torch.empty_like(merged)
     restored[order] = merged
     return restored

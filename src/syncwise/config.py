@@ -45,6 +45,10 @@ class EngineConfig:
 
     strategy: str = "fsdp2"
     micro_batch_size: int = 2
+    # > 0: micro-batches by token budget (ceil(tokens / budget), equal on every rank), balanced by
+    # Karmarkar-Karp on the workload estimate a·L + L²; micro_batch_size is then ignored.
+    max_tokens_per_micro_batch: int = 0
+    workload_linear_coef: float = 24576.0
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     # >1 builds a 2-D (replicate x shard) mesh: HSDP with this many replicas.
@@ -118,6 +122,11 @@ class Config:
         _choice("optim.name", self.optim.name, OPTIMIZERS)
         _choice("dist.backend", self.dist.backend, BACKENDS)
         _positive("engine.micro_batch_size", self.engine.micro_batch_size)
+        if self.engine.max_tokens_per_micro_batch < 0:
+            raise ConfigError(
+                f"engine.max_tokens_per_micro_batch: must be >= 0 (0 = fixed size), "
+                f"got {self.engine.max_tokens_per_micro_batch}"
+            )
         _positive("engine.hsdp_replicas", self.engine.hsdp_replicas)
         _positive("dist.nproc", self.dist.nproc)
         if self.sync.memory_budget < 0:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .autosync import AutoSync
-from .batching import Batch, BatchError, MicroBatch, restore_order, split_fixed
+from .batching import Batch, BatchError, MicroBatch, microbatches_needed, restore_order, split_batch
 from .comm import CollectiveCounter, expected_collectives
 from .config import Config, OptimConfig
 from .distributed import DistInfo, build_mesh, init_distributed
@@ -128,6 +128,7 @@ class Engine:
             raise ValueError("forward_backward_batch: a loss_fn is needed unless forward_only=True")
         batch = {k: v.to(self.info.device) for k, v in batch.items()} if _is_batch(batch) else batch
         micro_batches, norm = self._prepare(batch)
+        target_width = batch["input_ids"].shape[1] - 1
         self.model.train(not forward_only)
         totals: dict[str, torch.Tensor] = {}
         chunks: dict[str, list[torch.Tensor]] = {}
@@ -148,6 +149,8 @@ class Engine:
                         result.loss.backward()
                     retained = max(retained, grad_bytes(self.model))
                     unsharded = max(unsharded, unsharded_param_bytes(self.model))
+                if mb.data is None:
+                    continue
                 for key, value in result.metrics.items():
                     totals[key] = totals.get(key, 0.0) + value.detach().float()
                 for key, value in result.outputs.items():
@@ -155,7 +158,7 @@ class Engine:
         except BaseException:
             self._recover_from_error()
             raise
-        outputs = {key: restore_order(parts, micro_batches) for key, parts in chunks.items()}
+        outputs = {key: restore_order(parts, micro_batches, target_width) for key, parts in chunks.items()}
         return ForwardBackwardResult(
             metrics={k: float(v) for k, v in totals.items()},
             outputs=outputs,
@@ -165,8 +168,14 @@ class Engine:
         )
 
     def _forward(
-        self, data: Batch, loss_fn: LossFn | None, norm: Normalizer, with_log_probs: bool
+        self, data: Batch | None, loss_fn: LossFn | None, norm: Normalizer, with_log_probs: bool
     ) -> LossOutput:
+        if data is None:
+            # An empty micro-batch (this rank has fewer samples than the agreed count): a one-token dummy
+            # forward whose zero loss still runs every FSDP unit, so the collectives match the other ranks.
+            dummy = torch.zeros((1, 2), dtype=torch.long, device=self.info.device)
+            logits = self.model(input_ids=dummy).logits
+            return LossOutput(loss=logits.float().sum() * 0.0)
         model_out = self.model(input_ids=data["input_ids"], attention_mask=data.get("attention_mask"))
         if loss_fn is not None:
             result = loss_fn(model_out, data, norm)
@@ -177,40 +186,46 @@ class Engine:
         return result
 
     def _prepare(self, batch: Batch) -> tuple[list[MicroBatch], Normalizer]:
-        """Validate and split the batch, then agree with the other ranks in one all-reduce.
+        """Validate the batch, agree with the other ranks in one all-reduce, then split it.
 
-        The all-reduce carries the loss-token and sequence counts (the global normaliser), the number of
-        micro-batches (every rank must run the same number, or deferred collectives hang) and an error
-        flag, so a rank with bad input makes every rank raise instead of leaving the others waiting.
+        The all-reduce carries the loss-token and sequence counts (the global normaliser), an error flag
+        (a rank with bad input makes every rank raise instead of leaving the others waiting) and, in one
+        slot per rank, each rank's micro-batch count and longest loss span. Every rank then runs the
+        largest count, so deferred collectives line up even when ranks hold different amounts of data.
         """
+        cfg = self.config.engine
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
         error: BatchError | None = None
-        micro_batches: list[MicroBatch] = []
-        tokens = sequences = 0.0
+        stats = torch.zeros(3 + 2 * world, dtype=torch.float64)
         try:
-            micro_batches = split_fixed(batch, self.config.engine.micro_batch_size)
-            mask = target_mask(batch)
-            tokens = float(mask.sum())
-            sequences = float((mask.sum(dim=1) > 0).sum())
+            needed = microbatches_needed(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+            per_sequence = target_mask(batch).sum(dim=1)
+            stats[0] = float(per_sequence.sum())
+            stats[1] = float((per_sequence > 0).sum())
+            stats[3 + rank] = needed
+            stats[3 + world + rank] = float(per_sequence.max())
         except BatchError as exc:
             error = exc
-        n = len(micro_batches)
-        stats = torch.tensor([tokens, sequences, n, n * n, error is not None], dtype=torch.float64)
+            stats[2] = 1
         if dist.is_initialized():
             stats = stats.to(self.info.device)
             dist.all_reduce(stats)
             stats = stats.cpu()
-        tokens, sequences, n_sum, n_sq_sum, bad_ranks = stats.tolist()
-        world = dist.get_world_size() if dist.is_initialized() else 1
         if error is not None:
             raise error
-        if bad_ranks:
-            raise BatchError(f"batch: invalid on {int(bad_ranks)} other rank(s); see the error raised there")
-        if n_sq_sum * world != n_sum * n_sum:  # equal on every rank iff all counts are equal
-            raise BatchError(
-                f"batch: ranks would run different numbers of micro-batches (this rank {n}, mean "
-                f"{n_sum / world:g}); give every rank the same number of samples"
-            )
-        return micro_batches, Normalizer(tokens=tokens, sequences=sequences, dp_size=self.wrapped.dp_size)
+        if stats[2] > 0:
+            raise BatchError(f"batch: invalid on {int(stats[2])} other rank(s); see the error raised there")
+        num_microbatches = int(stats[3 : 3 + world].max())
+        micro_batches = split_batch(
+            batch, num_microbatches, balance=cfg.max_tokens_per_micro_batch > 0,
+            linear_coef=cfg.workload_linear_coef,
+        )
+        norm = Normalizer(
+            tokens=float(stats[0]), sequences=float(stats[1]), dp_size=self.wrapped.dp_size,
+            max_target_len=float(stats[3 + world :].max()),
+        )
+        return micro_batches, norm
 
     def _recover_from_error(self) -> None:
         """After an exception mid-step: drop partial gradients (also FSDP2's unsynced ones) and FSDP2's

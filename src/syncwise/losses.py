@@ -25,6 +25,7 @@ class Normalizer:
     tokens: float  # loss tokens (target positions with loss_mask set)
     sequences: float  # sequences with at least one loss token
     dp_size: int
+    max_target_len: float = 0.0  # longest loss span of any sequence (seq-mean-token-sum-norm's default)
 
 
 @dataclass
