@@ -23,7 +23,16 @@ import torch.distributed as dist
 from torch import nn
 
 from .autosync import AutoSync
-from .batching import Batch, BatchError, MicroBatch, microbatches_needed, restore_order, split_batch
+from .batching import (
+    Batch,
+    BatchError,
+    MicroBatch,
+    microbatches_needed,
+    restore_order,
+    sequence_lengths,
+    split_batch,
+    workloads,
+)
 from .comm import CollectiveCounter, expected_collectives
 from .config import Config, OptimConfig
 from .distributed import DistInfo, build_mesh, init_distributed
@@ -55,6 +64,7 @@ class ForwardBackwardResult:
     num_microbatches: int = 0
     retained_grad_bytes: int = 0  # most gradient bytes held after any micro-batch's backward
     unsharded_param_bytes: int = 0  # most all-gathered parameter bytes held after any backward
+    workload_imbalance: float = 1.0  # max / min estimated compute over this rank's non-empty micro-batches
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -165,6 +175,7 @@ class Engine:
             num_microbatches=n,
             retained_grad_bytes=retained,
             unsharded_param_bytes=unsharded,
+            workload_imbalance=_workload_imbalance(micro_batches, self.config.engine.workload_linear_coef),
         )
 
     def _forward(
@@ -311,6 +322,7 @@ class Engine:
                 "train/grad_norm": grad_norm,
                 "train/skipped": self.skipped_steps - skipped_before,
                 "train/num_microbatches": result.num_microbatches,
+                "batch/workload_imbalance": result.workload_imbalance,
                 "train/step_time_s": elapsed,
                 "sync/mode": mode.value,
                 **memory,
@@ -442,6 +454,11 @@ class Engine:
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
         self.step = int(state.get("engine", {}).get("step", self.step))
+
+
+def _workload_imbalance(micro_batches: list[MicroBatch], linear_coef: float) -> float:
+    loads = [sum(workloads(sequence_lengths(mb.data), linear_coef)) for mb in micro_batches if mb.data is not None]
+    return max(loads) / min(loads) if loads and min(loads) > 0 else 1.0
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -62,17 +62,61 @@ def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tens
     return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
 
 
-def sft_loss(outputs: Any, micro_batch: dict[str, torch.Tensor], norm: Normalizer) -> LossOutput:
-    """Token-mean cross-entropy: Σ masked token losses / global loss-token count."""
-    mask = target_mask(micro_batch)
-    token_loss = -token_log_probs(outputs.logits, micro_batch["input_ids"])
-    loss_sum = (token_loss * mask).sum()
-    share = loss_sum / max(norm.tokens, 1.0)
-    with torch.no_grad():
-        correct = (outputs.logits[:, :-1].argmax(-1) == micro_batch["input_ids"][:, 1:]).float()
-        accuracy = (correct * mask).sum() / max(norm.tokens, 1.0)
-    return LossOutput(
-        loss=share * norm.dp_size,
-        metrics={"loss": share.detach(), "token_accuracy": accuracy},
-        outputs={"token_loss": token_loss.detach()},
-    )
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normalizer, norm_constant: float = 0.0):
+    """This micro-batch's share of the full-batch aggregate of per-token ``values`` [B, T-1].
+
+    - ``token-mean``: Σ masked values / global loss tokens
+    - ``seq-mean-token-sum``: Σ_seq (Σ its values) / global sequences
+    - ``seq-mean-token-mean``: Σ_seq (mean of its values) / global sequences
+    - ``seq-mean-token-sum-norm``: Σ masked values / (global sequences × ``norm_constant``; default the
+      longest loss span in the global batch)
+
+    Summed over every micro-batch and DP rank this is exactly the full-batch value (no ``dp_size``
+    factor here; see :class:`LossOutput`).
+    """
+    masked = values * mask
+    if mode == "token-mean":
+        return masked.sum() / max(norm.tokens, 1.0)
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / max(norm.sequences, 1.0)
+    if mode == "seq-mean-token-mean":
+        per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        return per_seq.sum() / max(norm.sequences, 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        constant = norm_constant if norm_constant > 0 else max(norm.max_target_len, 1.0)
+        return masked.sum() / (max(norm.sequences, 1.0) * constant)
+    raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGG_MODES)}")
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at each target position, [B, T-1], in fp32."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def make_sft_loss(agg: str = "token-mean", norm_constant: float = 0.0) -> LossFn:
+    """Cross-entropy on the loss-masked targets, aggregated with ``agg``."""
+    if agg not in AGG_MODES:
+        raise ValueError(f"loss aggregation {agg!r} is not one of {', '.join(AGG_MODES)}")
+
+    def loss_fn(outputs: Any, micro_batch: dict[str, torch.Tensor], norm: Normalizer) -> LossOutput:
+        mask = target_mask(micro_batch)
+        token_loss = -token_log_probs(outputs.logits, micro_batch["input_ids"])
+        share = aggregate(token_loss, mask, agg, norm, norm_constant)
+        with torch.no_grad():
+            correct = (outputs.logits[:, :-1].argmax(-1) == micro_batch["input_ids"][:, 1:]).float()
+            accuracy = aggregate(correct, mask, "token-mean", norm)
+        return LossOutput(
+            loss=share * norm.dp_size,
+            metrics={"loss": share.detach(), "token_accuracy": accuracy},
+            outputs={"token_loss": token_loss.detach()},
+        )
+
+    return loss_fn
+
+
+sft_loss = make_sft_loss("token-mean")
+sft_loss.__doc__ = "Token-mean cross-entropy: Σ masked token losses / global loss-token count."

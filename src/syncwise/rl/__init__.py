@@ -1,0 +1,1 @@
+"""Reinforcement-learning pieces: advantage estimators, policy / value / KL losses, the GRPO trainer."""

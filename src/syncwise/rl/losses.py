@@ -1,0 +1,162 @@
+"""Policy, value and KL losses for RL post-training, as engine loss functions.
+
+Each factory returns a ``loss_fn(outputs, micro_batch, normalizer) -> LossOutput`` whose loss is the
+micro-batch's share of the full-batch loss (see :mod:`syncwise.losses`). Batch keys, per target token
+([B, T-1], aligned with ``input_ids[:, 1:]``) unless said otherwise:
+
+- ``loss_mask`` [B, T] (the response tokens), ``attention_mask`` [B, T]
+- ``old_log_probs``: log-probs of the policy that sampled (missing: on-policy, the current ones detached)
+- ``advantages``: [B] (one per sequence) or [B, T-1]
+- ``ref_log_probs``: for the KL penalty
+- value loss: ``returns`` and ``values`` (old values); the critic's ``outputs.logits[..., 0]`` are values
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..losses import AGG_MODES, LossFn, LossOutput, Normalizer, aggregate, target_mask, token_entropy, token_log_probs
+
+POLICY_LOSSES = ("ppo", "gspo", "pg", "cispo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass
+class PolicyLossConfig:
+    kind: str = "ppo"  # ppo (clipped), gspo (sequence-level ratio), pg (REINFORCE / GPG), cispo
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    dual_clip: float = 0.0  # > 1: cap the loss of negative-advantage tokens at -A * dual_clip
+    agg: str = "token-mean"
+    norm_constant: float = 0.0  # seq-mean-token-sum-norm's divisor (0: the longest loss span)
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+    def validate(self) -> PolicyLossConfig:
+        if self.kind not in POLICY_LOSSES:
+            raise ValueError(f"policy loss kind {self.kind!r} is not one of {', '.join(POLICY_LOSSES)}")
+        if self.agg not in AGG_MODES:
+            raise ValueError(f"loss aggregation {self.agg!r} is not one of {', '.join(AGG_MODES)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl estimator {self.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+        if self.dual_clip and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or 0 to disable), got {self.dual_clip}")
+        return self
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(π || π_ref) estimates: k1 = log r, k2 = ½ (log r)², k3 = e^{-log r} + log r - 1
+    (r = π / π_ref; k3 is the low-variance, always non-negative estimator)."""
+    log_ratio = log_probs - ref_log_probs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"kl estimator {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+
+
+def _per_token(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return value.float().unsqueeze(1).expand_as(like) if value.dim() == 1 else value.float()
+
+
+def policy_token_losses(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+    cfg: PolicyLossConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token policy-gradient loss, per-token clipped indicator) for ``cfg.kind``."""
+    low, high = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+    log_ratio = log_probs - old_log_probs
+    if cfg.kind == "pg":
+        return -advantages * log_probs, torch.zeros_like(log_probs)
+    if cfg.kind == "cispo":
+        weight = torch.exp(log_ratio).detach()
+        clipped_weight = weight.clamp(low, high)
+        return -clipped_weight * advantages * log_probs, (clipped_weight != weight).float()
+    if cfg.kind == "gspo":
+        # Sequence-level ratio exp(mean log-ratio); its value per token, gradient through each token.
+        seq_log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        ratio = torch.exp(seq_log_ratio.detach() + log_probs - log_probs.detach())
+    else:
+        ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(low, high)
+    loss = torch.maximum(unclipped, clipped)
+    is_clipped = (clipped > unclipped).float()
+    if cfg.dual_clip:
+        capped = torch.minimum(loss, -advantages * cfg.dual_clip)
+        is_clipped = torch.where((advantages < 0) & (capped < loss), torch.ones_like(is_clipped), is_clipped)
+        loss = torch.where(advantages < 0, capped, loss)
+    return loss, is_clipped
+
+
+def make_policy_loss(cfg: PolicyLossConfig | None = None) -> LossFn:
+    """The actor's loss: policy gradient (``cfg.kind``), minus an entropy bonus, plus a KL penalty."""
+    cfg = (cfg or PolicyLossConfig()).validate()
+
+    def loss_fn(outputs: Any, micro_batch: dict[str, torch.Tensor], norm: Normalizer) -> LossOutput:
+        mask = target_mask(micro_batch)
+        log_probs = token_log_probs(outputs.logits, micro_batch["input_ids"])
+        old = micro_batch.get("old_log_probs")
+        old = log_probs.detach() if old is None else old.float()
+        advantages = _per_token(micro_batch["advantages"], log_probs)
+        token_loss, is_clipped = policy_token_losses(log_probs, old, advantages, mask, cfg)
+        pg = aggregate(token_loss, mask, cfg.agg, norm, cfg.norm_constant)
+        total = pg
+        metrics: dict[str, torch.Tensor] = {"actor/pg_loss": pg.detach()}
+        if cfg.entropy_coef:
+            entropy = aggregate(token_entropy(outputs.logits), mask, cfg.agg, norm, cfg.norm_constant)
+            total = total - cfg.entropy_coef * entropy
+            metrics["actor/entropy"] = entropy.detach()
+        if cfg.kl_coef:
+            kl = aggregate(
+                kl_penalty(log_probs, micro_batch["ref_log_probs"].float(), cfg.kl_estimator), mask, cfg.agg, norm,
+                cfg.norm_constant,
+            )
+            total = total + cfg.kl_coef * kl
+            metrics["actor/kl_loss"] = kl.detach()
+        with torch.no_grad():
+            log_ratio = log_probs - old
+            metrics["actor/clip_fraction"] = aggregate(is_clipped, mask, "token-mean", norm)
+            metrics["actor/approx_kl"] = aggregate(0.5 * log_ratio**2, mask, "token-mean", norm)
+        metrics["loss"] = total.detach()
+        return LossOutput(loss=total * norm.dp_size, metrics=metrics, outputs={"log_probs": log_probs.detach()})
+
+    return loss_fn
+
+
+@dataclass
+class ValueLossConfig:
+    clip: float = 0.2  # value clipping around the old values (0: off)
+    agg: str = "token-mean"
+
+
+def make_value_loss(cfg: ValueLossConfig | None = None) -> LossFn:
+    """The critic's loss: ½ max((V - R)², (V_old + clip(V - V_old, ±c) - R)²), aggregated."""
+    cfg = cfg or ValueLossConfig()
+
+    def loss_fn(outputs: Any, micro_batch: dict[str, torch.Tensor], norm: Normalizer) -> LossOutput:
+        mask = target_mask(micro_batch)
+        values = outputs.logits[:, :-1, 0].float()
+        returns = micro_batch["returns"].float()
+        loss_unclipped = (values - returns) ** 2
+        if cfg.clip:
+            old = micro_batch["values"].float()
+            clipped_values = old + (values - old).clamp(-cfg.clip, cfg.clip)
+            loss_clipped = (clipped_values - returns) ** 2
+            token_loss = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
+            clipped = (loss_clipped > loss_unclipped).float()
+        else:
+            token_loss = 0.5 * loss_unclipped
+            clipped = torch.zeros_like(token_loss)
+        share = aggregate(token_loss, mask, cfg.agg, norm)
+        metrics = {"loss": share.detach(), "critic/vf_loss": share.detach(),
+                   "critic/vf_clip_fraction": aggregate(clipped, mask, "token-mean", norm).detach()}
+        return LossOutput(loss=share * norm.dp_size, metrics=metrics, outputs={"values": values.detach()})
+
+    return loss_fn

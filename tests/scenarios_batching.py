@@ -1,0 +1,94 @@
+"""Micro-batching and loss-normalisation scenarios on real gloo ranks holding different amounts of data."""
+
+from __future__ import annotations
+
+import torch
+
+from scenarios import engine_config, full_grads
+from syncwise.engine import Engine
+from syncwise.losses import AGG_MODES, Normalizer, make_sft_loss, target_mask
+from syncwise.models import build_model
+from syncwise.rl.losses import PolicyLossConfig, make_policy_loss
+
+VOCAB = 512
+SEQ = 24
+
+
+def skewed_batch(rank: int, size: int) -> dict[str, torch.Tensor]:
+    """Long-tailed lengths (most short, a few near SEQ), right-padded, prompt tokens masked out of the loss,
+    plus RL fields (old log-probs near the current ones, per-sequence advantages)."""
+    gen = torch.Generator().manual_seed(1000 + 17 * rank + size)
+    exponential = -torch.log(torch.rand(size, generator=gen)) / 0.25
+    lengths = (4 + exponential).clamp(max=SEQ).long()
+    lengths = torch.where(torch.rand(size, generator=gen) < 0.2, torch.full_like(lengths, SEQ), lengths)
+    input_ids = torch.randint(1, VOCAB, (size, SEQ), generator=gen)
+    attention_mask = (torch.arange(SEQ)[None] < lengths[:, None]).long()
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :3] = 0
+    return {
+        "input_ids": input_ids * attention_mask,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "old_log_probs": -6.0 + 0.3 * torch.randn(size, SEQ - 1, generator=gen),
+        "advantages": torch.randn(size, generator=gen),
+    }
+
+
+def _loss_fn(kind: str, agg: str):
+    if kind == "sft":
+        return make_sft_loss(agg)
+    return make_policy_loss(PolicyLossConfig(kind=kind, agg=agg, clip_low=0.2, clip_high=0.28, dual_clip=3.0))
+
+
+def reference(world_size: int, sizes: list[int], kind: str, agg: str) -> dict[str, torch.Tensor]:
+    """Full-batch gradient over every rank's data, one process, no micro-batches."""
+    torch.manual_seed(0)
+    cfg = engine_config("none", "deferred")
+    model = build_model(cfg.model)
+    batches = [skewed_batch(r, sizes[r]) for r in range(world_size)]
+    batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+    per_sequence = target_mask(batch).sum(dim=1)
+    norm = Normalizer(
+        tokens=float(per_sequence.sum()), sequences=float((per_sequence > 0).sum()), dp_size=1,
+        max_target_len=float(per_sequence.max()),
+    )
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    _loss_fn(kind, agg)(out, batch, norm).loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+CASES = [
+    (kind, agg, budget, mode)
+    for kind, agg in [("sft", a) for a in AGG_MODES] + [("ppo", "token-mean"), ("gspo", "seq-mean-token-mean")]
+    for budget in (0, 40)
+    for mode in ("per_microbatch", "deferred")
+]
+SIZES = [5, 3]  # rank 0 holds 5 samples, rank 1 holds 3
+
+
+def normalisation_suite(info) -> dict:
+    out: dict = {}
+    for kind, agg, budget, mode in CASES:
+        cfg = engine_config(
+            "fsdp2", mode, f"engine.max_tokens_per_micro_batch={budget}", "engine.micro_batch_size=2",
+        )
+        engine = Engine(cfg, build_model(cfg.model), info)
+        result = engine.forward_backward_batch(skewed_batch(info.rank, SIZES[info.rank]), _loss_fn(kind, agg))
+        out[(kind, agg, budget, mode)] = {"grads": full_grads(engine), "n": result.num_microbatches}
+    if info.rank == 0:
+        out["reference"] = {
+            (kind, agg): reference(info.world_size, SIZES, kind, agg) for kind, agg, _, _ in CASES
+        }
+    # One rank with 1 sample, the other with 7: same number of micro-batches, right gradient.
+    lopsided = [1, 7]
+    for mode in ("per_microbatch", "deferred"):
+        cfg = engine_config("fsdp2", mode, "engine.micro_batch_size=2")
+        engine = Engine(cfg, build_model(cfg.model), info)
+        metrics = engine.train_batch(skewed_batch(info.rank, lopsided[info.rank]), make_sft_loss())
+        out[("lopsided", mode)] = metrics
+        engine = Engine(cfg, build_model(cfg.model), info)
+        result = engine.forward_backward_batch(skewed_batch(info.rank, lopsided[info.rank]), make_sft_loss())
+        out[("lopsided_grads", mode)] = (full_grads(engine), result.num_microbatches)
+    if info.rank == 0:
+        out["lopsided_reference"] = reference(info.world_size, lopsided, "sft", "token-mean")
+    return out

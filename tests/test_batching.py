@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from syncwise.batching import (
+    BatchError,
+    imbalance,
+    karmarkar_karp,
+    microbatches_needed,
+    restore_order,
+    split_batch,
+    workloads,
+)
+
+
+def _long_tail(n: int = 64, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = (16 + -torch.log(torch.rand(n, generator=gen)) * 200).long().clamp(max=4096)
+    return lengths
+
+
+def _padded(lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+    width = int(lengths.max())
+    mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    ids = torch.arange(len(lengths))[:, None].expand(-1, width) + 1  # each sample's id in its tokens
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+def test_karmarkar_karp_beats_the_naive_split_on_a_long_tail():
+    lengths = _long_tail()
+    weights = workloads(lengths)
+    for k in (2, 4, 8):
+        kk = karmarkar_karp(weights, k)
+        assert sorted(i for part in kk for i in part) == list(range(len(weights)))
+        naive = [chunk.tolist() for chunk in torch.arange(len(weights)).tensor_split(k)]
+        kk_ratio, naive_ratio = imbalance(weights, kk), imbalance(weights, naive)
+        print(f"k={k}: max/min workload Karmarkar-Karp {kk_ratio:.4f}, consecutive {naive_ratio:.4f}")
+        assert kk_ratio < naive_ratio
+        assert kk_ratio < 1.05
+
+
+def test_karmarkar_karp_small_cases():
+    assert karmarkar_karp([5.0, 5.0, 4.0, 3.0, 3.0], 2) in ([[0, 2], [1, 3, 4]], [[1, 3, 4], [0, 2]],
+                                                            [[0, 3, 4], [1, 2]], [[1, 2], [0, 3, 4]])
+    parts = karmarkar_karp([1.0], 3)
+    assert sorted(map(len, parts)) == [0, 0, 1]
+    assert karmarkar_karp([], 2) == [[], []]
+
+
+def test_split_balanced_restores_order_exactly():
+    lengths = _long_tail(n=23, seed=1)
+    batch = _padded(lengths)
+    micro = split_batch(batch, 5, balance=True)
+    assert len(micro) == 5
+    # Each micro-batch is trimmed to its own longest sequence.
+    for mb in micro:
+        assert mb.data["input_ids"].shape[1] == int(lengths[mb.indices].max())
+    # A per-sample output (its first token = sample id) comes back in the original order.
+    chunks = [mb.data["input_ids"][:, 1:].float() for mb in micro]
+    restored = restore_order(chunks, micro, width=batch["input_ids"].shape[1] - 1)
+    assert torch.equal(restored, batch["input_ids"][:, 1:].float())
+
+
+def test_split_gives_empty_microbatches_when_samples_run_out():
+    batch = _padded(torch.tensor([5, 3]))
+    micro = split_batch(batch, 4)
+    assert [mb.indices.tolist() for mb in micro] == [[0], [1], [], []]
+    assert micro[2].data is None and micro[3].data is None
+    restored = restore_order([mb.data["input_ids"] for mb in micro[:2]], micro, width=5)
+    assert torch.equal(restored, batch["input_ids"])
+
+
+def test_per_target_tensors_are_trimmed_to_width_minus_one():
+    batch = _padded(torch.tensor([3, 2, 8]))
+    batch["advantages"] = torch.randn(3, 7)  # per target token: T - 1 columns
+    batch["scores"] = torch.randn(3)
+    micro = split_batch(batch, 2)
+    first = micro[0].data  # samples 0 and 1, longest 3
+    assert first["input_ids"].shape == (2, 3)
+    assert first["advantages"].shape == (2, 2)
+    assert first["scores"].shape == (2,)
+
+
+def test_microbatches_needed():
+    batch = _padded(torch.tensor([10, 30, 20]))
+    assert microbatches_needed(batch, micro_batch_size=2) == 2
+    assert microbatches_needed(batch, micro_batch_size=2, max_tokens=30) == 2  # ceil(60 / 30)
+    assert microbatches_needed(batch, micro_batch_size=2, max_tokens=40) == 2
+    assert microbatches_needed(batch, micro_batch_size=2, max_tokens=59) == 2
+    assert microbatches_needed(_padded(torch.tensor([10, 30, 21])), 2, max_tokens=30) == 3
+    with pytest.raises(BatchError, match="a sequence of 30 tokens exceeds engine.max_tokens_per_micro_batch=25"):
+        microbatches_needed(_padded(torch.tensor([30])), micro_batch_size=1, max_tokens=25)
