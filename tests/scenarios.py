@@ -252,6 +252,7 @@ def engine_suite(info) -> dict:
     # State dict round trip into a fresh engine.
     other = Engine(cfg, build_model(cfg.model), info)
     other.load_state_dict(engine.state_dict())
+    other.load_engine_state(engine.engine_state())
     out["state_dict_equal"] = all(
         torch.equal(a, b) for a, b in zip(full_params(engine).values(), full_params(other).values(), strict=True)
     )

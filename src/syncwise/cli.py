@@ -1,4 +1,4 @@
-"""``syncwise`` command line: ``sft`` (a training job), ``bench`` (modes side by side), ``plan`` (costs).
+"""``syncwise`` command line: ``train`` (GRPO), ``sft``, ``bench`` (modes side by side), ``plan`` (costs).
 
 Run directly, it spawns ``dist.nproc`` local ranks itself; under ``torchrun`` it runs as the rank torchrun
 made (``torchrun --nproc-per-node 2 -m syncwise sft ...``).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .config import ConfigError, config_to_dict, load_config
 from .distributed import launch_local, launched_by_torchrun
@@ -21,8 +22,10 @@ def _split_args(values: list[str]) -> tuple[str | None, list[str]]:
     return path, values
 
 
-def _run_job(worker, args: argparse.Namespace) -> int:
+def _run_job(worker, args: argparse.Namespace, default_config: str | None = None) -> int:
     path, overrides = _split_args(args.args)
+    if path is None and default_config is not None:
+        path = str(Path(__file__).parent / "configs" / default_config)
     try:
         config = load_config(path, overrides)
     except ConfigError as exc:
@@ -39,6 +42,8 @@ def _run_job(worker, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="syncwise", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="GRPO job (default: configs/grpo.yaml, the built-in task and model)")
+    train.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
     sft = sub.add_parser("sft", help="supervised fine-tuning job (the built-in task by default)")
     sft.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
     bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
@@ -66,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "plan":
         return _run_plan(args)
+    if args.command == "train":
+        from .rl.trainer import train_worker
+
+        return _run_job(train_worker, args, default_config="grpo.yaml")
     if args.command == "sft":
         from .sft import sft_worker
 

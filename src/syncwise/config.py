@@ -81,6 +81,8 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     momentum: float = 0.0
     grad_clip: float = 1.0
+    warmup_steps: int = 0  # linear warm-up from 0
+    schedule: str = "constant"  # constant | cosine (decays to 10% over the job's steps)
 
 
 @dataclass
@@ -106,6 +108,41 @@ class SFTConfig:
 
 
 @dataclass
+class RLConfig:
+    """GRPO: the task, rollouts, advantages and the policy loss (`syncwise train`)."""
+
+    task: str = "target"  # built-in task (syncwise.rl.tasks.TASKS); ignored when dataset is set
+    dataset: str | None = None  # JSONL or Parquet with a "prompt" column (other columns reach the reward)
+    reward_fn: str | None = None  # "package.module:function"; runs with the job's rights
+    tokenizer: str | None = None  # local tokenizer dir (default: model.path, or the built-in one)
+    prompts_per_rank: int = 4  # prompts each rank takes per step
+    samples_per_prompt: int = 8  # the GRPO group size
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    advantage: str = "grpo"  # grpo | drgrpo | rloo
+    loss: str = "ppo"  # ppo | gspo | pg | cispo
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    loss_agg: str = "token-mean"
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial model
+    kl_estimator: str = "k3"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    seed: int = 0
+    out_dir: str = "runs/grpo"
+    logger: str = "jsonl"  # jsonl | tensorboard (also writes TensorBoard event files)
+    progress: bool = True  # a progress bar on rank 0
+    checkpoint_every: int = 20  # 0: only the final checkpoint
+    resume: str = "none"  # none | auto (from <out_dir>/checkpoints/latest) | a checkpoint directory
+    export: bool = True  # write a Hugging Face model (safetensors) to <out_dir>/export at the end
+    max_consecutive_skips: int = 5  # stop (with a checkpoint) after this many non-finite steps in a row
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -113,6 +150,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> Config:
         _choice("engine.strategy", self.engine.strategy, STRATEGIES)
@@ -121,6 +160,24 @@ class Config:
         _choice("model.reduce_dtype", self.model.reduce_dtype, DTYPES)
         _choice("optim.name", self.optim.name, OPTIMIZERS)
         _choice("dist.backend", self.dist.backend, BACKENDS)
+        _choice("optim.schedule", self.optim.schedule, ("constant", "cosine"))
+        _choice("rl.advantage", self.rl.advantage, ("grpo", "drgrpo", "rloo"))
+        _choice("rl.loss", self.rl.loss, ("ppo", "gspo", "pg", "cispo"))
+        _choice(
+            "rl.loss_agg", self.rl.loss_agg,
+            ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+        )
+        _choice("rl.kl_estimator", self.rl.kl_estimator, ("k1", "k2", "k3"))
+        _choice("train.logger", self.train.logger, ("jsonl", "tensorboard"))
+        _positive("train.steps", self.train.steps)
+        _positive("rl.prompts_per_rank", self.rl.prompts_per_rank)
+        _positive("rl.samples_per_prompt", self.rl.samples_per_prompt)
+        _positive("rl.max_new_tokens", self.rl.max_new_tokens)
+        _positive("rl.temperature", self.rl.temperature)
+        if self.rl.advantage == "rloo" and self.rl.samples_per_prompt < 2:
+            raise ConfigError("rl.advantage=rloo needs rl.samples_per_prompt >= 2")
+        if self.train.checkpoint_every < 0:
+            raise ConfigError(f"train.checkpoint_every: must be >= 0, got {self.train.checkpoint_every}")
         _positive("engine.micro_batch_size", self.engine.micro_batch_size)
         if self.engine.max_tokens_per_micro_batch < 0:
             raise ConfigError(

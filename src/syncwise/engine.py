@@ -84,11 +84,22 @@ class Engine:
     identical on every rank) to wrap it instead.
     """
 
-    def __init__(self, config: Config, model: nn.Module | None = None, info: DistInfo | None = None):
+    def __init__(
+        self,
+        config: Config,
+        model: nn.Module | None = None,
+        info: DistInfo | None = None,
+        *,
+        trainable: bool = True,
+        total_steps: int | None = None,
+    ):
+        """``trainable=False`` builds a forward-only engine (a frozen reference model: no optimizer).
+        ``total_steps`` sets the length of ``optim.schedule=cosine``."""
         self.config = config.validate()
         self.info = info or init_distributed(config.dist.backend, config.dist.timeout_s)
         self.sync_mode = SyncMode(config.sync.mode)  # as configured; may be AUTO
         raw = model if model is not None else build_model(config.model)
+        self.hf_config = raw.config  # the unwrapped model's Hugging Face config (for exports, rollouts)
         mesh = None
         if config.engine.strategy in ("fsdp2", "fsdp1"):
             mesh = build_mesh(self.info, config.engine.hsdp_replicas)
@@ -96,7 +107,11 @@ class Engine:
         check_mode(self.sync_mode, config.engine.strategy, hsdp)
         self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh)
         self.model = self.wrapped.module
-        self.optimizer = build_optimizer(self.model.parameters(), config.optim)
+        self.trainable = trainable
+        self.optimizer = build_optimizer(self.model.parameters(), config.optim) if trainable else None
+        self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps) if trainable else None
+        if not trainable:
+            self.model.requires_grad_(False)
         self.step = 0
         self.skipped_steps = 0
         self.memory_model = sharded_model_of(
@@ -136,6 +151,8 @@ class Engine:
         """
         if not forward_only and loss_fn is None:
             raise ValueError("forward_backward_batch: a loss_fn is needed unless forward_only=True")
+        if not forward_only and not self.trainable:
+            raise ValueError("this engine was built with trainable=False: forward_only passes only")
         batch = {k: v.to(self.info.device) for k, v in batch.items()} if _is_batch(batch) else batch
         micro_batches, norm = self._prepare(batch)
         target_width = batch["input_ids"].shape[1] - 1
@@ -241,7 +258,8 @@ class Engine:
     def _recover_from_error(self) -> None:
         """After an exception mid-step: drop partial gradients (also FSDP2's unsynced ones) and FSDP2's
         per-iteration state, so the next step starts clean."""
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         for unit in fsdp2_units(self.model):
             if unit._get_fsdp_state()._is_root and hasattr(unit, "reset_iter_state"):
                 unit.reset_iter_state()
@@ -283,6 +301,7 @@ class Engine:
             grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
             torch._foreach_mul_(grads, clip / (norm_value + 1e-6))
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return norm_value
@@ -324,6 +343,7 @@ class Engine:
                 "train/num_microbatches": result.num_microbatches,
                 "batch/workload_imbalance": result.workload_imbalance,
                 "train/step_time_s": elapsed,
+                "train/lr": self.scheduler.get_last_lr()[0],
                 "sync/mode": mode.value,
                 **memory,
             }
@@ -442,18 +462,69 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state (sharded DTensors under FSDP2), for ``torch.distributed.checkpoint``."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd, "engine": {"step": self.step}}
+        return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state["model"])
+            return
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
-        self.step = int(state.get("engine", {}).get("step", self.step))
+
+    def engine_state(self) -> dict[str, Any]:
+        """Everything else a resumed run needs to continue exactly (JSON-serialisable): the step count,
+        the LR schedule's position, and auto's decision and measured base, so the resumed run does not
+        re-measure in another mode."""
+        state: dict[str, Any] = {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "active_mode": self.active_mode.value,
+            "base_peak": self._base_peak,
+        }
+        if self.auto is not None:
+            state["auto"] = {
+                "base_peak": self.auto.base_peak, "ceiling": self.auto.ceiling, "mode": self.auto.mode.value,
+                "decisions": self.auto.decisions,
+            }
+        return state
+
+    def load_engine_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.active_mode = SyncMode(state["active_mode"])
+        self._base_peak = state.get("base_peak")
+        if self.auto is not None and state.get("auto"):
+            auto = state["auto"]
+            self.auto.base_peak, self.auto.ceiling = auto["base_peak"], int(auto["ceiling"])
+            self.auto.mode, self.auto.decisions = SyncMode(auto["mode"]), list(auto["decisions"])
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int | None
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warm-up over ``warmup_steps``, then constant or cosine decay to 10% at ``total_steps``."""
+    warmup = cfg.warmup_steps
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if cfg.schedule == "cosine" and total_steps:
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def _workload_imbalance(micro_batches: list[MicroBatch], linear_coef: float) -> float:

@@ -38,3 +38,49 @@ def format_step(metrics: dict[str, Any], total_steps: int) -> str:
         f"AR {metrics['comm/all_reduce_count']} ({metrics['sync/mode']}) | "
         f"{metrics['train/step_time_s']:.2f} s"
     )
+
+
+class TensorBoardLogger:
+    """Scalar metrics as TensorBoard event files (via tensorboardX, no TensorFlow needed)."""
+
+    def __init__(self, log_dir: str | Path):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as exc:  # pragma: no cover - an install problem, reported plainly
+            raise RuntimeError("train.logger=tensorboard needs the tensorboardX package") from exc
+        self._writer = SummaryWriter(str(log_dir))
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        step = int(metrics.get("train/step", 0))
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def plot_curves(
+    rows: list[dict[str, Any]], path: str | Path, keys: tuple[str, ...] = ("reward/mean", "loss")
+) -> Path:
+    """A PNG with one panel per metric against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
+    for ax, key in zip(axes if len(keys) > 1 else [axes], keys, strict=True):
+        points = [(r["train/step"], r[key]) for r in rows if key in r]
+        if points:
+            steps, values = zip(*points, strict=True)
+            ax.plot(steps, values, marker=".", linewidth=1)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

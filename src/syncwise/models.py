@@ -27,6 +27,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         model_type="qwen2", vocab_size=4096, hidden_size=512, intermediate_size=1408,
         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
     ),
+    # ~0.3M params with the built-in 17-token vocabulary: the default GRPO job (vocab set by the tokenizer).
+    "qwen2-grpo": dict(
+        model_type="qwen2", vocab_size=17, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    ),
     "llama-test": dict(
         model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -43,14 +48,15 @@ def preset_config(name: str, **overrides: Any):
     return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
-def build_model(cfg: ModelConfig) -> PreTrainedModel:
-    """Instantiate the model in fp32 on CPU, with identical weights on every rank (seeded init)."""
+def build_model(cfg: ModelConfig, **config_overrides: Any) -> PreTrainedModel:
+    """Instantiate the model in fp32 on CPU, with identical weights on every rank (seeded init).
+    ``config_overrides`` adjust a preset (e.g. ``vocab_size`` to match a tokenizer)."""
     if cfg.path:
         return AutoModelForCausalLM.from_pretrained(
             cfg.path, local_files_only=True, dtype=torch.float32,
             attn_implementation=cfg.attn_implementation,
         )
-    hf_config = preset_config(cfg.preset)
+    hf_config = preset_config(cfg.preset, **config_overrides)
     hf_config._attn_implementation = cfg.attn_implementation
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)

@@ -1,0 +1,160 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): atomic, resumable, reshardable; HF export.
+
+Layout under the checkpoint root::
+
+    step_000020/dcp/...        model + optimizer, sharded (DCP reshards on load: any world size)
+    step_000020/trainer.json   step, data position, LR schedule, auto-sync state (rank 0)
+    step_000020/rank{r}.pt     that rank's RNG states (tensors only, loaded with weights_only=True)
+    latest                     the name of the newest complete checkpoint, written last
+
+A checkpoint is written into ``.tmp-step_...`` and renamed only when every rank has finished, then
+``latest`` is replaced atomically: a crash mid-write leaves ``latest`` on the previous complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .engine import Engine
+
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or unreadable; the message names the file."""
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors (so they load with ``weights_only=True``)."""
+    version, internal, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(), "python": torch.tensor(internal, dtype=torch.int64),
+             "python_version": torch.tensor(version)}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((int(state["python_version"]), tuple(int(x) for x in state["python"].tolist()), None))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class CheckpointManager:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def save(self, step: int, engine: Engine, trainer_state: dict[str, Any]) -> Path:
+        """Collective: every rank calls it. Returns the final directory."""
+        rank, world = _rank_world()
+        name = f"step_{step:06d}"
+        tmp, final = self.root / f".tmp-{name}", self.root / name
+        if rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        _barrier()
+        dcp.save(engine.state_dict(), checkpoint_id=str(tmp / "dcp"))
+        torch.save(rng_state(), tmp / f"rank{rank}.pt")
+        if rank == 0:
+            state = {"trainer": trainer_state, "engine": engine.engine_state(), "world_size": world}
+            (tmp / "trainer.json").write_text(json.dumps(state, indent=1))
+        _barrier()
+        if rank == 0:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomic(self.root / LATEST, name)
+        _barrier()
+        return final
+
+    def resolve(self, resume: str) -> Path | None:
+        """``none`` -> None; ``auto`` -> the checkpoint ``latest`` names (None if there is none yet); else
+        the given directory, which must exist."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            pointer = self.root / LATEST
+            if not pointer.is_file():
+                return None
+            path = self.root / pointer.read_text().strip()
+            if not path.is_dir():
+                raise CheckpointError(f"{pointer} names {path.name}, which does not exist")
+            return path
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"train.resume: checkpoint directory not found: {resume}")
+        return path
+
+    def load(self, path: Path, engine: Engine) -> dict[str, Any]:
+        """Collective. Restores model, optimizer and engine state; RNG states when the world size matches.
+        Returns the trainer state."""
+        rank, world = _rank_world()
+        meta = path / "trainer.json"
+        if not meta.is_file():
+            raise CheckpointError(f"{meta}: missing (incomplete checkpoint)")
+        try:
+            saved = json.loads(meta.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{meta}: unreadable ({exc})") from exc
+        state = engine.state_dict()
+        try:
+            dcp.load(state, checkpoint_id=str(path / "dcp"))
+        except Exception as exc:  # DCP raises many kinds for truncated or missing shards
+            raise CheckpointError(f"{path / 'dcp'}: cannot load model/optimizer state ({exc})") from exc
+        engine.load_state_dict(state)
+        engine.load_engine_state(saved["engine"])
+        rank_file = path / f"rank{rank}.pt"
+        if saved["world_size"] == world and rank_file.is_file():
+            set_rng_state(torch.load(rank_file, weights_only=True))
+        return saved["trainer"]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def export_hf(engine: Engine, tokenizer, out_dir: str | Path) -> Path | None:
+    """Collective: write a Hugging Face model (safetensors + config) and tokenizer to ``out_dir`` on rank 0.
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rank, _ = _rank_world()
+    out = Path(out_dir)
+    if rank == 0:
+        model = AutoModelForCausalLM.from_config(engine.hf_config)
+        model.load_state_dict(full)
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+    _barrier()
+    return out if rank == 0 else None

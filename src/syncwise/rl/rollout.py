@@ -1,0 +1,80 @@
+"""Rollouts: sample responses with Hugging Face ``generate`` from a local, unsharded copy of the policy.
+
+Like verl's rollout worker, each rank keeps an inference copy of the model and refreshes its weights
+from the sharded training model before each step (one gather of the full parameters), then generates
+without any collective. The samples come back as a right-padded training batch: prompt tokens, then the
+response up to and including its end-of-sequence token, with ``loss_mask`` on the response.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from ..config import RLConfig
+from ..engine import Engine
+from .tasks import PromptSource
+
+
+class Rollout:
+    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, cfg: RLConfig):
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.model = AutoModelForCausalLM.from_config(engine.hf_config).to(engine.info.device).eval()
+        self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def sync_weights(self) -> None:
+        """Copy the current (sharded) policy into the local inference model."""
+        full = get_model_state_dict(self.engine.model, options=StateDictOptions(full_state_dict=True))
+        self.model.load_state_dict(full)
+
+    @torch.no_grad()
+    def generate(self, rows: list[dict[str, Any]], source: PromptSource) -> tuple[dict[str, torch.Tensor], dict]:
+        """``samples_per_prompt`` responses per row; returns the training batch and rewards / texts.
+
+        Samples of one prompt are consecutive (the GRPO group)."""
+        tok, n = self.tokenizer, self.cfg.samples_per_prompt
+        device = self.engine.info.device
+        encoded = tok([row["prompt"] for row in rows], return_tensors="pt", padding=True).to(device)
+        out = self.model.generate(
+            **encoded, do_sample=True, temperature=self.cfg.temperature, top_k=0, top_p=1.0,
+            max_new_tokens=self.cfg.max_new_tokens, num_return_sequences=n,
+            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        )
+        width = encoded["input_ids"].shape[1]
+        sequences, response_masks, rewards, responses = [], [], [], []
+        for i, generated in enumerate(out):
+            row = rows[i // n]
+            prompt_mask = encoded["attention_mask"][i // n].bool()
+            prompt_ids = encoded["input_ids"][i // n][prompt_mask]
+            response_ids = _until_eos(generated[width:], tok.eos_token_id)
+            text = tok.decode(response_ids, skip_special_tokens=True)
+            rewards.append(float(source.reward_fn(row["prompt"], text, row)))
+            responses.append(text)
+            sequences.append(torch.cat([prompt_ids, response_ids]))
+            response_masks.append(torch.cat([torch.zeros_like(prompt_ids), torch.ones_like(response_ids)]))
+        total = max(len(s) for s in sequences)
+        batch = {
+            "input_ids": _right_pad(sequences, total, tok.pad_token_id),
+            "attention_mask": _right_pad([torch.ones_like(s) for s in sequences], total, 0),
+            "loss_mask": _right_pad(response_masks, total, 0),
+        }
+        info = {
+            "rewards": torch.tensor(rewards),
+            "responses": responses,
+            "response_lengths": torch.tensor([int(m.sum()) for m in response_masks]),
+        }
+        return {k: v.cpu() for k, v in batch.items()}, info
+
+
+def _until_eos(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """The response up to and including its first end-of-sequence token (generate pads after it)."""
+    hits = (ids == eos_id).nonzero()
+    return ids[: int(hits[0]) + 1] if hits.numel() else ids
+
+
+def _right_pad(rows: list[torch.Tensor], width: int, value: int) -> torch.Tensor:
+    return torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=value) for r in rows])
