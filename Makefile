@@ -1,4 +1,4 @@
-# Two commands for a fresh machine: `make demo` (set up + the default job on 2 local CPU ranks)
+# Two commands for a fresh machine: `make demo` (set up + the default GRPO job on 2 local CPU ranks)
 # and `make test` (set up + lint + the test suite). Everything installs into ./.venv.
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +20,7 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 demo: $(BIN)/.installed
-	$(BIN)/syncwise sft
+	$(BIN)/syncwise train
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests

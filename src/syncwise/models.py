@@ -28,8 +28,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
     ),
     # ~0.3M params with the built-in 17-token vocabulary: the default GRPO job (vocab set by the tokenizer).
-    "qwen2-grpo": dict(
-        model_type="qwen2", vocab_size=17, hidden_size=128, intermediate_size=256,
+    # Llama rather than Qwen2: transformers' AutoTokenizer forces Qwen2's own tokenizer class on qwen2
+    # exports, which would re-tokenize the built-in word-level vocabulary.
+    "llama-grpo": dict(
+        model_type="llama", vocab_size=17, hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     ),
     "llama-test": dict(
