@@ -133,3 +133,52 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
     assert "fsdp2 on 2 rank(s)" in outputs[0][0]
     rows = read_jsonl(tmp_path / "multi" / "metrics.jsonl")
     assert [r["train/step"] for r in rows] == [1, 2]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_user_model_dataset_and_reward_function(tmp_path, fmt):
+    """A local HF model directory with its tokenizer, a prompt file and a reward given as an import path."""
+    import json
+
+    from syncwise.config import ModelConfig
+    from syncwise.models import build_model
+    from syncwise.rl.tasks import builtin_tokenizer
+
+    tokenizer = builtin_tokenizer()
+    model_dir = tmp_path / "model"
+    build_model(ModelConfig(preset="llama-grpo"), vocab_size=len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    rows = [{"prompt": f"answer is {d} :", "wanted": str(d)} for d in range(10)]
+    if fmt == "jsonl":
+        data = tmp_path / "prompts.jsonl"
+        data.write_text("\n".join(json.dumps(r) for r in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        data = tmp_path / "prompts.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), data)
+    (tmp_path / "my_rewards.py").write_text(
+        "def exact(prompt, response, row):\n    return float(response.split()[:1] == [row['wanted']])\n"
+    )
+    env = {**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ENV.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "syncwise", "train", f"model.path={model_dir}", f"rl.dataset={data}",
+         "rl.reward_fn=my_rewards:exact", f"train.out_dir={tmp_path / 'out'}", "train.steps=2",
+         "train.checkpoint_every=0", "train.export=false", *SHORT],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"GRPO on {data}" in proc.stdout
+    rows_logged = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert len(rows_logged) == 2 and all(0.0 <= r["reward/mean"] <= 1.0 for r in rows_logged)
+
+
+def test_bad_reward_function_is_a_clear_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "syncwise", "train", "rl.reward_fn=no_such_module:f", f"train.out_dir={tmp_path}",
+         "train.steps=1", *SHORT],
+        env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode != 0
+    assert "rl.reward_fn: cannot import 'no_such_module:f'" in proc.stderr
