@@ -19,7 +19,7 @@ def test_expected_counts_variants():
     assert expected_collectives("deferred", 8, 3, reshard_after_forward=False)["all_gather"] == 24
     hsdp = expected_collectives("per_microbatch", 2, 3, hsdp=True, engine_all_reduces=3)
     assert hsdp["all_reduce"] == 3 + 6
-    assert expected_collectives("deferred", 2, 3, hsdp=True)["all_reduce"] == 4 + 3
+    assert expected_collectives("deferred", 2, 3, hsdp=True)["all_reduce"] == 3 + 3
     with pytest.raises(ValueError, match="mode 'lazy'"):
         expected_collectives("lazy", 2, 3)
     with pytest.raises(ValueError):

@@ -227,7 +227,7 @@ def expected_collectives(
     reshard_after_forward: bool = True,
     unsharded_forward: bool = False,
     hsdp: bool = False,
-    engine_all_reduces: int = 4,
+    engine_all_reduces: int = 3,
 ) -> dict[str, int]:
     """Collectives one engine step (FSDP1 or FSDP2, U units, N micro-batches) should issue.
 
@@ -236,7 +236,7 @@ def expected_collectives(
     ``U + (U - 1) N``, or ``U`` with ``unsharded_forward``. Reduce-scatters ``U N`` for
     ``per_microbatch`` and ``replica_deferred``, ``U`` otherwise. HSDP replica all-reduces ``U N`` for
     ``per_microbatch``, ``U`` otherwise. Plus ``engine_all_reduces``: the engine's own (loss normaliser,
-    gradient norm, metrics, agreed memory peak). See :func:`step_traffic` for the schedule behind it.
+    gradient norm, metrics with the memory peak). See :func:`step_traffic` for the schedule behind it.
     """
     if num_units < 1:
         raise ValueError("num_microbatches and num_units must be >= 1")

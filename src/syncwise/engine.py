@@ -5,8 +5,8 @@ Data flow of :meth:`Engine.train_batch` (one optimizer step on this rank's share
     zero grads -> split into micro-batches -> global normaliser (one all-reduce)
     -> for each micro-batch: with apply_policy(model, microbatch_policy(mode, i, n)): forward, loss, backward
     -> optimizer_step: grad norm (one all-reduce), clip, skip if non-finite, step
-    -> metrics (one all-reduce) and the memory peak (one all-reduce, max), every collective counted and
-       checked against the mode's formula
+    -> metrics and the memory peak (one all-reduce), every collective counted and checked against the
+       mode's formula
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ class Engine:
         self.info = info or init_distributed(config.dist.backend, config.dist.timeout_s)
         self.sync_mode = SyncMode(config.sync.mode)  # as configured; may be AUTO
         raw = model if model is not None else build_model(config.model)
-        self.hf_config = raw.config  # the unwrapped model's Hugging Face config (for exports, rollouts)
+        # The unwrapped model's Hugging Face config (exports, rollouts); None for a plain nn.Module.
+        self.hf_config = getattr(raw, "config", None)
         mesh = None
         if config.engine.strategy in ("fsdp2", "fsdp1"):
             mesh = build_mesh(self.info, config.engine.hsdp_replicas)
@@ -332,8 +333,9 @@ class Engine:
                     grad_norm = self.optimizer_step()
             finally:
                 self._peak_meter = None
-            metrics = self._reduce_metrics(result.metrics)
-            memory = self._memory_metrics(result, meter, mode)
+            local_peak, measured = self._local_peak(result, meter)
+            metrics, peak = self._reduce_step(result.metrics, local_peak)
+            memory = self._memory_metrics(result, peak, measured, mode)
         elapsed = time.perf_counter() - start
         metrics.update(
             {
@@ -369,32 +371,29 @@ class Engine:
             return PeakMeter(self.model, self.optimizer, self.info.device)
         return None
 
+    def _local_peak(self, result: ForwardBackwardResult, meter: PeakMeter | None) -> tuple[int | None, int]:
+        """This rank's memory peak for the step and whether it was measured (1) or estimated (0): on CPU
+        between measured steps, the last measured base plus the sync bytes measured from the tensors.
+        (None for FSDP1 on CPU, where the tracker cannot follow its flat-parameter views.)"""
+        if not self.peak_measurable:
+            return None, 0
+        if meter is not None:
+            return meter.peak, 1
+        baseline = self.memory_model.retained_grad_bytes(SyncMode.PER_MICROBATCH, result.num_microbatches)
+        held_extra = max(0, result.retained_grad_bytes - baseline) + result.unsharded_param_bytes
+        return self._base_peak + held_extra, 0
+
     def _memory_metrics(
-        self, result: ForwardBackwardResult, meter: PeakMeter | None, mode: SyncMode
+        self, result: ForwardBackwardResult, peak: int | None, measured: int, mode: SyncMode
     ) -> dict[str, Any]:
-        """Memory of the step. The peak is measured (``memory/peak_measured`` = 1) or, on CPU between
-        measured steps, the last measured base plus the sync bytes measured from the tensors this step.
-        It is agreed over ranks (max) so that ``auto`` decides the same on every rank. (No peak for FSDP1
-        on CPU, where the tracker cannot follow its flat-parameter views.)"""
         memory: dict[str, Any] = {
             "memory/retained_grad_bytes": result.retained_grad_bytes,
             "memory/unsharded_param_bytes": result.unsharded_param_bytes,
         }
-        if not self.peak_measurable:
+        if peak is None:
             return memory
-        n = result.num_microbatches
-        baseline = self.memory_model.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)
-        held_extra = max(0, result.retained_grad_bytes - baseline) + result.unsharded_param_bytes
-        if meter is not None:
-            peak, measured = meter.peak, 1
-        else:
-            peak, measured = self._base_peak + held_extra, 0
-        agreed = torch.tensor([float(peak)], dtype=torch.float64, device=self.info.device)
-        if dist.is_initialized():
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        peak = int(agreed.item())
         if measured:
-            self._base_peak = peak - self.memory_model.extra_bytes(mode, n)
+            self._base_peak = peak - self.memory_model.extra_bytes(mode, result.num_microbatches)
         memory.update({"memory/peak_bytes": peak, "memory/peak_measured": measured})
         if self.auto is not None:
             memory["memory/budget_bytes"] = self.auto.budget
@@ -424,15 +423,23 @@ class Engine:
             self._warned_mismatch = True
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def _reduce_metrics(self, local: dict[str, float]) -> dict[str, float]:
-        """Sum loss metrics over DP ranks in one all-reduce (keys sorted so every rank packs alike)."""
+    def _reduce_step(self, local: dict[str, float], peak: int | None) -> tuple[dict[str, float], int | None]:
+        """One all-reduce (sum) for a step's loss metrics and, in one slot per rank, its memory peak, whose
+        max every rank then takes: the same agreed peak everywhere, so ``auto`` decides alike. Keys are
+        sorted so every rank packs alike."""
         keys = sorted(local)
-        if not keys:
-            return {}
-        values = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.info.device)
-        if dist.is_initialized() and self.wrapped.dp_size > 1:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        values = torch.zeros(len(keys) + world, dtype=torch.float64)
+        values[: len(keys)] = torch.tensor([local[k] for k in keys], dtype=torch.float64)
+        if peak is not None:
+            values[len(keys) + rank] = peak
+        if dist.is_initialized() and world > 1:
+            values = values.to(self.info.device)
             dist.all_reduce(values)
-        return dict(zip(keys, values.cpu().tolist(), strict=True))
+            values = values.cpu()
+        metrics = dict(zip(keys, values[: len(keys)].tolist(), strict=True))
+        return metrics, (int(values[len(keys) :].max()) if peak is not None else None)
 
     def expected_collectives(self, num_microbatches: int, mode: SyncMode | None = None) -> dict[str, int] | None:
         """The collective counts one ``train_batch`` in ``mode`` (default: the active one) should produce
@@ -446,8 +453,7 @@ class Engine:
             reshard_after_forward=self.config.engine.reshard_after_forward,
             unsharded_forward=self.config.sync.unsharded_forward,
             hsdp=self.wrapped.hsdp,
-            # loss normaliser, grad norm, metrics, and the agreed memory peak where one is measured
-            engine_all_reduces=3 + self.peak_measurable,
+            engine_all_reduces=3,  # loss normaliser, grad norm, metrics with the memory peak
         )
 
     # ----------------------------------------------------------------------------------------------
@@ -457,7 +463,7 @@ class Engine:
     def eval_batch(self, batch: Batch, loss_fn: LossFn | None = None) -> ForwardBackwardResult:
         """Forward-only pass (log-probs, validation loss). Never touches gradients or sync state."""
         result = self.forward_backward_batch(batch, loss_fn, forward_only=True)
-        result.metrics = self._reduce_metrics(result.metrics)
+        result.metrics = self._reduce_step(result.metrics, None)[0]
         return result
 
     def state_dict(self) -> dict[str, Any]:
