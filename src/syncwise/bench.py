@@ -1,8 +1,17 @@
-"""``syncwise bench``: step time, collectives and retained gradient bytes of each sync mode, side by side.
+"""``syncwise bench``: step time, communication and memory of every sync mode, side by side, with baselines.
 
-Every configuration (model x micro-batches x mode) gets its own engine; one round times one step of each,
-in an order rotated every round, so machine drift hits all configurations alike. Ratios are taken against
-``per_microbatch`` at the same model and micro-batch count, from the same run.
+Per model preset and micro-batch count it builds one engine per mode (and one under ``auto``), plus two
+baselines on the same model and data:
+
+- ``raw_fsdp2``: a minimal hand-written FSDP2 loop (``fully_shard`` + AdamW, sync deferred by hand with
+  ``set_requires_gradient_sync``), to show the engine's own overhead;
+- ``compute_floor``: the same per-rank work on an unwrapped local model (world size 1 per rank, no
+  communication), run at the same time on every rank so the CPU is shared alike: the limit any mode
+  can approach.
+
+Every round times one step of each configuration, in an order rotated each round, so machine drift hits
+all alike. Ratios come from the same run. Results: ``bench.json`` (every sample), ``bench.md`` (table) and
+PNG plots.
 """
 
 from __future__ import annotations
@@ -10,25 +19,31 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 
 from .config import load_config
-from .distributed import DistInfo
+from .distributed import DistInfo, run_rank
 from .engine import Engine
 from .losses import sft_loss
-from .models import build_model, count_parameters
+from .models import build_model, count_parameters, decoder_layers
+
+ENGINE_MODES = ("per_microbatch", "deferred", "deferred_unsharded", "auto")
+BASELINES = ("raw_fsdp2", "compute_floor")
 
 
 @dataclass
 class BenchSpec:
     presets: list[str] = field(default_factory=lambda: ["qwen2-tiny", "qwen2-20m"])
     microbatches: list[int] = field(default_factory=lambda: [2, 4, 8])
-    modes: list[str] = field(default_factory=lambda: ["per_microbatch", "deferred", "deferred_unsharded"])
-    strategy: str = "fsdp2"
+    modes: list[str] = field(default_factory=lambda: list(ENGINE_MODES))
+    baselines: bool = True
     seq_len: int = 64
     warmup: int = 2
     repeats: int = 5
@@ -44,90 +59,263 @@ def _batch(num_samples: int, seq_len: int, vocab: int, rank: int) -> dict[str, t
     return {"input_ids": torch.randint(0, vocab, (num_samples, seq_len), generator=gen)}
 
 
+class RawFSDP2Loop:
+    """What a user would write by hand: per-layer ``fully_shard``, AdamW, token-mean loss over the global
+    batch, gradient sync only on the last micro-batch."""
+
+    def __init__(self, preset: str, info: DistInfo):
+        cfg = load_config(None, [f"model.preset={preset}"])
+        self.model = build_model(cfg.model).to(info.device)
+        for layer in decoder_layers(self.model):
+            fully_shard(layer)
+        fully_shard(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr)
+        self.world = info.world_size
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        ids = batch["input_ids"]
+        global_tokens = ids[:, 1:].numel() * self.world
+        for i in range(len(ids)):
+            self.model.set_requires_gradient_sync(i == len(ids) - 1)
+            logits = self.model(input_ids=ids[i : i + 1]).logits
+            loss = F.cross_entropy(logits[0, :-1].float(), ids[i, 1:], reduction="sum")
+            (loss / global_tokens * self.world).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class ComputeFloor:
+    """The same per-rank forward/backward/AdamW work on an unwrapped model: no communication at all."""
+
+    def __init__(self, preset: str, info: DistInfo):
+        cfg = load_config(None, [f"model.preset={preset}"])
+        self.model = build_model(cfg.model).to(info.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr)
+
+    def step(self, batch: dict[str, torch.Tensor]) -> None:
+        ids = batch["input_ids"]
+        for i in range(len(ids)):
+            logits = self.model(input_ids=ids[i : i + 1]).logits
+            loss = F.cross_entropy(logits[0, :-1].float(), ids[i, 1:], reduction="sum")
+            (loss / ids[:, 1:].numel()).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _engine(preset: str, mode: str, info: DistInfo) -> Engine:
+    cfg = load_config(None, [f"model.preset={preset}", "engine.strategy=fsdp2", f"sync.mode={mode}",
+                             "engine.micro_batch_size=1"])
+    return Engine(cfg, build_model(cfg.model), info)
+
+
 def run_bench(info: DistInfo, spec: BenchSpec) -> list[dict[str, Any]]:
     """Run every configuration; returns one record per configuration (on every rank)."""
     records: list[dict[str, Any]] = []
     for preset in spec.presets:
-        configs = []
+        params = count_parameters(build_model(load_config(None, [f"model.preset={preset}"]).model))
+        entries = []
         for n in spec.microbatches:
-            for mode in spec.modes:
-                cfg = load_config(
-                    None,
-                    [f"model.preset={preset}", f"engine.strategy={spec.strategy}", f"sync.mode={mode}",
-                     "engine.micro_batch_size=1"],
-                )
-                model = build_model(cfg.model)
-                params = count_parameters(model)
-                engine = Engine(cfg, model, info)
-                batch = _batch(n, spec.seq_len, engine.model.config.vocab_size, info.rank)
-                configs.append({"preset": preset, "params": params, "microbatches": n, "mode": mode,
-                                "engine": engine, "batch": batch, "times": [], "metrics": None})
+            names = list(spec.modes) + (list(BASELINES) if spec.baselines else [])
+            for name in names:
+                if name == "raw_fsdp2":
+                    runner: Any = RawFSDP2Loop(preset, info)
+                elif name == "compute_floor":
+                    runner = ComputeFloor(preset, info)
+                else:
+                    runner = _engine(preset, name, info)
+                batch = _batch(n, spec.seq_len, _vocab(preset), info.rank)
+                entries.append({"preset": preset, "params": params, "microbatches": n, "config": name,
+                                "runner": runner, "batch": batch, "times": [], "metrics": {}})
         for round_index in range(spec.warmup + spec.repeats):
-            shift = round_index % len(configs)
-            for entry in configs[shift:] + configs[:shift]:
-                torch.distributed.barrier()
+            shift = round_index % len(entries)
+            for entry in entries[shift:] + entries[:shift]:
+                dist.barrier()
                 start = time.perf_counter()
-                metrics = entry["engine"].train_batch(entry["batch"], sft_loss)
-                elapsed = time.perf_counter() - start
+                runner = entry["runner"]
+                if isinstance(runner, Engine):
+                    entry["metrics"] = runner.train_batch(entry["batch"], sft_loss)
+                else:
+                    runner.step(entry["batch"])
+                dist.barrier()  # a step ends when the slowest rank is done
                 if round_index >= spec.warmup:
-                    entry["times"].append(elapsed)
-                entry["metrics"] = metrics
-        for entry in configs:
-            m = entry["metrics"]
-            records.append({
-                "preset": entry["preset"], "params": entry["params"], "microbatches": entry["microbatches"],
-                "mode": entry["mode"], "strategy": spec.strategy, "world_size": info.world_size,
-                "step_time_samples_s": entry["times"],
-                "step_time_median_s": statistics.median(entry["times"]),
-                "step_time_spread_s": max(entry["times"]) - min(entry["times"]),
-                **{k: v for k, v in m.items() if k.startswith(("comm/", "memory/"))},
-            })
-            del entry["engine"]
+                    entry["times"].append(time.perf_counter() - start)
+        for entry in entries:
+            records.append(_record(entry, info, spec))
+            del entry["runner"]
     _add_ratios(records)
     return records
 
 
-def _add_ratios(records: list[dict[str, Any]]) -> None:
-    base = {
-        (r["preset"], r["microbatches"]): r["step_time_median_s"] for r in records if r["mode"] == "per_microbatch"
+def _vocab(preset: str) -> int:
+    from .models import PRESETS
+
+    return PRESETS[preset]["vocab_size"]
+
+
+def _record(entry: dict[str, Any], info: DistInfo, spec: BenchSpec) -> dict[str, Any]:
+    m = entry["metrics"]
+    record = {
+        "preset": entry["preset"], "params": entry["params"], "microbatches": entry["microbatches"],
+        "config": entry["config"], "world_size": info.world_size, "seq_len": spec.seq_len,
+        "step_time_samples_s": entry["times"],
+        "step_time_median_s": statistics.median(entry["times"]),
+        "step_time_spread_s": max(entry["times"]) - min(entry["times"]),
     }
+    if m:
+        record["mode_run"] = m["sync/mode"]
+        record.update({k: v for k, v in m.items() if k.startswith(("comm/", "memory/"))})
+        if entry["config"] == "auto":
+            record["auto_choice"] = m.get("sync/next_mode")
+    return record
+
+
+def _add_ratios(records: list[dict[str, Any]]) -> None:
+    def median(preset: str, n: int, config: str) -> float | None:
+        for r in records:
+            if (r["preset"], r["microbatches"], r["config"]) == (preset, n, config):
+                return r["step_time_median_s"]
+        return None
+
     for r in records:
-        ref = base.get((r["preset"], r["microbatches"]))
-        r["ratio_to_per_microbatch"] = r["step_time_median_s"] / ref if ref else None
+        key = (r["preset"], r["microbatches"])
+        for name, base in (("per_microbatch", "ratio_to_per_microbatch"), ("compute_floor", "ratio_to_floor")):
+            ref = median(*key, name)
+            r[base] = r["step_time_median_s"] / ref if ref else None
+        raw = median(*key, "raw_fsdp2")
+        if r["config"] == "deferred" and raw:
+            r["engine_overhead_vs_raw"] = r["step_time_median_s"] / raw
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | params | micro-batches | mode | step (median s) | spread s | vs per_microbatch "
-        "| all-gathers | reduce-scatters | all-reduces | RS MiB | retained grad MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | micro-batches | configuration | step s (median) | spread s | vs per_microbatch | vs floor "
+        "| all-gathers | reduce-scatters | all-reduces | AG MiB | RS MiB | held grad MiB | held params MiB "
+        "| peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        ratio = r["ratio_to_per_microbatch"]
+        config = r["config"] + (f" → {r['auto_choice']}" if r.get("auto_choice") else "")
+        comm = [str(r[f"comm/{k}_count"]) if f"comm/{k}_count" in r else "–"
+                for k in ("all_gather", "reduce_scatter", "all_reduce")]
+        mib = [_fmt(r[k] / 2**20, 1) if k in r else "–" for k in
+               ("comm/all_gather_bytes", "comm/reduce_scatter_bytes", "memory/retained_grad_bytes",
+                "memory/unsharded_param_bytes", "memory/peak_bytes")]
         lines.append(
-            f"| {r['preset']} | {r['params'] / 1e6:.1f}M | {r['microbatches']} | {r['mode']} "
+            f"| {r['preset']} ({r['params'] / 1e6:.1f}M) | {r['microbatches']} | {config} "
             f"| {r['step_time_median_s']:.3f} | {r['step_time_spread_s']:.3f} "
-            f"| {ratio:.2f} | {r['comm/all_gather_count']} | {r['comm/reduce_scatter_count']} "
-            f"| {r['comm/all_reduce_count']} | {r['comm/reduce_scatter_bytes'] / 2**20:.1f} "
-            f"| {r['memory/retained_grad_bytes'] / 2**20:.1f} |"
+            f"| {_fmt(r['ratio_to_per_microbatch'])} | {_fmt(r['ratio_to_floor'])} | {' | '.join(comm)} "
+            f"| {' | '.join(mib)} |"
         )
     return "\n".join(lines)
 
 
-def bench_worker(spec_dict: dict[str, Any]) -> None:
-    from .distributed import run_rank
+def summary(records: list[dict[str, Any]]) -> list[str]:
+    """The targets of docs/benchmarks.md, at the largest micro-batch count of each model."""
+    lines = []
+    for preset in dict.fromkeys(r["preset"] for r in records):
+        n = max(r["microbatches"] for r in records if r["preset"] == preset)
+        at = {r["config"]: r for r in records if r["preset"] == preset and r["microbatches"] == n}
+        parts = [f"{preset}, {n} micro-batches:"]
+        if "deferred" in at and at["deferred"]["ratio_to_per_microbatch"]:
+            parts.append(f"deferred/per_microbatch {at['deferred']['ratio_to_per_microbatch']:.2f}")
+        if "deferred_unsharded" in at and at["deferred_unsharded"]["ratio_to_per_microbatch"]:
+            ratio = at["deferred_unsharded"]["ratio_to_per_microbatch"]
+            parts.append(f"deferred_unsharded/per_microbatch {ratio:.2f}")
+        if "deferred" in at and "engine_overhead_vs_raw" in at["deferred"]:
+            parts.append(f"engine/raw loop (deferred) {at['deferred']['engine_overhead_vs_raw']:.3f}")
+        modes = [at[m] for m in ENGINE_MODES if m in at and at[m].get("ratio_to_floor")]
+        if modes:
+            best = min(modes, key=lambda r: r["step_time_median_s"])
+            parts.append(f"best mode ({best['config']})/compute floor {best['ratio_to_floor']:.2f}")
+        if "auto" in at:
+            parts.append(f"auto chose {at['auto'].get('auto_choice')}")
+        lines.append(" ".join(parts[:1]) + " " + "; ".join(parts[1:]))
+    return lines
 
+
+def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(r["preset"] for r in records))
+    configs = list(dict.fromkeys(r["config"] for r in records))
+    paths = []
+
+    fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 4), squeeze=False)
+    for ax, preset in zip(axes[0], presets, strict=True):
+        for config in configs:
+            pts = sorted((r["microbatches"], r["step_time_median_s"]) for r in records
+                         if r["preset"] == preset and r["config"] == config)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=config,
+                        linestyle="--" if config in BASELINES else "-")
+        ax.set_title(f"{preset}: step time")
+        ax.set_xlabel("micro-batches per step")
+        ax.set_ylabel("seconds (median)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "step_time.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    for name, keys, title in (
+        ("bytes.png", ("comm/all_gather_bytes", "comm/reduce_scatter_bytes", "comm/all_reduce_bytes"),
+         "bytes per step"),
+        ("memory.png", ("memory/retained_grad_bytes", "memory/unsharded_param_bytes"),
+         "held between micro-batches"),
+    ):
+        fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 4), squeeze=False)
+        for ax, preset in zip(axes[0], presets, strict=True):
+            n = max(r["microbatches"] for r in records if r["preset"] == preset)
+            rows = [r for r in records if r["preset"] == preset and r["microbatches"] == n and keys[0] in r]
+            bottom = [0.0] * len(rows)
+            for key in keys:
+                values = [r.get(key, 0) / 2**20 for r in rows]
+                ax.bar([r["config"] for r in rows], values, bottom=bottom, label=key.split("/")[1])
+                bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+            if name == "memory.png":
+                ax.plot([r["config"] for r in rows], [r.get("memory/peak_bytes", 0) / 2**20 for r in rows],
+                        "k_", markersize=30, label="peak")
+            ax.set_title(f"{preset}, {n} micro-batches: {title}")
+            ax.set_ylabel("MiB")
+            ax.tick_params(axis="x", labelsize=8)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / name)
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+def bench_worker(spec_dict: dict[str, Any]) -> None:
     spec = BenchSpec(**spec_dict)
 
     def body(info: DistInfo) -> None:
+        device = info.device
         records = run_bench(info, spec)
         if info.is_main:
             out = Path(spec.out_dir)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "bench.json").write_text(json.dumps({"spec": spec_dict, "records": records}, indent=1))
+            machine = {"device": str(device), "world_size": info.world_size, "torch": torch.__version__,
+                       "threads_per_rank": torch.get_num_threads(),
+                       "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+            (out / "bench.json").write_text(json.dumps(
+                {"spec": asdict(spec), "machine": machine, "records": records}, indent=1))
             table = markdown_table(records)
-            (out / "bench.md").write_text(table + "\n")
+            lines = summary(records)
+            (out / "bench.md").write_text(table + "\n\n" + "\n".join(f"- {line}" for line in lines) + "\n")
+            plots = plot(records, out)
             print(table, flush=True)
-            print(f"written: {out / 'bench.json'}, {out / 'bench.md'}", flush=True)
+            for line in lines:
+                print(line, flush=True)
+            print(f"written: {out / 'bench.json'}, {out / 'bench.md'}, " + ", ".join(str(p) for p in plots),
+                  flush=True)
 
     run_rank(body)

@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
     bench.add_argument("--presets", nargs="+", help="model presets (default qwen2-tiny qwen2-20m)")
     bench.add_argument("--microbatches", nargs="+", type=int, help="micro-batches per step (default 2 4 8)")
-    bench.add_argument("--modes", nargs="+", help="sync modes (default: all)")
+    bench.add_argument("--modes", nargs="+", help="engine sync modes (default: all but replica_deferred, + auto)")
+    bench.add_argument("--no-baselines", action="store_true", help="skip the raw FSDP2 loop and the compute floor")
     bench.add_argument("--repeats", type=int, help="timed steps per configuration")
     plan = sub.add_parser("plan", help="what each sync mode costs for a model and cluster (no job is run)")
     plan.add_argument("model", help="built-in shape (qwen3-4b, llama-3-8b, ...) or a local HF model dir / config.json")
@@ -107,6 +108,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             setattr(spec, name, value)
+    spec.baselines = not args.no_baselines
     spec_dict = dataclasses.asdict(spec)
     if launched_by_torchrun():
         bench_worker(spec_dict)
