@@ -8,22 +8,24 @@ from typing import Any
 
 import torch
 
-from syncwise.distributed import launch_local, run_rank
+from syncwise.distributed import init_distributed, launch_local, shutdown
 
 # A hang becomes an error after this long, so a broken test fails instead of stalling CI.
 COLLECTIVE_TIMEOUT_S = 120.0
 
 
-def _rank_main(fn, args: tuple, out_dir: str) -> None:
-    def body(info):
-        result = fn(info, *args)
-        torch.save(result, Path(out_dir) / f"rank{info.rank}.pt")
+def _rank_main(fn, args: tuple, out_dir: str, timeout_s: float, clean: bool) -> None:
+    info = init_distributed("gloo", timeout_s)
+    result = fn(info, *args)
+    torch.save(result, Path(out_dir) / f"rank{info.rank}.pt")
+    shutdown(clean=clean)
 
-    run_rank(body, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
 
+def run_distributed(fn, world_size: int, *args: Any, timeout_s: float = COLLECTIVE_TIMEOUT_S,
+                    clean_shutdown: bool = True) -> list[Any]:
+    """``fn(info, *args)`` on ``world_size`` ranks; returns each rank's (torch.save-able) result.
 
-def run_distributed(fn, world_size: int, *args: Any) -> list[Any]:
-    """``fn(info, *args)`` on ``world_size`` ranks; returns each rank's (torch.save-able) result."""
+    ``clean_shutdown=False`` skips the final barrier, for scenarios that leave the group broken."""
     with tempfile.TemporaryDirectory() as out_dir:
-        launch_local(_rank_main, world_size, fn, args, out_dir)
+        launch_local(_rank_main, world_size, fn, args, out_dir, timeout_s, clean_shutdown)
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

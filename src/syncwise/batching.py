@@ -41,10 +41,16 @@ def batch_size_of(batch: Batch) -> int:
                 f"batch[{key!r}]: first dimension {tuple(value.shape)[:1]} does not match "
                 f"input_ids' batch size {size}"
             )
-        if key in ("attention_mask", "loss_mask") and value.shape != input_ids.shape:
-            raise BatchError(
-                f"batch[{key!r}]: shape {tuple(value.shape)} does not match input_ids {tuple(input_ids.shape)}"
-            )
+        if key in ("attention_mask", "loss_mask"):
+            if value.shape != input_ids.shape:
+                raise BatchError(
+                    f"batch[{key!r}]: shape {tuple(value.shape)} does not match input_ids {tuple(input_ids.shape)}"
+                )
+            if value.is_floating_point() or value.is_complex():
+                raise BatchError(f"batch[{key!r}]: expected an integer or bool mask, got {value.dtype}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise BatchError(f"batch[{key!r}]: {bad} non-finite value(s) (NaN or inf)")
     if size == 0:
         raise BatchError("batch: is empty (0 samples)")
     return size

@@ -5,6 +5,9 @@ Layout under the checkpoint root::
     step_000020/dcp/...        model + optimizer, sharded (DCP reshards on load: any world size)
     step_000020/trainer.json   step, data position, LR schedule, auto-sync state (rank 0)
     step_000020/rank{r}.pt     that rank's RNG states (tensors only, loaded with weights_only=True)
+
+Nothing is unpickled freely on load: DCP metadata through an allow-list, non-tensor items and RNG
+files with ``weights_only=True``, the trainer state as JSON, exports as safetensors.
     latest                     the name of the newest complete checkpoint, written last
 
 A checkpoint is written into ``.tmp-step_...`` and renamed only when every rank has finished, then
@@ -13,8 +16,10 @@ A checkpoint is written into ``.tmp-step_...`` and renamed only when every rank 
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -23,10 +28,62 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from .engine import Engine
 
 LATEST = "latest"
+
+# Everything a DCP ``.metadata`` pickle may name. DCP itself unpickles that file with plain ``pickle``
+# (and its non-tensor items with ``weights_only=False``): a crafted checkpoint could run code. syncwise
+# reads both through allow-lists instead.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING", "ChunkStorageMetadata",
+        "BytesStorageMetadata", "MetadataIndex", "StorageMeta",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which is not allowed")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """``FileSystemReader`` whose metadata is unpickled through an allow-list."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads non-tensor items (optimizer hyper-parameters) with
+    ``weights_only=True`` instead of unrestricted unpickling."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        checked = io.BytesIO()
+        torch.save(obj, checked)
+        checked.seek(0)
+        super().load_bytes(read_item, checked)
 
 
 class CheckpointError(RuntimeError):
@@ -120,15 +177,24 @@ class CheckpointManager:
             raise CheckpointError(f"{meta}: unreadable ({exc})") from exc
         state = engine.state_dict()
         try:
-            dcp.load(state, checkpoint_id=str(path / "dcp"))
-        except Exception as exc:  # DCP raises many kinds for truncated or missing shards
-            raise CheckpointError(f"{path / 'dcp'}: cannot load model/optimizer state ({exc})") from exc
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path / "dcp")), planner=SafeLoadPlanner())
+        # DCP raises many kinds for truncated, missing or unsafe files; its CheckpointException (a
+        # BaseException) carries the ranks' tracebacks, whose last line is the cause.
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"{path / 'dcp'}: cannot load model/optimizer state ({_cause(exc)})") from exc
         engine.load_state_dict(state)
         engine.load_engine_state(saved["engine"])
         rank_file = path / f"rank{rank}.pt"
         if saved["world_size"] == world and rank_file.is_file():
             set_rng_state(torch.load(rank_file, weights_only=True))
         return saved["trainer"]
+
+
+def _cause(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return lines[-1] if isinstance(exc, CheckpointException) else lines[0]
 
 
 def _write_atomic(path: Path, text: str) -> None:

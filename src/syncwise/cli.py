@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--modes", nargs="+", help="engine sync modes (default: all but replica_deferred, + auto)")
     bench.add_argument("--no-baselines", action="store_true", help="skip the raw FSDP2 loop and the compute floor")
     bench.add_argument("--repeats", type=int, help="timed steps per configuration")
+    bench.add_argument("--warmup", type=int, help="untimed rounds first")
+    bench.add_argument("--seq-len", type=int, help="tokens per sample (default 64)")
     plan = sub.add_parser("plan", help="what each sync mode costs for a model and cluster (no job is run)")
     plan.add_argument("model", help="built-in shape (qwen3-4b, llama-3-8b, ...) or a local HF model dir / config.json")
     plan.add_argument("--world-size", type=int, default=8)
@@ -104,7 +106,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     from .bench import BenchSpec, bench_worker
 
     spec = BenchSpec.quick(args.out) if args.quick else BenchSpec(out_dir=args.out)
-    for name in ("presets", "microbatches", "modes", "repeats"):
+    for name in ("presets", "microbatches", "modes", "repeats", "warmup", "seq_len"):
         value = getattr(args, name)
         if value is not None:
             setattr(spec, name, value)

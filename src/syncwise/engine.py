@@ -15,6 +15,7 @@ import math
 import os
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,27 @@ from .sync import (
     supported_modes,
 )
 from .wrap import WrappedModel, wrap_model
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within ``dist.timeout_s``: another rank is missing or stuck."""
+
+
+@contextmanager
+def _collective(name: str, timeout_s: float):
+    """Turn a timed-out collective into an error that names this rank and the operation."""
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as exc:
+        text = str(exc)
+        if isinstance(exc, dist.DistBackendError) or "timed out" in text.lower() or "timeout" in text.lower():
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+            raise CollectiveTimeout(
+                f"rank {rank}: {name} did not complete within dist.timeout_s={timeout_s:g}s; another rank is "
+                f"missing, stuck or failed ({first})"
+            ) from exc
+        raise
 
 
 class SyncNoOpError(RuntimeError):
@@ -155,7 +177,7 @@ class Engine:
         if not forward_only and not self.trainable:
             raise ValueError("this engine was built with trainable=False: forward_only passes only")
         batch = {k: v.to(self.info.device) for k, v in batch.items()} if _is_batch(batch) else batch
-        micro_batches, norm = self._prepare(batch)
+        micro_batches, norm = self._prepare(batch, require_tokens=not forward_only)
         target_width = batch["input_ids"].shape[1] - 1
         self.model.train(not forward_only)
         totals: dict[str, torch.Tensor] = {}
@@ -172,7 +194,11 @@ class Engine:
                     with torch.no_grad():
                         result = self._forward(mb.data, loss_fn, norm, with_log_probs=True)
                 else:
-                    with apply_policy(self.model, microbatch_policy(mode, i, n, unsharded_forward)):
+                    with (
+                        _collective(f"micro-batch {i + 1}/{n} forward/backward (FSDP all-gather / reduce-scatter)",
+                                    self.config.dist.timeout_s),
+                        apply_policy(self.model, microbatch_policy(mode, i, n, unsharded_forward)),
+                    ):
                         result = self._forward(mb.data, loss_fn, norm, with_log_probs=False)
                         result.loss.backward()
                     retained = max(retained, grad_bytes(self.model))
@@ -214,7 +240,7 @@ class Engine:
             result.outputs.setdefault("log_probs", token_log_probs(model_out.logits, data["input_ids"]))
         return result
 
-    def _prepare(self, batch: Batch) -> tuple[list[MicroBatch], Normalizer]:
+    def _prepare(self, batch: Batch, require_tokens: bool) -> tuple[list[MicroBatch], Normalizer]:
         """Validate the batch, agree with the other ranks in one all-reduce, then split it.
 
         The all-reduce carries the loss-token and sequence counts (the global normaliser), an error flag
@@ -239,12 +265,17 @@ class Engine:
             stats[2] = 1
         if dist.is_initialized():
             stats = stats.to(self.info.device)
-            dist.all_reduce(stats)
+            with _collective("the all-reduce of batch statistics (start of the step)", self.config.dist.timeout_s):
+                dist.all_reduce(stats)
             stats = stats.cpu()
         if error is not None:
             raise error
         if stats[2] > 0:
             raise BatchError(f"batch: invalid on {int(stats[2])} other rank(s); see the error raised there")
+        if require_tokens and stats[0] == 0:
+            raise BatchError(
+                "batch: loss_mask (or attention_mask) leaves no target token on any rank: nothing to train on"
+            )
         num_microbatches = int(stats[3 : 3 + world].max())
         micro_batches = split_batch(
             batch, num_microbatches, balance=cfg.max_tokens_per_micro_batch > 0,
@@ -283,7 +314,8 @@ class Engine:
         if self.wrapped.strategy in ("fsdp2", "fsdp1"):
             mesh = self.wrapped.mesh
             group = mesh.get_group("shard") if mesh is not None else None
-            dist.all_reduce(sq, group=group)
+            with _collective("the gradient-norm all-reduce", self.config.dist.timeout_s):
+                dist.all_reduce(sq, group=group)
         return sq.sqrt()
 
     def optimizer_step(self) -> float:
@@ -436,7 +468,8 @@ class Engine:
             values[len(keys) + rank] = peak
         if dist.is_initialized() and world > 1:
             values = values.to(self.info.device)
-            dist.all_reduce(values)
+            with _collective("the metrics all-reduce (end of the step)", self.config.dist.timeout_s):
+                dist.all_reduce(values)
             values = values.cpu()
         metrics = dict(zip(keys, values[: len(keys)].tolist(), strict=True))
         return metrics, (int(values[len(keys) :].max()) if peak is not None else None)

@@ -1,0 +1,41 @@
+"""`syncwise bench` as a smoke run: valid JSON, collective counts equal to the formula, plots written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from syncwise.comm import expected_collectives
+
+
+def test_bench_smoke(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "syncwise", "bench", "--presets", "qwen2-test", "--microbatches", "2", "3",
+         "--warmup", "1", "--repeats", "2", "--seq-len", "16", "--out", str(out)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads((out / "bench.json").read_text())
+    records = data["records"]
+    configs = {(r["microbatches"], r["config"]) for r in records}
+    for n in (2, 3):
+        for config in ("per_microbatch", "deferred", "deferred_unsharded", "auto", "raw_fsdp2", "compute_floor"):
+            assert (n, config) in configs
+    for r in records:
+        assert len(r["step_time_samples_s"]) == 2 and r["step_time_median_s"] > 0
+        if r["config"] in ("raw_fsdp2", "compute_floor"):
+            continue
+        mode = r["mode_run"]  # auto's last timed step runs its chosen mode
+        expected = expected_collectives(mode, r["microbatches"], 3, unsharded_forward=True, engine_all_reduces=3)
+        assert {k: r[f"comm/{k}_count"] for k in expected} == expected, (r["config"], r["microbatches"])
+        assert r["ratio_to_per_microbatch"] > 0 and r["ratio_to_floor"] > 0
+    auto = [r for r in records if r["config"] == "auto"]
+    assert all(r["auto_choice"] == "deferred_unsharded" for r in auto)  # ample memory for a 0.4M model
+    assert "engine_overhead_vs_raw" in next(r for r in records if r["config"] == "deferred")
+    for name in ("step_time.png", "bytes.png", "memory.png"):
+        assert (out / name).stat().st_size > 5_000
+    table = (out / "bench.md").read_text()
+    assert "| qwen2-test (0.4M) | 3 | deferred |" in table and "auto chose deferred_unsharded" in table

@@ -1,0 +1,63 @@
+"""Reliability on real gloo ranks: bad input, non-finite steps and a missing rank give clear errors on
+every rank, never a hang, and lose nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_harness import run_distributed
+from scenarios_faults import bad_input_suite, missing_rank, nonfinite_suite
+
+EXPECTED = {
+    "missing_key": "batch: needs key 'input_ids'",
+    "shape_mismatch": "batch['loss_mask']: shape (6, 14) does not match input_ids (6, 16)",
+    "length_mismatch": "batch['attention_mask']: first dimension (4,) does not match input_ids' batch size 6",
+    "wrong_dtype": "batch['input_ids']: expected an integer dtype, got torch.float32",
+    "float_mask": "batch['loss_mask']: expected an integer or bool mask, got torch.float32",
+    "empty": "batch: is empty (0 samples)",
+    "nan_advantages": "batch['advantages']: 1 non-finite value(s) (NaN or inf)",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_input():
+    return run_distributed(bad_input_suite, 2)
+
+
+@pytest.mark.parametrize("case", list(EXPECTED))
+def test_bad_input_on_one_rank_is_a_clear_error_on_every_rank(bad_input, case):
+    rank0, rank1 = (r["errors"][case] for r in bad_input)
+    assert EXPECTED[case] in rank1
+    assert rank0 == "batch: invalid on 1 other rank(s); see the error raised there"
+
+
+def test_all_masked_batch_is_an_error_everywhere(bad_input):
+    for r in bad_input:
+        assert "leaves no target token on any rank" in r["errors"]["all_masked_everywhere"]
+
+
+def test_bad_input_loses_nothing(bad_input):
+    for r in bad_input:
+        assert r["unchanged"], "no parameter moved"
+        m = r["after"]
+        assert m["train/skipped"] == 0 and m["train/step"] == 1
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            assert m[f"comm/{kind}_count"] == m[f"comm/expected_{kind}_count"]
+
+
+def test_non_finite_step_is_skipped_and_counted():
+    ranks = run_distributed(nonfinite_suite, 2)
+    for r in ranks:
+        assert r["skipped"]["train/skipped"] == 1 and r["skipped_steps"] == 1
+        assert r["unchanged"] and r["grads_left"] == 0
+        assert r["next"]["train/skipped"] == 0 and r["next"]["train/step"] == 1
+
+
+def test_missing_rank_is_a_timeout_error_naming_rank_and_operation():
+    rank0, _ = run_distributed(missing_rank, 2, timeout_s=4, clean_shutdown=False)
+    assert rank0["error"] is not None
+    assert rank0["error"].startswith(
+        "rank 0: the all-reduce of batch statistics (start of the step) did not complete within "
+        "dist.timeout_s=4s"
+    )
+    assert rank0["seconds"] < 11, "failed at the timeout, not when the other rank came back"
