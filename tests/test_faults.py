@@ -3,10 +3,21 @@ every rank, never a hang, and lose nothing."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from dist_harness import run_distributed
 from scenarios_faults import bad_input_suite, missing_rank, nonfinite_suite
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 EXPECTED = {
     "missing_key": "batch: needs key 'input_ids'",
@@ -61,3 +72,51 @@ def test_missing_rank_is_a_timeout_error_naming_rank_and_operation():
         "dist.timeout_s=4s"
     )
     assert rank0["seconds"] < 11, "failed at the timeout, not when the other rank came back"
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def test_rank_killed_mid_run_restarts_from_latest_and_matches(tmp_path):
+    """torchrun --max-restarts 1: SIGKILL one worker after the step-3 checkpoint; the restarted job
+    resumes from `latest` and ends with the parameters of an uninterrupted run."""
+    common = ["train.steps=8", "train.checkpoint_every=3", "train.resume=auto", "train.progress=false",
+              "rl.prompts_per_rank=4", "rl.samples_per_prompt=4"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    clean = subprocess.run(
+        launcher + ["-m", "syncwise", "train", f"train.out_dir={tmp_path / 'clean'}", *common],
+        env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert clean.returncode == 0, clean.stderr[-3000:]
+
+    out = tmp_path / "killed"
+    job = subprocess.Popen(
+        launcher + ["--max-restarts", "1", "-m", "syncwise", "train", f"train.out_dir={out}", *common],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 300
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:  # step 3's checkpoint is written
+            break
+        time.sleep(0.02)
+    workers = _children(job.pid)
+    assert len(workers) == 2, "two workers under torchrun"
+    os.kill(workers[1], signal.SIGKILL)
+    stdout, stderr = job.communicate(timeout=600)
+    assert job.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout, "the restarted workers continued from a checkpoint"
+    a = load_file(str(tmp_path / "clean" / "export" / "model.safetensors"))
+    b = load_file(str(out / "export" / "model.safetensors"))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
