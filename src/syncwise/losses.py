@@ -57,9 +57,11 @@ def target_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Log-probability of each next token, shape [B, T-1], computed in fp32."""
-    logits = logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    batch, width = input_ids.shape
+    # Cross-entropy over contiguous [tokens, vocab] rows: markedly faster than over a transposed
+    # [B, vocab, T] view for large vocabularies.
+    flat = logits[:, :-1].float().reshape(batch * (width - 1), -1)
+    return -F.cross_entropy(flat, input_ids[:, 1:].reshape(-1), reduction="none").view(batch, width - 1)
 
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
