@@ -59,14 +59,35 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend,
+            store=_attempt_store(rank, world_size, timeout),
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if backend == "nccl" else None,
         )
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with keys prefixed by torchrun's restart count.
+
+    After ``torchrun --max-restarts`` restarts the workers, the store can still hold the previous
+    attempt's process-group keys; gloo then reads a dead peer's address and waits forever to connect.
+    A per-attempt prefix keeps every attempt's rendezvous apart."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=world_size,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"syncwise/attempt_{attempt}", store)
 
 
 def shutdown(clean: bool = True) -> None:
