@@ -32,7 +32,7 @@ from .config import load_config
 from .distributed import DistInfo, run_rank
 from .engine import Engine
 from .losses import sft_loss
-from .models import build_model, count_parameters, decoder_layers
+from .models import PRESETS, build_model, count_parameters, decoder_layers
 
 ENGINE_MODES = ("per_microbatch", "deferred", "deferred_unsharded", "auto")
 BASELINES = ("raw_fsdp2", "compute_floor")
@@ -147,8 +147,6 @@ def run_bench(info: DistInfo, spec: BenchSpec) -> list[dict[str, Any]]:
 
 
 def _vocab(preset: str) -> int:
-    from .models import PRESETS
-
     return PRESETS[preset]["vocab_size"]
 
 

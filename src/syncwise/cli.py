@@ -31,12 +31,16 @@ def _run_job(worker, args: argparse.Namespace, default_config: str | None = None
     except ConfigError as exc:
         print(f"syncwise: config error: {exc}", file=sys.stderr)
         return 2
-    config_dict = config_to_dict(config)
-    if launched_by_torchrun():
-        worker(config_dict)
-    else:
-        launch_local(worker, config.dist.nproc, config_dict)
+    _launch(worker, config.dist.nproc, config_to_dict(config))
     return 0
+
+
+def _launch(worker, nproc: int, payload: dict) -> None:
+    """Run ``worker(payload)`` as this torchrun rank, or spawn ``nproc`` local ranks."""
+    if launched_by_torchrun():
+        worker(payload)
+    else:
+        launch_local(worker, nproc, payload)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,11 +115,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         if value is not None:
             setattr(spec, name, value)
     spec.baselines = not args.no_baselines
-    spec_dict = dataclasses.asdict(spec)
-    if launched_by_torchrun():
-        bench_worker(spec_dict)
-    else:
-        launch_local(bench_worker, args.nproc, spec_dict)
+    _launch(bench_worker, args.nproc, dataclasses.asdict(spec))
     return 0
 
 

@@ -92,13 +92,9 @@ def sharded_model_of(
         for param in unit.parameters():
             if id(param) not in seen:
                 seen.add(id(param))
-                own.append(tuple(_full_shape(param)))
+                own.append(tuple(param.shape))  # a DTensor's shape is the global one
         shapes.append(tuple(own))
     return ShardedModel(tuple(reversed(shapes)), shard_size, param_dtype, reduce_dtype)
-
-
-def _full_shape(param: torch.Tensor) -> torch.Size:
-    return param.shape  # DTensor.shape is the global shape
 
 
 # ------------------------------------------------------------------------------------------------
