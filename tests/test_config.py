@@ -64,3 +64,14 @@ def test_missing_file_and_bad_top_level(tmp_path):
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(path)
+
+
+def test_cpu_offload_on_a_cpu_run_is_a_clear_error():
+    import torch
+
+    from syncwise.models import build_model
+    from syncwise.wrap import wrap_model
+
+    cfg = load_config(None, ["engine.cpu_offload=true", "model.preset=qwen2-test"])
+    with pytest.raises(ValueError, match="engine.cpu_offload=true needs a CUDA device"):
+        wrap_model(build_model(cfg.model), cfg.engine, cfg.model, torch.device("cpu"), None)

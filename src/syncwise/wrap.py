@@ -61,6 +61,10 @@ def wrap_model(
     """Wrap ``model`` (fp32, on CPU, same weights on every rank) according to ``engine_cfg.strategy``."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     strategy = engine_cfg.strategy
+    if engine_cfg.cpu_offload and device.type == "cpu":
+        # FSDP's offload moves parameters and optimizer state from an accelerator to host memory; on a
+        # CPU run they already live there (and FSDP2's offload path asks for an accelerator).
+        raise ValueError("engine.cpu_offload=true needs a CUDA device: on CPU, parameters are already in host memory")
     if strategy == "none":
         if world_size > 1:
             raise ValueError(
