@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from .distributed import rank_and_world
 from .engine import Engine
 
 LATEST = "latest"
@@ -95,12 +96,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def rng_state() -> dict[str, Any]:
     """This process's RNG states as tensors (so they load with ``weights_only=True``)."""
     version, internal, gauss = random.getstate()
@@ -124,7 +119,7 @@ class CheckpointManager:
 
     def save(self, step: int, engine: Engine, trainer_state: dict[str, Any]) -> Path:
         """Collective: every rank calls it. Returns the final directory."""
-        rank, world = _rank_world()
+        rank, world = rank_and_world()
         name = f"step_{step:06d}"
         tmp, final = self.root / f".tmp-{name}", self.root / name
         if rank == 0:
@@ -167,7 +162,7 @@ class CheckpointManager:
     def load(self, path: Path, engine: Engine) -> dict[str, Any]:
         """Collective. Restores model, optimizer and engine state; RNG states when the world size matches.
         Returns the trainer state."""
-        rank, world = _rank_world()
+        rank, world = rank_and_world()
         meta = path / "trainer.json"
         if not meta.is_file():
             raise CheckpointError(f"{meta}: missing (incomplete checkpoint)")
@@ -213,7 +208,7 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path) -> Path | None:
     from transformers import AutoModelForCausalLM
 
     full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    rank, _ = _rank_world()
+    rank, _ = rank_and_world()
     out = Path(out_dir)
     if rank == 0:
         model = AutoModelForCausalLM.from_config(engine.hf_config)

@@ -35,6 +35,13 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default group, or (0, 1) without one."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def pick_backend(backend: str = "auto") -> str:
     if backend != "auto":
         return backend

@@ -15,7 +15,7 @@ import math
 import os
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +36,16 @@ from .batching import (
 )
 from .comm import CollectiveCounter, expected_collectives
 from .config import Config, OptimConfig
-from .distributed import DistInfo, build_mesh, init_distributed
+from .distributed import DistInfo, build_mesh, init_distributed, rank_and_world
 from .losses import LossFn, LossOutput, Normalizer, target_mask, token_log_probs
-from .memory import PeakMeter, grad_bytes, resolve_budget, sharded_model_of, unsharded_param_bytes
+from .memory import (
+    PeakMeter,
+    grad_bytes,
+    local_tensor,
+    resolve_budget,
+    sharded_model_of,
+    unsharded_param_bytes,
+)
 from .models import build_model
 from .sync import (
     SyncMode,
@@ -64,7 +71,7 @@ def _collective(name: str, timeout_s: float):
     except (RuntimeError, dist.DistBackendError) as exc:
         text = str(exc)
         if isinstance(exc, dist.DistBackendError) or "timed out" in text.lower() or "timeout" in text.lower():
-            rank = dist.get_rank() if dist.is_initialized() else 0
+            rank, _ = rank_and_world()
             first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
             raise CollectiveTimeout(
                 f"rank {rank}: {name} did not complete within dist.timeout_s={timeout_s:g}s; another rank is "
@@ -249,41 +256,35 @@ class Engine:
         largest count, so deferred collectives line up even when ranks hold different amounts of data.
         """
         cfg = self.config.engine
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_initialized() else 0
         error: BatchError | None = None
-        stats = torch.zeros(3 + 2 * world, dtype=torch.float64)
+        sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]
         try:
             needed = microbatches_needed(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
             per_sequence = target_mask(batch).sum(dim=1)
-            stats[0] = float(per_sequence.sum())
-            stats[1] = float((per_sequence > 0).sum())
-            stats[3 + rank] = needed
-            stats[3 + world + rank] = float(per_sequence.max())
+            sums[:2] = [float(per_sequence.sum()), float((per_sequence > 0).sum())]
+            own = [float(needed), float(per_sequence.max())]
         except BatchError as exc:
             error = exc
-            stats[2] = 1
-        if dist.is_initialized():
-            stats = stats.to(self.info.device)
-            with _collective("the all-reduce of batch statistics (start of the step)", self.config.dist.timeout_s):
-                dist.all_reduce(stats)
-            stats = stats.cpu()
+            sums[2] = 1.0
+        totals, per_rank = self._all_reduce_with_rank_slots(
+            sums, own, "the all-reduce of batch statistics (start of the step)"
+        )
         if error is not None:
             raise error
-        if stats[2] > 0:
-            raise BatchError(f"batch: invalid on {int(stats[2])} other rank(s); see the error raised there")
-        if require_tokens and stats[0] == 0:
+        if totals[2] > 0:
+            raise BatchError(f"batch: invalid on {int(totals[2])} other rank(s); see the error raised there")
+        if require_tokens and totals[0] == 0:
             raise BatchError(
                 "batch: loss_mask (or attention_mask) leaves no target token on any rank: nothing to train on"
             )
-        num_microbatches = int(stats[3 : 3 + world].max())
+        num_microbatches = int(per_rank[:, 0].max())
         micro_batches = split_batch(
             batch, num_microbatches, balance=cfg.max_tokens_per_micro_batch > 0,
             linear_coef=cfg.workload_linear_coef,
         )
         norm = Normalizer(
-            tokens=float(stats[0]), sequences=float(stats[1]), dp_size=self.wrapped.dp_size,
-            max_target_len=float(stats[3 + world :].max()),
+            tokens=float(totals[0]), sequences=float(totals[1]), dp_size=self.wrapped.dp_size,
+            max_target_len=float(per_rank[:, 1].max()),
         )
         return micro_batches, norm
 
@@ -306,7 +307,7 @@ class Engine:
         Each rank sums the squares of its local gradient shards; one all-reduce over the shard group adds
         them up (HSDP replicas hold the same shards, so they are not added again).
         """
-        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
         device = self.info.device
         sq = torch.zeros((), dtype=torch.float32, device=device)
         if grads:
@@ -331,7 +332,7 @@ class Engine:
             return norm_value
         clip = self.config.optim.grad_clip
         if clip > 0 and norm_value > clip:
-            grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+            grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
             torch._foreach_mul_(grads, clip / (norm_value + 1e-6))
         self.optimizer.step()
         self.scheduler.step()
@@ -356,11 +357,7 @@ class Engine:
         with CollectiveCounter() as counter:
             self._peak_meter = meter
             try:
-                if meter is not None:
-                    with meter:
-                        result = self.forward_backward_batch(batch, loss_fn)
-                        grad_norm = self.optimizer_step()
-                else:
+                with meter if meter is not None else nullcontext():
                     result = self.forward_backward_batch(batch, loss_fn)
                     grad_norm = self.optimizer_step()
             finally:
@@ -456,23 +453,32 @@ class Engine:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def _reduce_step(self, local: dict[str, float], peak: int | None) -> tuple[dict[str, float], int | None]:
-        """One all-reduce (sum) for a step's loss metrics and, in one slot per rank, its memory peak, whose
-        max every rank then takes: the same agreed peak everywhere, so ``auto`` decides alike. Keys are
-        sorted so every rank packs alike."""
+        """One all-reduce for a step's loss metrics (summed) and each rank's memory peak, whose max every
+        rank then takes: the same agreed peak everywhere, so ``auto`` decides alike. Keys are sorted so
+        every rank packs alike."""
         keys = sorted(local)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        values = torch.zeros(len(keys) + world, dtype=torch.float64)
-        values[: len(keys)] = torch.tensor([local[k] for k in keys], dtype=torch.float64)
-        if peak is not None:
-            values[len(keys) + rank] = peak
-        if dist.is_initialized() and world > 1:
+        totals, per_rank = self._all_reduce_with_rank_slots(
+            [local[k] for k in keys], [float(peak or 0)], "the metrics all-reduce (end of the step)"
+        )
+        metrics = dict(zip(keys, totals.tolist(), strict=True))
+        return metrics, (int(per_rank.max()) if peak is not None else None)
+
+    def _all_reduce_with_rank_slots(
+        self, sums: list[float], own: list[float], what: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In one all-reduce, sum ``sums`` over ranks and share every rank's ``own`` values (each rank
+        writes them into its own slot, zeros elsewhere). Returns (the sums, own values as [world, k])."""
+        rank, world = rank_and_world()
+        values = torch.zeros(len(sums) + world * len(own), dtype=torch.float64)
+        values[: len(sums)] = torch.tensor(sums, dtype=torch.float64)
+        start = len(sums) + rank * len(own)
+        values[start : start + len(own)] = torch.tensor(own, dtype=torch.float64)
+        if dist.is_initialized():
             values = values.to(self.info.device)
-            with _collective("the metrics all-reduce (end of the step)", self.config.dist.timeout_s):
+            with _collective(what, self.config.dist.timeout_s):
                 dist.all_reduce(values)
             values = values.cpu()
-        metrics = dict(zip(keys, values[: len(keys)].tolist(), strict=True))
-        return metrics, (int(values[len(keys) :].max()) if peak is not None else None)
+        return values[: len(sums)], values[len(sums) :].view(world, len(own))
 
     def expected_collectives(self, num_microbatches: int, mode: SyncMode | None = None) -> dict[str, int] | None:
         """The collective counts one ``train_batch`` in ``mode`` (default: the active one) should produce
@@ -569,11 +575,6 @@ def build_scheduler(
 def _workload_imbalance(micro_batches: list[MicroBatch], linear_coef: float) -> float:
     loads = [sum(workloads(sequence_lengths(mb.data), linear_coef)) for mb in micro_batches if mb.data is not None]
     return max(loads) / min(loads) if loads and min(loads) > 0 else 1.0
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _is_batch(batch: Any) -> bool:

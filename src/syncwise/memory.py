@@ -100,7 +100,8 @@ def sharded_model_of(
 # ------------------------------------------------------------------------------------------------
 # Measurement from the tensors themselves
 # ------------------------------------------------------------------------------------------------
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
@@ -127,7 +128,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views, e.g. FSDP1's per-parameter grads, once)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
-        storage = _local(tensor).untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()
         if storage.nbytes():
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .comm import ddp_counting_hook
 from .config import EngineConfig, ModelConfig
+from .distributed import rank_and_world
 from .models import decoder_layer_classes, decoder_layers
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,7 +60,7 @@ def wrap_model(
     mesh: DeviceMesh | None,
 ) -> WrappedModel:
     """Wrap ``model`` (fp32, on CPU, same weights on every rank) according to ``engine_cfg.strategy``."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    _, world_size = rank_and_world()
     strategy = engine_cfg.strategy
     if engine_cfg.cpu_offload and device.type == "cpu":
         # FSDP's offload moves parameters and optimizer state from an accelerator to host memory; on a
