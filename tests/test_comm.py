@@ -88,3 +88,8 @@ def test_step_traffic_bytes():
     assert deferred.bytes == {"all_gather": 4 * (120 + 20), "reduce_scatter": 480, "all_reduce": 240}
     per_mb = step_traffic("per_microbatch", 4, units)
     assert per_mb.bytes == {"all_gather": 4 * 140, "reduce_scatter": 4 * 480, "all_reduce": 0}
+
+
+def test_one_rank_shard_group_gathers_and_scatters_nothing():
+    got = expected_collectives("per_microbatch", 4, 5, sharded=False, engine_all_reduces=3)
+    assert got == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 3}

@@ -178,6 +178,7 @@ def step_traffic(
     reshard_after_forward: bool = True,
     unsharded_forward: bool = False,
     hsdp: bool = False,
+    sharded: bool = True,
 ) -> CollectiveCounts:
     """Collectives (count and bytes) of one step's micro-batch loop, by playing the schedule through.
 
@@ -186,7 +187,8 @@ def step_traffic(
     gathers the units not already unsharded; after forward the others are resharded unless
     ``reshard_after_forward`` is off (for this micro-batch); backward gathers what was resharded; after
     backward everything is resharded unless the policy keeps it. A micro-batch that syncs reduce-scatters
-    each unit; under HSDP one that syncs fully also all-reduces it across replicas.
+    each unit; under HSDP one that syncs fully also all-reduces it across replicas. With a shard group of
+    one rank (``sharded=False``) FSDP gathers and scatters nothing.
     """
     from .sync import SyncMode, microbatch_policy
 
@@ -202,16 +204,17 @@ def step_traffic(
     for i in range(num_microbatches):
         policy = microbatch_policy(SyncMode(mode), i, num_microbatches, unsharded_forward)
         for k, unit in enumerate(units):  # forward
-            if not unsharded[k]:
+            if not unsharded[k] and sharded:
                 totals.add("all_gather", unit.gather_bytes)
-                unsharded[k] = True
+            unsharded[k] = True
         reshard_fwd = reshard_after_forward if policy.reshard_after_forward is None else policy.reshard_after_forward
         resharded = [k > 0 and reshard_fwd for k in range(len(units))]
         for k, unit in enumerate(units):  # backward
-            if resharded[k]:
+            if resharded[k] and sharded:
                 totals.add("all_gather", unit.gather_bytes)
             if policy.sync_grads:
-                totals.add("reduce_scatter", unit.reduce_bytes)
+                if sharded:
+                    totals.add("reduce_scatter", unit.reduce_bytes)
                 if hsdp and policy.all_reduce_grads:
                     totals.add("all_reduce", unit.replica_bytes)
         keep = policy.reshard_after_backward is False
@@ -227,6 +230,7 @@ def expected_collectives(
     reshard_after_forward: bool = True,
     unsharded_forward: bool = False,
     hsdp: bool = False,
+    sharded: bool = True,
     engine_all_reduces: int = 3,
 ) -> dict[str, int]:
     """Collectives one engine step (FSDP1 or FSDP2, U units, N micro-batches) should issue.
@@ -243,5 +247,6 @@ def expected_collectives(
     counts = step_traffic(
         mode, num_microbatches, [UnitTraffic()] * num_units,
         reshard_after_forward=reshard_after_forward, unsharded_forward=unsharded_forward, hsdp=hsdp,
+        sharded=sharded,
     ).counts
     return {**counts, "all_reduce": counts["all_reduce"] + engine_all_reduces}

@@ -492,6 +492,7 @@ class Engine:
             reshard_after_forward=self.config.engine.reshard_after_forward,
             unsharded_forward=self.config.sync.unsharded_forward,
             hsdp=self.wrapped.hsdp,
+            sharded=self.wrapped.shard_size > 1,
             engine_all_reduces=3,  # loss normaliser, grad norm, metrics with the memory peak
         )
 
