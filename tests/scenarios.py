@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-from syncwise.comm import count_collectives
 from syncwise.config import load_config
+from syncwise.counting import count_collectives
 from syncwise.engine import Engine
 from syncwise.losses import sft_loss
 from syncwise.models import build_model
@@ -164,7 +164,8 @@ def equivalence_suite_with_reference(info, cases: list[str]) -> dict:
 
 
 def _sync_flags_all_on(engine: Engine) -> bool:
-    from syncwise.sync import fsdp2_sync_flags, fsdp2_units
+    from syncwise.fsdp_internals import fsdp2_units
+    from syncwise.fsdp_internals import sync_flags as fsdp2_sync_flags
 
     return all(flags == (True, True) for u in fsdp2_units(engine.model) for flags in fsdp2_sync_flags(u))
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from scenarios import _fails_on_call, engine_config, full_grads, full_params, make_batch
 from syncwise.engine import Engine
+from syncwise.fsdp_internals import fsdp2_units
+from syncwise.fsdp_internals import reshard_flags as fsdp2_reshard_flags
+from syncwise.fsdp_internals import sync_flags as fsdp2_sync_flags
 from syncwise.losses import sft_loss
 from syncwise.memory import PeakMeter
 from syncwise.models import build_model
-from syncwise.sync import SyncMode, fsdp2_reshard_flags, fsdp2_sync_flags, fsdp2_units
+from syncwise.modes import SyncMode
 
 NUM_MICROBATCHES = 3
 
@@ -131,12 +134,12 @@ def silent_noop(info) -> dict:
     import contextlib
     import warnings
 
-    import syncwise.engine as engine_module
+    import syncwise.engine.step as step_module
     from syncwise.engine import SyncNoOpError
 
     out = {}
-    real = engine_module.apply_policy
-    engine_module.apply_policy = lambda module, policy: contextlib.nullcontext()
+    real = step_module.apply_switches
+    step_module.apply_switches = lambda module, switches: contextlib.nullcontext()
     try:
         cfg = engine_config("fsdp2", "deferred")
         engine = Engine(cfg, build_model(cfg.model), info)
@@ -152,5 +155,5 @@ def silent_noop(info) -> dict:
         except SyncNoOpError as exc:
             out["strict_error"] = str(exc)
     finally:
-        engine_module.apply_policy = real
+        step_module.apply_switches = real
     return out

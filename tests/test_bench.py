@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from syncwise.comm import expected_collectives
+from syncwise.schedule import expected_collectives
 
 
 def test_bench_smoke(tmp_path):

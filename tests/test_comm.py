@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from syncwise.comm import CollectiveCounter, count_collectives, expected_collectives
+from syncwise.counting import CollectiveCounter, count_collectives
+from syncwise.schedule import expected_collectives
 
 
 def test_expected_counts_match_reference_measurements():
@@ -81,7 +82,7 @@ def test_schedule_simulation_equals_closed_form(mode):
 
 
 def test_step_traffic_bytes():
-    from syncwise.comm import UnitTraffic, step_traffic
+    from syncwise.schedule import UnitTraffic, step_traffic
 
     units = [UnitTraffic(100, 400, 200), UnitTraffic(10, 40, 20), UnitTraffic(10, 40, 20)]
     deferred = step_traffic("deferred", 4, units, hsdp=True)

@@ -18,8 +18,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from syncwise.config import load_config
 from syncwise.engine import Engine
+from syncwise.fsdp_internals import sync_flags as fsdp2_sync_flags
 from syncwise.losses import LossOutput
-from syncwise.sync import SyncMode, fsdp2_sync_flags, gradient_sync
+from syncwise.modes import SyncMode, spec
+from syncwise.sync import gradient_sync
 
 
 class FakeFSDP2(FSDPModule, nn.Module):
@@ -48,6 +50,9 @@ class FakeFSDP2(FSDPModule, nn.Module):
         self.log.append((self.name, "sync", requires_gradient_sync))
         self.group.reduce_grads = requires_gradient_sync
         self.group.all_reduce_grads = requires_gradient_sync
+
+    def reshard(self) -> None:  # nothing is gathered in a fake
+        pass
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         self.log.append((self.name, "all_reduce", requires_all_reduce))
@@ -183,9 +188,12 @@ def test_enabled_and_plain_modules_are_untouched():
 
 
 def test_sync_mode_schedule():
-    assert [SyncMode.DEFERRED.syncs(i, 3) for i in range(3)] == [False, False, True]
-    assert [SyncMode.PER_MICROBATCH.syncs(i, 3) for i in range(3)] == [True, True, True]
-    assert SyncMode.DEFERRED.syncs(0, 1) is True
+    def syncs(mode: SyncMode, i: int, n: int) -> bool:
+        return spec(mode).switches(i, n).sync_grads
+
+    assert [syncs(SyncMode.DEFERRED, i, 3) for i in range(3)] == [False, False, True]
+    assert [syncs(SyncMode.PER_MICROBATCH, i, 3) for i in range(3)] == [True, True, True]
+    assert syncs(SyncMode.DEFERRED, 0, 1) is True
 
 
 # ------------------------------------------------------------------------------------------------

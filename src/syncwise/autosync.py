@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from .memory import ShardedModel, format_bytes
-from .sync import SPEED_ORDER, SyncMode
+from .modes import SPEED_ORDER, SyncMode
 
 log = logging.getLogger("syncwise.auto")
 

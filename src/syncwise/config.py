@@ -16,11 +16,15 @@ from typing import Any
 
 import yaml
 
+from .modes import MODE_NAMES, unsupported_reason
+
 STRATEGIES = ("fsdp2", "fsdp1", "ddp", "none")
-SYNC_MODES = ("per_microbatch", "deferred", "deferred_unsharded", "replica_deferred", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "sgd")
 BACKENDS = ("auto", "gloo", "nccl")
+POLICY_LOSSES = ("ppo", "gspo", "pg", "cispo")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 class ConfigError(ValueError):
@@ -108,6 +112,32 @@ class SFTConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    """The actor's loss (``rl.loss.*``; ``syncwise.rl.losses.make_policy_loss`` builds it)."""
+
+    kind: str = "ppo"  # ppo (clipped), gspo (sequence-level ratio), pg (REINFORCE / GPG), cispo
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.28
+    dual_clip: float = 0.0  # > 1: cap the loss of negative-advantage tokens at -A * dual_clip
+    agg: str = "token-mean"
+    norm_constant: float = 0.0  # seq-mean-token-sum-norm's divisor (0: the longest loss span)
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial model
+    kl_estimator: str = "k3"
+
+    def validate(self, prefix: str = "rl.loss.") -> PolicyLossConfig:
+        _choice(f"{prefix}kind", self.kind, POLICY_LOSSES)
+        _choice(f"{prefix}agg", self.agg, AGG_MODES)
+        _choice(f"{prefix}kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if self.dual_clip and self.dual_clip <= 1.0:
+            raise ConfigError(f"{prefix}dual_clip: must be > 1 (or 0 to disable), got {self.dual_clip}")
+        for name in ("clip_low", "clip_high", "norm_constant", "entropy_coef", "kl_coef"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{prefix}{name}: must be >= 0, got {getattr(self, name)}")
+        return self
+
+
+@dataclass
 class RLConfig:
     """GRPO: the task, rollouts, advantages and the policy loss (`syncwise train`)."""
 
@@ -120,13 +150,7 @@ class RLConfig:
     max_new_tokens: int = 4
     temperature: float = 1.0
     advantage: str = "grpo"  # grpo | drgrpo | rloo
-    loss: str = "ppo"  # ppo | gspo | pg | cispo
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    loss_agg: str = "token-mean"
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial model
-    kl_estimator: str = "k3"
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
 
 @dataclass
@@ -155,19 +179,14 @@ class Config:
 
     def validate(self) -> Config:
         _choice("engine.strategy", self.engine.strategy, STRATEGIES)
-        _choice("sync.mode", self.sync.mode, SYNC_MODES)
+        _choice("sync.mode", self.sync.mode, MODE_NAMES)
         _choice("model.param_dtype", self.model.param_dtype, DTYPES)
         _choice("model.reduce_dtype", self.model.reduce_dtype, DTYPES)
         _choice("optim.name", self.optim.name, OPTIMIZERS)
         _choice("dist.backend", self.dist.backend, BACKENDS)
         _choice("optim.schedule", self.optim.schedule, ("constant", "cosine"))
         _choice("rl.advantage", self.rl.advantage, ("grpo", "drgrpo", "rloo"))
-        _choice("rl.loss", self.rl.loss, ("ppo", "gspo", "pg", "cispo"))
-        _choice(
-            "rl.loss_agg", self.rl.loss_agg,
-            ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-        )
-        _choice("rl.kl_estimator", self.rl.kl_estimator, ("k1", "k2", "k3"))
+        self.rl.loss.validate()
         _choice("train.logger", self.train.logger, ("jsonl", "tensorboard"))
         _positive("train.steps", self.train.steps)
         _positive("rl.prompts_per_rank", self.rl.prompts_per_rank)
@@ -192,17 +211,9 @@ class Config:
             )
         if self.sync.peak_every < 0:
             raise ConfigError(f"sync.peak_every: must be >= 0, got {self.sync.peak_every}")
-        hsdp = self.engine.hsdp_replicas > 1
-        if self.sync.mode == "replica_deferred" and not (self.engine.strategy == "fsdp2" and hsdp):
-            raise ConfigError(
-                "sync.mode='replica_deferred' defers only the cross-replica all-reduce: it needs "
-                "engine.strategy=fsdp2 with engine.hsdp_replicas > 1"
-            )
-        if self.sync.mode == "deferred_unsharded" and self.engine.strategy != "fsdp2":
-            raise ConfigError(
-                f"sync.mode='deferred_unsharded' needs engine.strategy=fsdp2 (set_reshard_after_backward), "
-                f"got {self.engine.strategy!r}; use deferred"
-            )
+        reason = unsupported_reason(self.sync.mode, self.engine.strategy, self.engine.hsdp_replicas > 1)
+        if reason:
+            raise ConfigError(reason)
         _positive("dist.timeout_s", self.dist.timeout_s)
         _positive("optim.lr", self.optim.lr)
         _positive("sft.steps", self.sft.steps)
@@ -275,14 +286,27 @@ def config_to_dict(config: Config) -> dict[str, Any]:
     return yaml.safe_load(yaml.safe_dump(dataclasses.asdict(config), default_flow_style=False))
 
 
+# Keys that moved into a section: named in the error instead of a guess.
+MOVED = {f"rl.{old}": f"rl.loss.{new}" for old, new in (
+    ("clip_low", "clip_low"), ("clip_high", "clip_high"), ("loss_agg", "agg"), ("entropy_coef", "entropy_coef"),
+    ("kl_coef", "kl_coef"), ("kl_estimator", "kl_estimator"),
+)}
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(data, dict):
+        section = prefix.rstrip(".") or "config"
+        raise ConfigError(
+            f"{section}: is a section, got the value {data!r}; set its keys ({', '.join(names)}), "
+            f"e.g. {section}.{names[0]}=..."
+        )
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
         if key not in names:
+            if f"{prefix}{key}" in MOVED:
+                raise ConfigError(f"'{prefix}{key}' is now '{MOVED[prefix + key]}'")
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown key '{prefix}{key}'{hint}; known keys: {', '.join(names)}")

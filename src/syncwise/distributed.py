@@ -9,7 +9,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,53 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within ``dist.timeout_s``: another rank is missing or stuck."""
+
+
+@contextmanager
+def collective_timeout(name: str, timeout_s: float) -> Iterator[None]:
+    """Turn a timed-out (or broken) collective into an error that names this rank and the operation."""
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as exc:
+        text = str(exc)
+        if isinstance(exc, dist.DistBackendError) or "timed out" in text.lower() or "timeout" in text.lower():
+            rank, _ = rank_and_world()
+            first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+            raise CollectiveTimeout(
+                f"rank {rank}: {name} did not complete within dist.timeout_s={timeout_s:g}s; another rank is "
+                f"missing, stuck or failed ({first})"
+            ) from exc
+        raise
+
+
+def agree(
+    sums: list[float], own: list[float], what: str, device: torch.device, timeout_s: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In one all-reduce, sum ``sums`` over ranks and share every rank's ``own`` values (each rank writes
+    them into its own slot, zeros elsewhere). Returns (the sums, everyone's own values as [world, k]).
+
+    Every decision that changes which collectives run (micro-batch counts, bad input, auto's mode) is taken
+    from what this returns, identically on every rank."""
+    rank, world = rank_and_world()
+    values = torch.zeros(len(sums) + world * len(own), dtype=torch.float64)
+    values[: len(sums)] = torch.tensor(sums, dtype=torch.float64)
+    start = len(sums) + rank * len(own)
+    values[start : start + len(own)] = torch.tensor(own, dtype=torch.float64)
+    if dist.is_initialized():
+        values = values.to(device)
+        with collective_timeout(what, timeout_s):
+            dist.all_reduce(values)
+        values = values.cpu()
+    return values[: len(sums)], values[len(sums) :].view(world, len(own))
 
 
 def pick_backend(backend: str = "auto") -> str:

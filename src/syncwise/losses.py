@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .config import AGG_MODES
+
 
 @dataclass(frozen=True)
 class Normalizer:
@@ -62,9 +64,6 @@ def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tens
     # [B, vocab, T] view for large vocabularies.
     flat = logits[:, :-1].float().reshape(batch * (width - 1), -1)
     return -F.cross_entropy(flat, input_ids[:, 1:].reshape(-1), reduction="none").view(batch, width - 1)
-
-
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normalizer, norm_constant: float = 0.0):

@@ -1,24 +1,28 @@
 """What each sync mode holds in memory: a byte estimator, measurements from the tensors, and the budget.
 
-Deferring sync keeps each FSDP unit's gradient *unsharded* in the accumulation dtype (the reduce dtype,
-fp32 by default: 4 bytes x every parameter, on every rank, whatever the world size) until the syncing
-micro-batch; per-micro-batch sync holds only the 1/W shard. ``deferred_unsharded`` additionally keeps the
-all-gathered parameters (param dtype) between micro-batches. ``replica_deferred`` (HSDP) reduce-scatters
-every time and holds only a sharded partial sum.
+The estimator reads what a unit holds between micro-batches from the switches its mode gives it
+(:mod:`syncwise.modes`): a unit that does not sync keeps its *unsharded* gradient in the accumulation
+dtype (the reduce dtype, fp32 by default: 4 bytes x every trainable parameter, on every rank, whatever
+the world size); one that syncs holds only its 1/W shard; one that skips only the cross-replica all-reduce
+(HSDP) holds a sharded partial sum in the reduce dtype; one not resharded after backward also keeps its
+gathered parameters (param dtype). Frozen parameters have no gradient.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-from .sync import SyncMode, fsdp2_units
+from . import fsdp_internals as fsdp
+from .distributed import local_tensor
+from .modes import Switches, SyncMode, spec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -28,40 +32,81 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ShardedModel:
-    """What the estimator needs: per FSDP unit, its parameter shapes; dtypes; shard-group size."""
+    """What the estimator needs: per FSDP unit, its parameter shapes and which are trainable; dtypes;
+    shard-group size."""
 
     unit_shapes: tuple[tuple[tuple[int, ...], ...], ...]  # unit -> parameter shapes
     shard_size: int  # ranks a parameter is sharded over (W, or W / replicas for HSDP)
     param_dtype: str = "float32"  # compute / all-gather dtype
     reduce_dtype: str = "float32"  # gradient reduction and accumulation dtype
     orig_dtype: str = "float32"  # sharded parameters and their gradients
+    unit_trainable: tuple[tuple[bool, ...], ...] | None = None  # unit -> requires_grad per parameter; None: all
+
+    @cached_property
+    def _trainable(self) -> tuple[tuple[bool, ...], ...]:
+        if self.unit_trainable is not None:
+            return self.unit_trainable
+        return tuple((True,) * len(shapes) for shapes in self.unit_shapes)
 
     @property
     def num_params(self) -> int:
         return sum(math.prod(s) for unit in self.unit_shapes for s in unit)
 
-    def unit_padded_numels(self) -> list[int]:
-        """All-gathered elements per unit: FSDP2 pads each parameter's dim 0 to a multiple of the shard size."""
-        return [sum(_padded(shape, self.shard_size) for shape in unit) for unit in self.unit_shapes]
+    @cached_property
+    def _padded(self) -> tuple[list[int], list[int]]:
+        """(all, trainable) padded elements per unit: FSDP2 pads each parameter's dim 0 to a multiple of the
+        shard size."""
+        every, trainable = [], []
+        for shapes, train in zip(self.unit_shapes, self._trainable, strict=True):
+            padded = [_padded_numel(shape, self.shard_size) for shape in shapes]
+            every.append(sum(padded))
+            trainable.append(sum(n for n, t in zip(padded, train, strict=True) if t))
+        return every, trainable
+
+    def unit_padded_numels(self, trainable_only: bool = False) -> list[int]:
+        """All-gathered elements per unit (``trainable_only``: of its trainable parameters, the ones FSDP
+        reduce-scatters)."""
+        return list(self._padded[1 if trainable_only else 0])
 
     def padded_numel(self) -> int:
-        return sum(self.unit_padded_numels())
+        return sum(self._padded[0])
+
+    @cached_property
+    def unit_trainable_numels(self) -> list[int]:
+        return [
+            sum(math.prod(shape) for shape, t in zip(shapes, train, strict=True) if t)
+            for shapes, train in zip(self.unit_shapes, self._trainable, strict=True)
+        ]
+
+    def _held(self, switches: Switches, unit: int) -> tuple[int, int]:
+        """(gradient bytes, gathered parameter bytes) one unit holds after a backward run with ``switches``."""
+        sharded = self._padded[1][unit] // self.shard_size
+        if not switches.sync_grads:  # FSDP2 upcasts the held gradient to the reduce dtype
+            grads = self.unit_trainable_numels[unit] * DTYPE_BYTES[self.reduce_dtype]
+        elif not switches.all_reduce_grads:  # a sharded partial sum in the reduce dtype
+            grads = sharded * DTYPE_BYTES[self.reduce_dtype]
+        else:
+            grads = sharded * DTYPE_BYTES[self.orig_dtype]
+        params = self._padded[0][unit] * DTYPE_BYTES[self.param_dtype]
+        return grads, params if switches.reshard_after_backward is False else 0
+
+    def _held_after(self, mode: SyncMode, index: int, num_microbatches: int) -> tuple[int, int]:
+        switches = spec(mode).switches(index, num_microbatches)
+        held = [self._held(switches, u) for u in range(len(self.unit_shapes))]
+        return sum(g for g, _ in held), sum(p for _, p in held)
 
     def retained_grad_bytes(self, mode: SyncMode, num_microbatches: int) -> int:
         """Most gradient bytes held after any micro-batch's backward within a step."""
-        sharded = self.padded_numel() // self.shard_size * DTYPE_BYTES[self.orig_dtype]
-        if num_microbatches <= 1 or mode is SyncMode.PER_MICROBATCH:
-            return sharded
-        if mode is SyncMode.REPLICA_DEFERRED:  # a sharded partial sum in the reduce dtype
-            return max(sharded, self.padded_numel() // self.shard_size * DTYPE_BYTES[self.reduce_dtype])
-        accumulate = DTYPE_BYTES[self.reduce_dtype]  # FSDP2 upcasts the held gradient to the reduce dtype
-        return max(sharded, self.num_params * accumulate)
+        synced = self._held_after(SyncMode.PER_MICROBATCH, 0, 1)[0]
+        if num_microbatches <= 1:
+            return synced
+        return max(synced, self._held_after(mode, 0, num_microbatches)[0])
 
     def unsharded_param_bytes(self, mode: SyncMode, num_microbatches: int) -> int:
         """All-gathered parameter bytes still held after a non-final micro-batch's backward."""
-        if mode is not SyncMode.DEFERRED_UNSHARDED or num_microbatches <= 1:
+        if num_microbatches <= 1:
             return 0
-        return self.padded_numel() * DTYPE_BYTES[self.param_dtype]
+        return self._held_after(mode, 0, num_microbatches)[1]
 
     def extra_bytes(self, mode: SyncMode, num_microbatches: int) -> int:
         """Bytes ``mode`` holds beyond ``per_microbatch`` (what it adds to the peak)."""
@@ -72,7 +117,7 @@ class ShardedModel:
         )
 
 
-def _padded(shape: tuple[int, ...], shard_size: int) -> int:
+def _padded_numel(shape: tuple[int, ...], shard_size: int) -> int:
     if not shape:
         return shard_size  # a scalar becomes one element per rank
     rows = math.ceil(shape[0] / shard_size) * shard_size
@@ -87,53 +132,20 @@ def sharded_model_of(
     units = list(units)
     seen: set[int] = set()
     shapes: list[tuple[tuple[int, ...], ...]] = []
+    trainable: list[tuple[bool, ...]] = []
     for unit in reversed(units):  # inner units (layers) before the root
-        own = []
-        for param in unit.parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                own.append(tuple(param.shape))  # a DTensor's shape is the global one
-        shapes.append(tuple(own))
-    return ShardedModel(tuple(reversed(shapes)), shard_size, param_dtype, reduce_dtype)
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        shapes.append(tuple(tuple(p.shape) for p in own))  # a DTensor's shape is the global one
+        trainable.append(tuple(p.requires_grad for p in own))
+    return ShardedModel(
+        tuple(reversed(shapes)), shard_size, param_dtype, reduce_dtype, unit_trainable=tuple(reversed(trainable))
+    )
 
 
 # ------------------------------------------------------------------------------------------------
 # Measurement from the tensors themselves
 # ------------------------------------------------------------------------------------------------
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def fsdp2_accumulators(module: nn.Module) -> Iterator[torch.Tensor]:
-    """Gradients FSDP2 accumulates outside any parameter's ``.grad``: HSDP's partial reduce outputs
-    (reduce-scattered, not yet all-reduced) and the reduce-dtype accumulators of deferred units whose
-    parameters compute in another dtype (``unsharded_accumulated_grad``)."""
-    for unit in fsdp2_units(module):
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
-            if group._partial_reduce_output is not None:
-                yield group._partial_reduce_output
-            for fsdp_param in group.fsdp_params:
-                if fsdp_param.unsharded_accumulated_grad is not None:
-                    yield fsdp_param.unsharded_accumulated_grad
-
-
-def _unsynced_grads(module: nn.Module) -> Iterator[torch.Tensor]:
-    yield from fsdp2_accumulators(module)
-    for unit in fsdp2_units(module):
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if unsharded is not None and unsharded.grad is not None:
-                    yield unsharded.grad
-    for owner in FSDP1.fsdp_modules(module):
-        handle = owner._handle
-        flat = handle.flat_param if handle is not None else None
-        # Under no_sync FSDP1 keeps the unsharded gradient on the flat parameter itself.
-        if flat is not None and flat.grad is not None and flat.grad.numel() != flat._sharded_size.numel():
-            yield flat.grad
-
-
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views, e.g. FSDP1's per-parameter grads, once)."""
     seen: dict[int, int] = {}
@@ -146,25 +158,18 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def unsynced_grad_bytes(module: nn.Module) -> int:
     """Bytes of gradient accumulated locally and not yet fully reduced."""
-    return _storage_bytes(_unsynced_grads(module))
+    return _storage_bytes(fsdp.unsynced_grads(module))
 
 
 def grad_bytes(module: nn.Module) -> int:
     """All gradient bytes this rank holds: reduced (sharded or replicated) ``.grad`` plus unsynced ones."""
     reduced = (p.grad for p in module.parameters() if p.grad is not None)
-    return _storage_bytes([*reduced, *_unsynced_grads(module)])
+    return _storage_bytes([*reduced, *fsdp.unsynced_grads(module)])
 
 
 def unsharded_param_bytes(module: nn.Module) -> int:
     """Bytes of FSDP2 all-gather outputs currently allocated (parameters held unsharded)."""
-    outputs = (
-        tensor
-        for unit in fsdp2_units(module)
-        for group in unit._get_fsdp_state()._fsdp_param_groups
-        for fsdp_param in group.fsdp_params
-        for tensor in fsdp_param.all_gather_outputs
-    )
-    return _storage_bytes(outputs)
+    return _storage_bytes(fsdp.gathered_params(module))
 
 
 class PeakMeter:
@@ -222,7 +227,7 @@ class PeakMeter:
         for categories in current.values():
             temp = sum(v for k, v in categories.items() if str(k).endswith("TEMP"))
             held = max(held, categories["Total"] - temp)
-        return held + _storage_bytes(fsdp2_accumulators(self.model))
+        return held + _storage_bytes(fsdp.accumulators(self.model))
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":

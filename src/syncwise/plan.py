@@ -19,10 +19,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .autosync import AutoSync
-from .comm import UnitTraffic, step_traffic
 from .memory import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
 from .models import decoder_layers
-from .sync import SPEED_ORDER, SyncMode, supported_modes
+from .modes import SyncMode, supported_modes
+from .schedule import step_traffic, unit_traffic
 
 # Shapes of common models, from their public config.json files (weights are never needed).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -143,15 +143,8 @@ def make_plan(inp: PlanInput, hf_config=None) -> Plan:
     )
     budget = int(inp.device_memory_gib * 2**30 * inp.budget_fraction)
     plan = Plan(inp, sharded.num_params, len(sharded.unit_shapes), base, budget)
-    units = [
-        UnitTraffic(
-            gather_bytes=numel * DTYPE_BYTES[inp.param_dtype],
-            reduce_bytes=numel * DTYPE_BYTES[inp.reduce_dtype],
-            replica_bytes=numel // shard * DTYPE_BYTES[inp.reduce_dtype],
-        )
-        for numel in sharded.unit_padded_numels()
-    ]
-    modes = [m for m in SPEED_ORDER if m in supported_modes("fsdp2", hsdp)]
+    units = unit_traffic(sharded, hsdp)
+    modes = supported_modes("fsdp2", hsdp)
     for mode in modes:
         traffic = step_traffic(mode.value, n, units, unsharded_forward=True, hsdp=hsdp)
         extra = sharded.extra_bytes(mode, n)
@@ -166,7 +159,7 @@ def make_plan(inp: PlanInput, hf_config=None) -> Plan:
             collective_bytes=dict(traffic.bytes),
             comm_time_s=_ring_time(traffic.counts, traffic.bytes, shard, inp),
         ))
-    auto = AutoSync(sharded, tuple(modes), budget)
+    auto = AutoSync(sharded, modes, budget)
     plan.auto_choice = auto.decide(base, SyncMode.PER_MICROBATCH, n, source="estimated").value
     plan.auto_reason = auto.decisions[-1]
     return plan

@@ -12,16 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    fully_shard,
-)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .comm import ddp_counting_hook
+from . import fsdp_internals as fsdp
 from .config import EngineConfig, ModelConfig
 from .distributed import rank_and_world
 from .models import decoder_layer_classes, decoder_layers
@@ -77,7 +72,7 @@ def wrap_model(
         raise ValueError(f"engine.strategy={strategy!r} needs a process group (run under the launcher)")
     if strategy == "fsdp2":
         module = _wrap_fsdp2(model, engine_cfg, model_cfg, device, mesh)
-        units = [m for m in module.modules() if isinstance(m, FSDPModule) and _has_fsdp2_params(m)]
+        units = [m for m in fsdp.fsdp2_units(module) if fsdp.has_params(m)]
     elif strategy == "fsdp1":
         module = _wrap_fsdp1(model, engine_cfg, model_cfg, device, mesh)
         units = list(FSDP1.fsdp_modules(module))
@@ -87,10 +82,6 @@ def wrap_model(
     else:
         raise ValueError(f"engine.strategy: {strategy!r} is not one of fsdp2, fsdp1, ddp, none")
     return WrappedModel(module, strategy, num_units=len(units), dp_size=world_size, mesh=mesh, units=units)
-
-
-def _has_fsdp2_params(unit: FSDPModule) -> bool:
-    return any(group.fsdp_params for group in unit._get_fsdp_state()._fsdp_param_groups)
 
 
 def _wrap_fsdp2(
@@ -116,9 +107,7 @@ def _wrap_fsdp2(
     if engine_cfg.reshard_after_forward:
         del root_kwargs["reshard_after_forward"]
     fully_shard(model, **root_kwargs)
-    # Resolve the root now rather than at the first forward: the sync modes save and restore reshard
-    # flags, and the root's own (kept unsharded after forward) is only set by this initialisation.
-    model._get_fsdp_state()._lazy_init()
+    fsdp.init_root(model)
     return model
 
 
@@ -166,5 +155,9 @@ def _wrap_ddp(model: nn.Module, engine_cfg: EngineConfig, device: torch.device) 
         broadcast_buffers=False,
         find_unused_parameters=engine_cfg.find_unused_parameters,
     )
-    ddp.register_comm_hook(None, ddp_counting_hook)
+    # The Python all-reduce hook issues its collective through ``dist.all_reduce``, where syncwise counts
+    # every strategy's collectives (DDP's built-in reducer would all-reduce in C++, out of sight).
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp.register_comm_hook(None, allreduce_hook)
     return ddp

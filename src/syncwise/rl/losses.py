@@ -18,35 +18,11 @@ from typing import Any
 
 import torch
 
-from ..losses import AGG_MODES, LossFn, LossOutput, Normalizer, aggregate, target_mask, token_entropy, token_log_probs
+from ..config import KL_ESTIMATORS, PolicyLossConfig
+from ..losses import LossFn, LossOutput, Normalizer, aggregate, target_mask, token_entropy, token_log_probs
 
-POLICY_LOSSES = ("ppo", "gspo", "pg", "cispo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-
-
-@dataclass
-class PolicyLossConfig:
-    kind: str = "ppo"  # ppo (clipped), gspo (sequence-level ratio), pg (REINFORCE / GPG), cispo
-    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.2
-    dual_clip: float = 0.0  # > 1: cap the loss of negative-advantage tokens at -A * dual_clip
-    agg: str = "token-mean"
-    norm_constant: float = 0.0  # seq-mean-token-sum-norm's divisor (0: the longest loss span)
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-
-    def validate(self) -> PolicyLossConfig:
-        if self.kind not in POLICY_LOSSES:
-            raise ValueError(f"policy loss kind {self.kind!r} is not one of {', '.join(POLICY_LOSSES)}")
-        if self.agg not in AGG_MODES:
-            raise ValueError(f"loss aggregation {self.agg!r} is not one of {', '.join(AGG_MODES)}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl estimator {self.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
-        if self.dual_clip and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 (or 0 to disable), got {self.dual_clip}")
-        return self
-
+__all__ = ["PolicyLossConfig", "ValueLossConfig", "kl_penalty", "make_policy_loss", "make_value_loss",
+           "policy_token_losses"]
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token KL(π || π_ref) estimates: k1 = log r, k2 = ½ (log r)², k3 = e^{-log r} + log r - 1

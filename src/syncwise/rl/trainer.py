@@ -1,12 +1,14 @@
 """``syncwise train``: GRPO end to end -- rollouts, rewards, group advantages, the actor update through the
 engine, checkpoints, logs, plots and a Hugging Face export.
 
+:class:`GRPOTrainer` is one rank's job in four pieces: set-up (``__init__``), :meth:`~GRPOTrainer.step`,
+:meth:`~GRPOTrainer.save` and :meth:`~GRPOTrainer.finish`; :meth:`~GRPOTrainer.run` strings them together.
 One step on every rank::
 
     rows = prompts for (step, rank)          deterministic: a resumed run sees the same prompts
     rollout.sync_weights(); generate         samples_per_prompt responses per prompt, local, no collectives
     rewards -> group advantages              GRPO / Dr.GRPO / RLOO within each prompt's group
-    [ref log-probs]                          forward-only pass of a frozen reference (rl.kl_coef > 0)
+    [ref log-probs]                          forward-only pass of a frozen reference (rl.loss.kl_coef > 0)
     engine.train_batch(batch, policy loss)   micro-batched, sync mode from config (auto by default)
 """
 
@@ -29,7 +31,7 @@ from ..engine import Engine
 from ..metrics import JsonlLogger, TensorBoardLogger, plot_curves
 from ..models import build_model
 from .advantages import grpo_advantages, rloo_advantages
-from .losses import PolicyLossConfig, make_policy_loss
+from .losses import make_policy_loss
 from .rollout import Rollout
 from .tasks import builtin_tokenizer, prompt_source
 
@@ -75,99 +77,126 @@ def _global_stats(rewards: torch.Tensor, lengths: torch.Tensor, device: torch.de
     }
 
 
-def run_grpo(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]]:
-    """Train; rank 0 returns (and logs) every step's metrics."""
-    info = info or init_distributed(config.dist.backend, config.dist.timeout_s)
-    train, rl = config.train, config.rl
-    out_dir = Path(train.out_dir)
-    torch.manual_seed(train.seed * 1000 + info.rank)
-    random.seed(train.seed * 1000 + info.rank)
+class GRPOTrainer:
+    """One rank's GRPO job."""
 
-    tokenizer = load_tokenizer(config)
-    source = prompt_source(rl.task, rl.dataset, rl.reward_fn)
-    overrides = {} if config.model.path else {"vocab_size": len(tokenizer)}
-    engine = Engine(config, build_model(config.model, **overrides), info, total_steps=train.steps)
-    reference = None
-    if rl.kl_coef > 0:
-        reference = Engine(config, build_model(config.model, **overrides), info, trainable=False)
-    rollout = Rollout(engine, tokenizer, rl)
-    loss_fn = make_policy_loss(PolicyLossConfig(
-        kind=rl.loss, clip_low=rl.clip_low, clip_high=rl.clip_high, agg=rl.loss_agg,
-        entropy_coef=rl.entropy_coef, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
-    ))
-    checkpoints = CheckpointManager(out_dir / "checkpoints")
-    start = 0
-    resume_from = checkpoints.resolve(train.resume)
-    if resume_from is not None:
-        start = int(checkpoints.load(resume_from, engine)["step"])
+    def __init__(self, config: Config, info: DistInfo):
+        """Set-up: tokenizer, prompts and reward, the actor engine (and a frozen reference for the KL),
+        the rollout copy, the loss, checkpoints (resuming if asked) and, on rank 0, the logs."""
+        self.config, self.info = config, info
+        train, rl = config.train, config.rl
+        self.out_dir = Path(train.out_dir)
+        torch.manual_seed(train.seed * 1000 + info.rank)
+        random.seed(train.seed * 1000 + info.rank)
+        self.tokenizer = load_tokenizer(config)
+        self.source = prompt_source(rl.task, rl.dataset, rl.reward_fn)
+        overrides = {} if config.model.path else {"vocab_size": len(self.tokenizer)}
+        self.engine = Engine(config, build_model(config.model, **overrides), info, total_steps=train.steps)
+        self.reference = None
+        if rl.loss.kl_coef > 0:
+            self.reference = Engine(config, build_model(config.model, **overrides), info, trainable=False)
+        self.rollout = Rollout(self.engine, self.tokenizer, rl)
+        self.loss_fn = make_policy_loss(rl.loss)
+        self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
+        self.resumed_from = self.checkpoints.resolve(train.resume)
+        self.start = int(self.checkpoints.load(self.resumed_from, self.engine)["step"]) if self.resumed_from else 0
+        self.history: list[dict[str, Any]] = []
+        self.loggers: list[Any] = []
+        self.bar = None
+        if info.is_main:
+            self._open_logs()
 
-    loggers: list[Any] = []
-    bar = None
-    if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config)))
-        loggers.append(JsonlLogger(out_dir / "metrics.jsonl"))
+    def _open_logs(self) -> None:
+        config, rl, train = self.config, self.config.rl, self.config.train
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config)))
+        self.loggers.append(JsonlLogger(self.out_dir / "metrics.jsonl"))
         if train.logger == "tensorboard":
-            loggers.append(TensorBoardLogger(out_dir / "tensorboard"))
+            self.loggers.append(TensorBoardLogger(self.out_dir / "tensorboard"))
         print(
             f"syncwise train: GRPO on {rl.dataset or 'task ' + rl.task}, {config.engine.strategy} on "
-            f"{info.world_size} rank(s), {rl.prompts_per_rank} prompts x {rl.samples_per_prompt} samples per "
+            f"{self.info.world_size} rank(s), {rl.prompts_per_rank} prompts x {rl.samples_per_prompt} samples per "
             f"rank, sync.mode={config.sync.mode}"
-            + (f", resumed from {resume_from} at step {start}" if resume_from else ""),
+            + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else ""),
             flush=True,
         )
         if train.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=train.steps, initial=start, desc="grpo", dynamic_ncols=True)
+            self.bar = tqdm(total=train.steps, initial=self.start, desc="grpo", dynamic_ncols=True)
 
-    history: list[dict[str, Any]] = []
-    consecutive_skips = 0
-    for step in range(start, train.steps):
+    def step(self, step: int) -> dict[str, Any]:
+        """Rollouts, rewards and advantages, then one actor update; returns the step's metrics."""
         started = time.perf_counter()
-        rows = source.batch(step, info.rank, info.world_size, rl.prompts_per_rank)
-        rollout.sync_weights()
-        batch, sampled = rollout.generate(rows, source)
-        batch["advantages"] = advantages_for(sampled["rewards"], config)
-        if reference is not None:
-            batch["ref_log_probs"] = reference.eval_batch(batch).outputs["log_probs"]
-        metrics = engine.train_batch(batch, loss_fn)
-        metrics.update(_global_stats(sampled["rewards"], sampled["response_lengths"], info.device))
+        rl = self.config.rl
+        rows = self.source.batch(step, self.info.rank, self.info.world_size, rl.prompts_per_rank)
+        self.rollout.sync_weights()
+        batch, sampled = self.rollout.generate(rows, self.source)
+        batch["advantages"] = advantages_for(sampled["rewards"], self.config)
+        if self.reference is not None:
+            batch["ref_log_probs"] = self.reference.forward_batch(batch).outputs["log_probs"]
+        metrics = self.engine.train_batch(batch, self.loss_fn)
+        metrics.update(_global_stats(sampled["rewards"], sampled["response_lengths"], self.info.device))
         metrics["train/step"] = step + 1
         metrics["time/step_s"] = time.perf_counter() - started
-        consecutive_skips = consecutive_skips + 1 if metrics["train/skipped"] else 0
-        if info.is_main:
-            for logger in loggers:
-                logger.log(metrics)
-            history.append(metrics)
-            if bar is not None:
-                bar.set_postfix_str(
-                    f"reward {metrics['reward/mean']:.3f} loss {metrics['loss']:.4f} "
-                    f"gn {metrics['train/grad_norm']:.2f} AG {metrics['comm/all_gather_count']} "
-                    f"RS {metrics['comm/reduce_scatter_count']} AR {metrics['comm/all_reduce_count']} "
-                    f"{metrics['sync/mode']}"
-                )
-                bar.update(1)
-        done = step + 1
-        if consecutive_skips >= train.max_consecutive_skips:
-            path = checkpoints.save(done, engine, {"step": done})
-            raise TrainingStopped(
-                f"{consecutive_skips} consecutive steps had a non-finite gradient norm (last at step {done}); "
-                f"stopped, checkpoint at {path}"
+        if self.info.is_main:
+            self._log(metrics)
+        return metrics
+
+    def _log(self, metrics: dict[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.log(metrics)
+        self.history.append(metrics)
+        if self.bar is not None:
+            self.bar.set_postfix_str(
+                f"reward {metrics['reward/mean']:.3f} loss {metrics['loss']:.4f} "
+                f"gn {metrics['train/grad_norm']:.2f} AG {metrics['comm/all_gather_count']} "
+                f"RS {metrics['comm/reduce_scatter_count']} AR {metrics['comm/all_reduce_count']} "
+                f"{metrics['sync/mode']}"
             )
-        if (train.checkpoint_every and done % train.checkpoint_every == 0) or done == train.steps:
-            checkpoints.save(done, engine, {"step": done})
-    if bar is not None:
-        bar.close()
-    if train.export:
-        export_hf(engine, tokenizer, out_dir / "export")
-    if info.is_main:
-        for logger in loggers:
+            self.bar.update(1)
+
+    def save(self, done: int) -> Path:
+        """Collective: a checkpoint of the state after ``done`` steps."""
+        return self.checkpoints.save(done, self.engine, {"step": done})
+
+    def finish(self) -> None:
+        """Export, close the logs, plot and summarise."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.config.train.export:
+            export_hf(self.engine, self.tokenizer, self.out_dir / "export")
+        if not self.info.is_main:
+            return
+        for logger in self.loggers:
             logger.close()
-        if history:
-            plot_curves(history, out_dir / "curves.png")
-            _print_summary(history, out_dir)
-    return history
+        if self.history:
+            plot_curves(self.history, self.out_dir / "curves.png")
+            _print_summary(self.history, self.out_dir)
+
+    def run(self) -> list[dict[str, Any]]:
+        """Train from the start (or the resumed) step to ``train.steps``; rank 0 returns every step's metrics."""
+        train = self.config.train
+        consecutive_skips = 0
+        for step in range(self.start, train.steps):
+            metrics = self.step(step)
+            done = step + 1
+            consecutive_skips = consecutive_skips + 1 if metrics["train/skipped"] else 0
+            if consecutive_skips >= train.max_consecutive_skips:
+                path = self.save(done)
+                raise TrainingStopped(
+                    f"{consecutive_skips} consecutive steps had a non-finite gradient norm (last at step {done}); "
+                    f"stopped, checkpoint at {path}"
+                )
+            if (train.checkpoint_every and done % train.checkpoint_every == 0) or done == train.steps:
+                self.save(done)
+        self.finish()
+        return self.history
+
+
+def run_grpo(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]]:
+    """Train; rank 0 returns (and logs) every step's metrics."""
+    return GRPOTrainer(config, info or init_distributed(config.dist.backend, config.dist.timeout_s)).run()
 
 
 def _print_summary(history: list[dict[str, Any]], out_dir: Path) -> None:

@@ -1,0 +1,278 @@
+"""The training engine: micro-batched forward/backward whose gradients sync once per optimizer step.
+
+One optimizer step (:meth:`Engine.train_batch`), and the module each part lives in::
+
+    plan the batch: validate, agree with every rank (one all-reduce), split      planning.py
+    for each micro-batch: forward + backward under its mode's switches           step.py
+    grad norm (one all-reduce), clip, skip if non-finite, step                   optim.py
+    metrics, memory peak and budget agreed (one all-reduce)                      here
+    collectives counted vs the mode's schedule                                   audit.py
+    memory metered; auto chooses / steps down                                    governor.py
+
+``Engine`` itself only holds the pieces together.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import fsdp_internals as fsdp
+from ..batching import Batch
+from ..config import Config
+from ..counting import CollectiveCounter
+from ..distributed import CollectiveTimeout, DistInfo, agree, build_mesh, init_distributed
+from ..losses import LossFn
+from ..memory import sharded_model_of
+from ..models import build_model
+from ..modes import SyncMode, check_mode, spec, supported_modes
+from ..schedule import unit_traffic
+from ..sync import SwitchesFor
+from ..wrap import WrappedModel, wrap_model
+from .audit import StepAudit, SyncNoOpError
+from .governor import MemoryGovernor
+from .optim import build_optimizer, build_scheduler, clip_and_step, global_grad_norm
+from .planning import BatchPlan, plan_batch
+from .step import ForwardBackwardResult, accumulate, forward_only
+
+__all__ = ["CollectiveTimeout", "Engine", "ForwardBackwardResult", "SyncNoOpError", "build_optimizer",
+           "build_scheduler"]
+
+
+class Engine:
+    """FSDP2 / FSDP1 / DDP / single-process training of a causal LM with deferred gradient sync.
+
+    Build it inside an initialised process group (``syncwise.distributed.init_distributed`` or the local
+    launcher). ``model`` defaults to the one ``config.model`` describes; pass your own (fp32, on CPU,
+    identical on every rank) to wrap it instead. ``trainable=False`` builds a forward-only engine (a frozen
+    reference model: no optimizer); ``total_steps`` sets the length of ``optim.schedule=cosine``.
+    """
+
+    def __init__(
+        self, config: Config, model: nn.Module | None = None, info: DistInfo | None = None, *,
+        trainable: bool = True, total_steps: int | None = None,
+    ):
+        self.config = config.validate()
+        self.info = info or init_distributed(config.dist.backend, config.dist.timeout_s)
+        self.sync_mode = SyncMode(config.sync.mode)  # as configured; may be AUTO
+        raw = model if model is not None else build_model(config.model)
+        self.hf_config = getattr(raw, "config", None)  # None for a plain nn.Module
+        sharded = config.engine.strategy in ("fsdp2", "fsdp1")
+        mesh = build_mesh(self.info, config.engine.hsdp_replicas) if sharded else None
+        hsdp = mesh is not None and mesh.ndim == 2
+        check_mode(self.sync_mode, config.engine.strategy, hsdp)
+        if not trainable:
+            raw.requires_grad_(False)
+        self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh)
+        self.model = self.wrapped.module
+        self.trainable = trainable
+        self.optimizer = build_optimizer(self.model.parameters(), config.optim) if trainable else None
+        self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps) if trainable else None
+        self.step = 0
+        self.skipped_steps = 0
+        self.memory_model = sharded_model_of(
+            self.wrapped.units, self.wrapped.shard_size, config.model.param_dtype, config.model.reduce_dtype
+        )
+        self.audit = StepAudit(
+            unit_traffic(self.memory_model, hsdp), config.engine.reshard_after_forward, config.sync.unsharded_forward,
+            hsdp, sharded=self.wrapped.shard_size > 1, strict=config.sync.strict,
+        ) if self.wrapped.strategy in ("fsdp2", "fsdp1") else None
+        self.governor = MemoryGovernor(
+            self.model, self.optimizer, self.info.device, self.memory_model, config.sync,
+            supported_modes(self.wrapped.strategy, hsdp),
+        )
+        self.active_mode = self.governor.first_mode or self.sync_mode  # the concrete mode the next step runs
+        self._peak_meter = None  # set by train_batch while a step is metered
+
+    # ----------------------------------------------------------------------------------------------
+    # passes over a batch
+    # ----------------------------------------------------------------------------------------------
+    def _plan(self, batch: Batch, require_tokens: bool) -> BatchPlan:
+        batch = {k: v.to(self.info.device) for k, v in batch.items()} if _is_batch(batch) else batch
+        vocab = self.hf_config.vocab_size if self.hf_config is not None else None
+        return plan_batch(
+            batch, self.config.engine, dp_size=self.wrapped.dp_size, device=self.info.device,
+            timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, vocab_size=vocab,
+        )
+
+    def forward_backward_batch(
+        self, batch: Batch, loss_fn: LossFn | None = None, forward_only: bool = False
+    ) -> ForwardBackwardResult:
+        """Run every micro-batch of ``batch`` forward and backward (``forward_only``: see
+        :meth:`forward_batch`).
+
+        Gradients accumulate into ``.grad``; each micro-batch runs with the FSDP switches of the active
+        sync mode (``deferred``: only the last micro-batch communicates). Returns summed loss metrics and
+        per-sample outputs in the original order. If an exception escapes, switches are restored, every
+        gradient of the step is dropped and FSDP2's iteration state is reset.
+        """
+        if forward_only:
+            return self.forward_batch(batch, loss_fn)
+        if loss_fn is None:
+            raise ValueError("forward_backward_batch: a loss_fn is needed unless forward_only=True")
+        if not self.trainable:
+            raise ValueError("this engine was built with trainable=False: forward_only passes only")
+        plan = self._plan(batch, require_tokens=True)
+        try:
+            return accumulate(
+                self.model, plan, loss_fn, self._switches_of(self.active_mode), device=self.info.device,
+                timeout_s=self.config.dist.timeout_s, linear_coef=self.config.engine.workload_linear_coef,
+                meter=self._peak_meter,
+            )
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            fsdp.reset_after_error(self.model)
+            raise
+
+    def forward_batch(self, batch: Batch, loss_fn: LossFn | None = None) -> ForwardBackwardResult:
+        """Forward-only pass (log-probs, evaluation): ``log_probs`` [B, T-1] always in the outputs, plus
+        what ``loss_fn`` returns. Never touches gradients or sync state, also when it fails."""
+        plan = self._plan(batch, require_tokens=False)
+        return forward_only(
+            self.model, plan, loss_fn, device=self.info.device, timeout_s=self.config.dist.timeout_s,
+            linear_coef=self.config.engine.workload_linear_coef,
+        )
+
+    def _switches_of(self, mode: SyncMode):
+        mode_spec, unsharded_forward = spec(mode), self.config.sync.unsharded_forward
+
+        def switches(index: int, num_microbatches: int) -> SwitchesFor:
+            return mode_spec.switches(index, num_microbatches, unsharded_forward)
+
+        return switches
+
+    # ----------------------------------------------------------------------------------------------
+    # optimizer
+    # ----------------------------------------------------------------------------------------------
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradients (one all-reduce over the shard group for FSDP)."""
+        sharded = self.wrapped.strategy in ("fsdp2", "fsdp1")
+        mesh = self.wrapped.mesh
+        group = mesh.get_group("shard") if sharded and mesh is not None else None
+        return global_grad_norm(self.model, group, sharded, self.info.device, self.config.dist.timeout_s)
+
+    def optimizer_step(self) -> float:
+        """Clip to ``optim.grad_clip``, step, and zero the gradients. Returns the pre-clip grad norm.
+        A non-finite norm skips the update (gradients are zeroed, ``skipped_steps`` counts it)."""
+        norm = float(self.grad_norm())
+        if clip_and_step(self.model, self.optimizer, self.scheduler, norm, self.config.optim.grad_clip):
+            self.step += 1
+        else:
+            self.skipped_steps += 1
+        return norm
+
+    def train_batch(self, batch: Batch, loss_fn: LossFn) -> dict[str, Any]:
+        """One optimizer step on ``batch``; returns metrics reduced over ranks (same dict on every rank).
+
+        ``comm/*`` count every collective of the step (forward, backward, normaliser, grad norm and the
+        metrics reduction); ``comm/expected_*`` give the mode's schedule. A mismatch -- the sync switches
+        silently did nothing -- warns once, or raises :class:`SyncNoOpError` with ``sync.strict``. Under
+        ``sync.mode=auto`` the step also measures memory and may change the mode of the steps that follow
+        (``sync/decision`` says why).
+        """
+        started = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        skipped_before, mode = self.skipped_steps, self.active_mode
+        meter = self.governor.meter_for_step(self.step)
+        with CollectiveCounter() as counter:
+            self._peak_meter = meter
+            try:
+                with meter if meter is not None else nullcontext():
+                    result = self.forward_backward_batch(batch, loss_fn)
+                    grad_norm = self.optimizer_step()
+            finally:
+                self._peak_meter = None
+            peak, measured = self.governor.local_peak(result, meter)
+            metrics, peak, budget = self._reduce_step(result.metrics, peak, self.governor.own_budget)
+        memory, next_mode = self.governor.after_step(result, peak, budget, measured, mode, self.info.is_main)
+        if next_mode is not None:
+            self.active_mode = next_mode
+        metrics.update({
+            "train/step": self.step,
+            "train/grad_norm": grad_norm,
+            "train/skipped": self.skipped_steps - skipped_before,
+            "train/num_microbatches": result.num_microbatches,
+            "batch/workload_imbalance": result.workload_imbalance,
+            "train/step_time_s": time.perf_counter() - started,
+            "train/lr": self.scheduler.get_last_lr()[0],
+            "sync/mode": mode.value,
+            **memory,
+            **counter.totals.as_metrics(),
+        })
+        if self.audit is not None:
+            metrics.update(self.audit.check(counter.totals.counts, mode, result.num_microbatches))
+        return metrics
+
+    def _reduce_step(
+        self, local: dict[str, float], peak: int | None, budget: int
+    ) -> tuple[dict[str, float], int | None, int]:
+        """One all-reduce for a step's loss metrics (summed), each rank's memory peak (every rank takes the
+        max) and auto budget (the min): the same agreed numbers everywhere, so auto decides alike. Keys
+        are sorted so every rank packs alike."""
+        keys = sorted(local)
+        totals, per_rank = agree(
+            [local[k] for k in keys], [float(peak or 0), float(budget)], "the metrics all-reduce (end of the step)",
+            self.info.device, self.config.dist.timeout_s,
+        )
+        metrics = dict(zip(keys, totals.tolist(), strict=True))
+        agreed_peak = int(per_rank[:, 0].max()) if peak is not None else None
+        return metrics, agreed_peak, int(per_rank[:, 1].min())
+
+    def expected_collectives(self, num_microbatches: int, mode: SyncMode | None = None) -> dict[str, int] | None:
+        """The collective counts one ``train_batch`` in ``mode`` (default: the active one) should produce
+        (FSDP strategies), else None."""
+        return self.audit.expected(mode or self.active_mode, num_microbatches) if self.audit is not None else None
+
+    # ----------------------------------------------------------------------------------------------
+    # evaluation and state
+    # ----------------------------------------------------------------------------------------------
+    def eval_batch(self, batch: Batch, loss_fn: LossFn | None = None) -> ForwardBackwardResult:
+        """Forward-only pass with its loss metrics reduced over ranks. Never touches gradients or sync state."""
+        result = self.forward_batch(batch, loss_fn)
+        result.metrics = self._reduce_step(result.metrics, None, 0)[0]
+        return result
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state (sharded DTensors under FSDP2), for ``torch.distributed.checkpoint``."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state["model"])
+            return
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def engine_state(self) -> dict[str, Any]:
+        """Everything else a resumed run needs to continue exactly (JSON-serialisable): the step count,
+        the LR schedule's position, and auto's decision and measured base, so the resumed run does not
+        re-measure in another mode."""
+        return {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "active_mode": self.active_mode.value,
+            **self.governor.state(),
+        }
+
+    def load_engine_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.active_mode = SyncMode(state["active_mode"])
+        self.governor.load_state(state)
+
+
+def _is_batch(batch: Any) -> bool:
+    return isinstance(batch, dict) and all(isinstance(v, torch.Tensor) for v in batch.values())

@@ -1,0 +1,53 @@
+"""The step audit: every collective a step issued, counted, and compared with what its mode should issue.
+
+The commonest deferral bug is a switch that silently does nothing (applied to the wrong module, around
+backward only, ignored by a wrapper). A mismatch warns once with both numbers, or raises
+:class:`SyncNoOpError` with ``sync.strict``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from ..modes import SyncMode
+from ..schedule import TRAIN_ALL_REDUCES, UnitTraffic, step_traffic
+
+
+class SyncNoOpError(RuntimeError):
+    """The collectives counted in a step differ from what the sync mode should issue (``sync.strict``)."""
+
+
+@dataclass
+class StepAudit:
+    """What a training step of an FSDP engine should issue, and the check of what it did."""
+
+    units: list[UnitTraffic]
+    reshard_after_forward: bool
+    unsharded_forward: bool
+    hsdp: bool
+    sharded: bool
+    strict: bool
+    warned: bool = False
+
+    def expected(self, mode: SyncMode, num_microbatches: int) -> dict[str, int]:
+        counts = step_traffic(
+            mode.value, num_microbatches, self.units, reshard_after_forward=self.reshard_after_forward,
+            unsharded_forward=self.unsharded_forward, hsdp=self.hsdp, sharded=self.sharded,
+        ).counts
+        return {**counts, "all_reduce": counts["all_reduce"] + TRAIN_ALL_REDUCES}
+
+    def check(self, counted: dict[str, int], mode: SyncMode, num_microbatches: int) -> dict[str, int]:
+        """Compare; returns the expected counts as ``comm/expected_*_count`` metrics."""
+        expected = self.expected(mode, num_microbatches)
+        if counted != expected:
+            message = (
+                f"sync.mode={mode.value}: counted collectives {counted} differ from the expected {expected}; "
+                "the sync switches may be doing nothing (see docs/perf_tuning.md)"
+            )
+            if self.strict:
+                raise SyncNoOpError(message)
+            if not self.warned:
+                self.warned = True
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return {f"comm/expected_{kind}_count": count for kind, count in expected.items()}

@@ -1,0 +1,115 @@
+"""The memory governor: meters each step's memory peak and, under ``sync.mode=auto``, chooses the mode.
+
+On CUDA the allocator's peak is free, so every step is measured. On CPU the tensor tracker sees every op
+(slow), so the first step and every ``sync.peak_every``-th are measured and the steps between estimated:
+the last measured base plus the sync bytes measured from the tensors. The peak and the budget are agreed
+over ranks (max of the peaks, min of the budgets) in the step's metrics all-reduce, so every rank decides
+alike: ranks that chose different modes would issue different collectives and hang.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..autosync import AutoSync
+from ..config import SyncConfig
+from ..memory import PeakMeter, ShardedModel, resolve_budget
+from ..modes import SyncMode
+from .step import ForwardBackwardResult
+
+
+class MemoryGovernor:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device,
+        estimator: ShardedModel, cfg: SyncConfig, candidates: tuple[SyncMode, ...],
+    ):
+        self.model, self.optimizer, self.device, self.estimator, self.cfg = model, optimizer, device, estimator, cfg
+        self.measurable = PeakMeter.supported(model, device)
+        self.base_peak: int | None = None  # measured peak minus the mode's held extra (per_microbatch's)
+        self.auto: AutoSync | None = None
+        self.own_budget = 0  # this rank's budget; auto uses the minimum over ranks
+        if SyncMode(cfg.mode) is SyncMode.AUTO:
+            if not self.measurable:
+                raise ValueError(
+                    "sync.mode=auto decides from a measured memory peak, which is not available for "
+                    "engine.strategy=fsdp1 on CPU; choose sync.mode=deferred or per_microbatch"
+                )
+            self.own_budget = resolve_budget(cfg.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            self.auto = AutoSync(estimator, candidates, self.own_budget)
+
+    @property
+    def first_mode(self) -> SyncMode | None:
+        """The mode auto measures its first step in (None without auto)."""
+        return SyncMode.PER_MICROBATCH if self.auto is not None else None
+
+    def meter_for_step(self, step: int) -> PeakMeter | None:
+        """A peak meter when a true peak is due: every step on CUDA; on CPU the first and then every
+        ``sync.peak_every`` steps."""
+        if not self.measurable:
+            return None
+        every = self.cfg.peak_every
+        due = self.base_peak is None or (every > 0 and step % every == 0)
+        if self.device.type == "cuda" or due:
+            return PeakMeter(self.model, self.optimizer, self.device)
+        return None
+
+    def local_peak(self, result: ForwardBackwardResult, meter: PeakMeter | None) -> tuple[int | None, int]:
+        """This rank's peak for the step and whether it was measured (1) or estimated (0): between
+        measured steps on CPU, the last measured base plus the sync bytes measured from the tensors.
+        (None for FSDP1 on CPU, where the tracker cannot follow its flat-parameter views.)"""
+        if not self.measurable:
+            return None, 0
+        if meter is not None:
+            return meter.peak, 1
+        baseline = self.estimator.retained_grad_bytes(SyncMode.PER_MICROBATCH, result.num_microbatches)
+        held_extra = max(0, result.retained_grad_bytes - baseline) + result.unsharded_param_bytes
+        return self.base_peak + held_extra, 0
+
+    def after_step(
+        self, result: ForwardBackwardResult, peak: int | None, budget: int, measured: int, mode: SyncMode,
+        is_main: bool,
+    ) -> tuple[dict[str, Any], SyncMode | None]:
+        """Memory metrics of the step (``peak`` and ``budget`` agreed over ranks) and, under auto, the mode
+        of the next step (None: keep it)."""
+        metrics: dict[str, Any] = {
+            "memory/retained_grad_bytes": result.retained_grad_bytes,
+            "memory/unsharded_param_bytes": result.unsharded_param_bytes,
+        }
+        if peak is None:
+            return metrics, None
+        n = result.num_microbatches
+        if measured:
+            self.base_peak = peak - self.estimator.extra_bytes(mode, n)
+        metrics.update({"memory/peak_bytes": peak, "memory/peak_measured": measured})
+        if self.auto is None:
+            return metrics, None
+        self.auto.budget = budget
+        metrics["memory/budget_bytes"] = budget
+        decisions = len(self.auto.decisions)
+        next_mode = self.auto.decide(peak, mode, n) if not self.auto.decided else self.auto.observe(peak, n)
+        decided = len(self.auto.decisions) > decisions
+        if decided and is_main:
+            print(f"syncwise: {self.auto.decisions[-1]}", flush=True)
+        metrics["sync/decision"] = self.auto.decisions[-1] if decided else ""
+        metrics["sync/next_mode"] = next_mode.value
+        return metrics, next_mode
+
+    def state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"base_peak": self.base_peak}
+        if self.auto is not None:
+            state["auto"] = {
+                "base_peak": self.auto.base_peak, "ceiling": self.auto.ceiling, "mode": self.auto.mode.value,
+                "decisions": self.auto.decisions,
+            }
+        return state
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.base_peak = state.get("base_peak")
+        if self.auto is not None and state.get("auto"):
+            auto = state["auto"]
+            self.auto.base_peak, self.auto.ceiling = auto["base_peak"], int(auto["ceiling"])
+            self.auto.mode, self.auto.decisions = SyncMode(auto["mode"]), list(auto["decisions"])

@@ -1,0 +1,125 @@
+"""The micro-batch loop: forward and backward of every micro-batch under its sync switches, and the
+forward-only pass beside it (log-probs, evaluation), which never touches gradients or sync state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import fsdp_internals as fsdp
+from ..batching import Batch, MicroBatch, restore_order, sequence_lengths, workloads
+from ..distributed import collective_timeout
+from ..losses import LossFn, LossOutput, Normalizer, token_log_probs
+from ..memory import PeakMeter, grad_bytes, unsharded_param_bytes
+from ..sync import SwitchesFor, apply_switches
+from .planning import BatchPlan
+
+SwitchesOf = Callable[[int, int], SwitchesFor]  # (micro-batch index, count) -> switches per unit
+
+
+@dataclass
+class ForwardBackwardResult:
+    """What one pass over a batch produced on this rank."""
+
+    metrics: dict[str, float]  # loss-function metrics summed over micro-batches (this rank's share)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # per sample, original order
+    num_microbatches: int = 0
+    retained_grad_bytes: int = 0  # most gradient bytes held after any micro-batch's backward
+    unsharded_param_bytes: int = 0  # most all-gathered parameter bytes held after any backward
+    workload_imbalance: float = 1.0  # max / min estimated compute over this rank's non-empty micro-batches
+
+
+def forward_microbatch(
+    model: nn.Module, data: Batch | None, loss_fn: LossFn | None, norm: Normalizer, device: torch.device,
+    with_log_probs: bool,
+) -> LossOutput:
+    """One micro-batch forward and its loss. An empty micro-batch (``data`` None: this rank has fewer
+    samples than the agreed count) runs a one-token dummy forward whose zero loss still runs every FSDP
+    unit, so the collectives match the other ranks."""
+    if data is None:
+        logits = model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device)).logits
+        return LossOutput(loss=logits.float().sum() * 0.0)
+    model_out = model(input_ids=data["input_ids"], attention_mask=data.get("attention_mask"))
+    result = loss_fn(model_out, data, norm) if loss_fn is not None else LossOutput(torch.zeros((), device=device))
+    if with_log_probs:
+        result.outputs.setdefault("log_probs", token_log_probs(model_out.logits, data["input_ids"]))
+    return result
+
+
+class _Collector:
+    """Sums metrics and gathers per-sample outputs over the non-empty micro-batches."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, torch.Tensor] = {}
+        self.chunks: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, mb: MicroBatch, result: LossOutput) -> None:
+        if mb.data is None:
+            return
+        for key, value in result.metrics.items():
+            self.totals[key] = self.totals.get(key, 0.0) + value.detach().float()
+        for key, value in result.outputs.items():
+            self.chunks.setdefault(key, []).append(value.detach())
+
+    def result(self, plan: BatchPlan, linear_coef: float, **extra) -> ForwardBackwardResult:
+        return ForwardBackwardResult(
+            metrics={k: float(v) for k, v in self.totals.items()},
+            outputs={
+                k: restore_order(parts, plan.micro_batches, plan.target_width) for k, parts in self.chunks.items()
+            },
+            num_microbatches=len(plan.micro_batches),
+            workload_imbalance=workload_imbalance(plan.micro_batches, linear_coef),
+            **extra,
+        )
+
+
+def accumulate(
+    model: nn.Module, plan: BatchPlan, loss_fn: LossFn, switches_of: SwitchesOf, *, device: torch.device,
+    timeout_s: float, linear_coef: float, meter: PeakMeter | None = None,
+) -> ForwardBackwardResult:
+    """Forward and backward of every micro-batch, each under the switches its mode gives it; gradients
+    accumulate into ``.grad`` (or FSDP's unsynced buffers until the syncing micro-batch)."""
+    model.train()
+    collected, retained, gathered = _Collector(), 0, 0
+    n = len(plan.micro_batches)
+    for i, mb in enumerate(plan.micro_batches):
+        if meter is not None:
+            meter.before_microbatch()
+        what = f"micro-batch {i + 1}/{n} forward/backward (FSDP all-gather / reduce-scatter)"
+        with collective_timeout(what, timeout_s), apply_switches(model, switches_of(i, n)):
+            result = forward_microbatch(model, mb.data, loss_fn, plan.normalizer, device, with_log_probs=False)
+            result.loss.backward()
+        retained = max(retained, grad_bytes(model))
+        gathered = max(gathered, unsharded_param_bytes(model))
+        collected.add(mb, result)
+    return collected.result(plan, linear_coef, retained_grad_bytes=retained, unsharded_param_bytes=gathered)
+
+
+@torch.no_grad()
+def forward_only(
+    model: nn.Module, plan: BatchPlan, loss_fn: LossFn | None, *, device: torch.device, timeout_s: float,
+    linear_coef: float,
+) -> ForwardBackwardResult:
+    """Forward of every micro-batch under ``no_grad``, with ``log_probs`` [B, T-1] always in the outputs.
+    Gradients and sync switches are never touched; every gathered parameter is freed at the end."""
+    model.eval()
+    collected = _Collector()
+    n = len(plan.micro_batches)
+    try:
+        for i, mb in enumerate(plan.micro_batches):
+            with collective_timeout(f"micro-batch {i + 1}/{n} forward (FSDP all-gather)", timeout_s):
+                result = forward_microbatch(model, mb.data, loss_fn, plan.normalizer, device, with_log_probs=True)
+            collected.add(mb, result)
+    except BaseException:
+        fsdp.reset_after_forward_error(model)
+        raise
+    fsdp.reshard_all(model)
+    return collected.result(plan, linear_coef)
+
+
+def workload_imbalance(micro_batches: list[MicroBatch], linear_coef: float) -> float:
+    loads = [sum(workloads(sequence_lengths(mb.data), linear_coef)) for mb in micro_batches if mb.data is not None]
+    return max(loads) / min(loads) if loads and min(loads) > 0 else 1.0
