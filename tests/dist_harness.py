@@ -8,17 +8,23 @@ from typing import Any
 
 import torch
 
-from syncwise.distributed import init_distributed, launch_local, shutdown
+from syncwise.distributed import init_distributed, shutdown
+from syncwise.launcher import launch_local
 
 # A hang becomes an error after this long, so a broken test fails instead of stalling CI.
 COLLECTIVE_TIMEOUT_S = 120.0
+
+
+class RankFailed(AssertionError):
+    """A rank raised: the launcher's root cause with its traceback."""
 
 
 def _rank_main(fn, args: tuple, out_dir: str, timeout_s: float, clean: bool) -> None:
     info = init_distributed("gloo", timeout_s)
     result = fn(info, *args)
     torch.save(result, Path(out_dir) / f"rank{info.rank}.pt")
-    shutdown(clean=clean)
+    if clean:  # else the group is left as it is: the scenario broke it on purpose
+        shutdown()
 
 
 def run_distributed(fn, world_size: int, *args: Any, timeout_s: float = COLLECTIVE_TIMEOUT_S,
@@ -27,5 +33,8 @@ def run_distributed(fn, world_size: int, *args: Any, timeout_s: float = COLLECTI
 
     ``clean_shutdown=False`` skips the final barrier, for scenarios that leave the group broken."""
     with tempfile.TemporaryDirectory() as out_dir:
-        launch_local(_rank_main, world_size, fn, args, out_dir, timeout_s, clean_shutdown)
+        job = launch_local(_rank_main, world_size, fn, args, out_dir, timeout_s, clean_shutdown)
+        if job.exit_code != 0:
+            cause = job.cause
+            raise RankFailed("\n".join(job.lines) + ("\n" + cause.traceback if cause else ""))
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

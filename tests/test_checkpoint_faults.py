@@ -67,6 +67,48 @@ def test_crash_mid_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
     assert not (tmp_path / ".tmp-step_000004").exists() and (tmp_path / "latest").read_text() == "step_000004"
 
 
+RESAVE_CRASH = textwrap.dedent("""
+    import os, sys, torch
+    import syncwise.checkpoint as ckpt
+    from syncwise.config import load_config
+    from syncwise.engine import Engine
+    root, point = sys.argv[1], sys.argv[2]
+    engine = Engine(load_config(None, ["engine.strategy=none", "model.preset=qwen2-test", "sync.mode=deferred"]))
+    manager = ckpt.CheckpointManager(root)
+    manager.save(4, engine, {"step": 4, "version": "A"})
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(1.0)
+    def crash_at(self, reached):
+        if reached == point:
+            os._exit(9)
+    ckpt.CheckpointManager._reached = crash_at
+    manager.save(4, engine, {"step": 4, "version": "B"})  # the same step again: latest already names it
+""")
+
+
+@pytest.mark.parametrize(
+    ("point", "survivor"),
+    [("written", "A"), ("old_aside", "A"), ("new_in", "B"), ("latest", "B"), ("old_removed", "B")],
+)
+def test_resave_of_the_latest_step_is_atomic_at_every_point(tmp_path, point, survivor):
+    """Re-saving the checkpoint `latest` names, killed at each point of the protocol: `latest` still leads
+    to one complete checkpoint (the old or the new, never a mix), and the next save tidies up."""
+    proc = subprocess.run([sys.executable, "-c", RESAVE_CRASH, str(tmp_path), point], env=ENV, capture_output=True,
+                          timeout=300)
+    assert proc.returncode == 9, proc.stderr.decode()[-2000:]
+    manager = CheckpointManager(tmp_path)
+    engine = _engine()
+    fresh = _params(engine)
+    assert manager.load(manager.resolve("auto"), engine)["version"] == survivor
+    shift = 1.0 if survivor == "B" else 0.0
+    for name, value in _params(engine).items():
+        assert torch.equal(value, fresh[name] + shift), name
+    manager.save(4, engine, {"step": 4, "version": "C"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000004"]
+    assert manager.load(manager.resolve("auto"), _engine())["version"] == "C"
+
+
 @pytest.fixture
 def saved(tmp_path) -> Path:
     manager = CheckpointManager(tmp_path)

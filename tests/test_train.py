@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from syncwise.distributed import free_port
+from syncwise.launcher import free_port
 from syncwise.metrics import read_jsonl
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -5,13 +5,14 @@ Layout under the checkpoint root::
     step_000020/dcp/...        model + optimizer, sharded (DCP reshards on load: any world size)
     step_000020/trainer.json   step, data position, LR schedule, auto-sync state (rank 0)
     step_000020/rank{r}.pt     that rank's RNG states (tensors only, loaded with weights_only=True)
+    latest                     the name of the newest complete checkpoint, written last
+
+A checkpoint is written and synced to disk under ``.tmp-step_...``, renamed only when every rank has
+finished, then ``latest`` is replaced atomically (see :meth:`CheckpointManager.save`): a crash at any
+point leaves ``latest`` naming a complete checkpoint.
 
 Nothing is unpickled freely on load: DCP metadata through an allow-list, non-tensor items and RNG
 files with ``weights_only=True``, the trainer state as JSON, exports as safetensors.
-    latest                     the name of the newest complete checkpoint, written last
-
-A checkpoint is written into ``.tmp-step_...`` and renamed only when every rank has finished, then
-``latest`` is replaced atomically: a crash mid-write leaves ``latest`` on the previous complete one.
 """
 
 from __future__ import annotations
@@ -118,28 +119,54 @@ class CheckpointManager:
         self.root = Path(root)
 
     def save(self, step: int, engine: Engine, trainer_state: dict[str, Any]) -> Path:
-        """Collective: every rank calls it. Returns the final directory."""
+        """Collective: every rank calls it. Returns the final directory.
+
+        Atomic at every point: the new checkpoint is written and synced to disk under ``.tmp-<name>``;
+        then (rank 0) a previous checkpoint of the same name is renamed aside to ``.old-<name>``, the new
+        one renamed in, ``latest`` replaced, and the old one removed, each rename synced. A crash
+        anywhere leaves ``latest`` naming a complete checkpoint (``resolve`` finds one renamed aside).
+        """
         rank, world = rank_and_world()
         name = f"step_{step:06d}"
-        tmp, final = self.root / f".tmp-{name}", self.root / name
+        tmp, final, aside = self.root / f".tmp-{name}", self.root / name, self.root / f".old-{name}"
         if rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
+            for stale in self.root.glob(".tmp-step_*"):  # interrupted writes: never named by latest
+                shutil.rmtree(stale)
             tmp.mkdir(parents=True)
         _barrier()
-        dcp.save(engine.state_dict(), checkpoint_id=str(tmp / "dcp"))
-        torch.save(rng_state(), tmp / f"rank{rank}.pt")
+        dcp.save(engine.state_dict(), checkpoint_id=str(tmp / "dcp"))  # DCP syncs its files
+        with open(tmp / f"rank{rank}.pt", "wb") as file:
+            torch.save(rng_state(), file)
+            _sync(file)
         if rank == 0:
             state = {"trainer": trainer_state, "engine": engine.engine_state(), "world_size": world}
-            (tmp / "trainer.json").write_text(json.dumps(state, indent=1))
+            with open(tmp / "trainer.json", "w") as file:
+                file.write(json.dumps(state, indent=1))
+                _sync(file)
         _barrier()
         if rank == 0:
+            _sync_dir(tmp / "dcp")
+            _sync_dir(tmp)
+            self._reached("written")
             if final.exists():
-                shutil.rmtree(final)
+                if aside.exists():  # left by an earlier crash; final is complete, so it is not needed
+                    shutil.rmtree(aside)
+                os.replace(final, aside)
+                _sync_dir(self.root)
+                self._reached("old_aside")
             os.replace(tmp, final)
+            _sync_dir(self.root)
+            self._reached("new_in")
             _write_atomic(self.root / LATEST, name)
+            self._reached("latest")
+            if aside.exists():
+                shutil.rmtree(aside)
+            self._reached("old_removed")
         _barrier()
         return final
+
+    def _reached(self, point: str) -> None:
+        """A named point of :meth:`save` (the crash tests stop the process at each)."""
 
     def resolve(self, resume: str) -> Path | None:
         """``none`` -> None; ``auto`` -> the checkpoint ``latest`` names (None if there is none yet); else
@@ -151,9 +178,12 @@ class CheckpointManager:
             if not pointer.is_file():
                 return None
             path = self.root / pointer.read_text().strip()
-            if not path.is_dir():
-                raise CheckpointError(f"{pointer} names {path.name}, which does not exist")
-            return path
+            if path.is_dir():
+                return path
+            aside = path.with_name(f".old-{path.name}")
+            if aside.is_dir():  # a re-save of the same step crashed between its two renames
+                return aside
+            raise CheckpointError(f"{pointer} names {path.name}, which does not exist")
         path = Path(resume)
         if not path.is_dir():
             raise CheckpointError(f"train.resume: checkpoint directory not found: {resume}")
@@ -192,13 +222,27 @@ def _cause(exc: BaseException) -> str:
     return lines[-1] if isinstance(exc, CheckpointException) else lines[0]
 
 
+def _sync(file) -> None:
+    file.flush()
+    os.fsync(file.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    """Make the entries of a directory (renames, new files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        _sync(f)
     os.replace(tmp, path)
+    _sync_dir(path.parent)
 
 
 def export_hf(engine: Engine, tokenizer, out_dir: str | Path) -> Path | None:
@@ -211,9 +255,12 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path) -> Path | None:
     rank, _ = rank_and_world()
     out = Path(out_dir)
     if rank == 0:
+        from transformers.utils import logging as hf_logging
+
         model = AutoModelForCausalLM.from_config(engine.hf_config)
         model.load_state_dict(full)
         out.mkdir(parents=True, exist_ok=True)
+        hf_logging.disable_progress_bar()  # a one-shard bar would break into the job's own
         model.save_pretrained(out, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(out)

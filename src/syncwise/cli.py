@@ -7,11 +7,13 @@ made (``torchrun --nproc-per-node 2 -m syncwise sft ...``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from .config import ConfigError, config_to_dict, load_config
-from .distributed import launch_local, launched_by_torchrun
+from .distributed import launched_by_torchrun
+from .launcher import DEBUG_ENV, exit_now, launch_local, rank_main
 
 
 def _split_args(values: list[str]) -> tuple[str | None, list[str]]:
@@ -22,29 +24,38 @@ def _split_args(values: list[str]) -> tuple[str | None, list[str]]:
     return path, values
 
 
-def _run_job(worker, args: argparse.Namespace, default_config: str | None = None) -> int:
+def _run_job(worker, args: argparse.Namespace, job: str, default_config: str | None = None) -> int:
+    """Load and check the config, check what the job was given, then run it. Exit status: 0, 2 for a
+    mistake found before any rank started, 1 for an error in a rank, 130 / 143 after Ctrl-C / SIGTERM."""
+    from .preflight import PreflightError, preflight
+
     path, overrides = _split_args(args.args)
     if path is None and default_config is not None:
         path = str(Path(__file__).parent / "configs" / default_config)
     try:
         config = load_config(path, overrides)
-    except ConfigError as exc:
-        print(f"syncwise: config error: {exc}", file=sys.stderr)
+        preflight(config, job)
+    except (ConfigError, PreflightError) as exc:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks; one says it
+            kind = "config error" if isinstance(exc, ConfigError) else "error"
+            print(f"syncwise: {kind}: {exc}", file=sys.stderr)
         return 2
-    _launch(worker, config.dist.nproc, config_to_dict(config))
-    return 0
+    return _launch(worker, config.dist.nproc, config_to_dict(config))
 
 
-def _launch(worker, nproc: int, payload: dict) -> None:
-    """Run ``worker(payload)`` as this torchrun rank, or spawn ``nproc`` local ranks."""
-    if launched_by_torchrun():
-        worker(payload)
-    else:
-        launch_local(worker, nproc, payload)
+def _launch(worker, nproc: int, payload: dict) -> int:
+    """Run ``worker(payload)`` as this torchrun rank, or spawn ``nproc`` local ranks; the exit status."""
+    if not launched_by_torchrun():
+        return launch_local(worker, nproc, payload).exit_code
+    code = rank_main(worker, payload)
+    if code == 1:
+        exit_now(code)  # the process group may be broken: skip its teardown
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="syncwise", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="print the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="GRPO job (default: configs/grpo.yaml, the built-in task and model)")
     train.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
@@ -76,16 +87,18 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--latency-us", type=float, default=10.0)
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # the ranks inherit it
     if args.command == "plan":
         return _run_plan(args)
     if args.command == "train":
         from .rl.trainer import train_worker
 
-        return _run_job(train_worker, args, default_config="grpo.yaml")
+        return _run_job(train_worker, args, "train", default_config="grpo.yaml")
     if args.command == "sft":
         from .sft import sft_worker
 
-        return _run_job(sft_worker, args)
+        return _run_job(sft_worker, args, "sft")
     if args.command == "bench":
         return _run_bench(args)
     return 1  # pragma: no cover - argparse rejects unknown commands
@@ -94,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_plan(args: argparse.Namespace) -> int:
     from .plan import PlanInput, format_plan, make_plan, plan_to_json
 
-    fields = {k: v for k, v in vars(args).items() if k not in ("command", "json")}
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "json", "debug")}
     try:
         plan = make_plan(PlanInput(**fields))
     except (ValueError, OSError) as exc:
@@ -115,8 +128,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         if value is not None:
             setattr(spec, name, value)
     spec.baselines = not args.no_baselines
-    _launch(bench_worker, args.nproc, dataclasses.asdict(spec))
-    return 0
+    return _launch(bench_worker, args.nproc, dataclasses.asdict(spec))
 
 
 if __name__ == "__main__":

@@ -187,6 +187,8 @@ class Config:
         _choice("optim.schedule", self.optim.schedule, ("constant", "cosine"))
         _choice("rl.advantage", self.rl.advantage, ("grpo", "drgrpo", "rloo"))
         self.rl.loss.validate()
+        if self.rl.dataset and not self.rl.reward_fn:
+            raise ConfigError("rl.dataset needs rl.reward_fn (package.module:function): a prompt file brings no reward")
         _choice("train.logger", self.train.logger, ("jsonl", "tensorboard"))
         _positive("train.steps", self.train.steps)
         _positive("rl.prompts_per_rank", self.rl.prompts_per_rank)

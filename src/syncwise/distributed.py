@@ -1,14 +1,10 @@
-"""Process groups and device meshes: torchrun (env://) or the built-in local launcher.
-
-The local launcher spawns N ranks on this machine with the same environment variables torchrun sets, so
-the code under it cannot tell the difference.
-"""
+"""Process groups and device meshes under torchrun's environment (set by torchrun or by
+:mod:`syncwise.launcher`), and the all-reduce every rank agrees through."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,8 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .signals import JobStopped
 
 
 @dataclass(frozen=True)
@@ -145,22 +142,23 @@ def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> d
     return dist.PrefixStore(f"syncwise/attempt_{attempt}", store)
 
 
-def shutdown(clean: bool = True) -> None:
-    """Leave the process group. ``clean``: barrier first (gloo can abort at exit without it); after an
-    error, skip the barrier, which the other ranks may never reach."""
+def shutdown() -> None:
+    """Leave the process group, after a barrier (gloo can abort at exit without it)."""
     if dist.is_initialized():
-        if clean:
-            dist.barrier()
+        dist.barrier()
         dist.destroy_process_group()
 
 
 def run_rank(fn: Callable[..., Any], *args: Any, backend: str = "auto", timeout_s: float = 600.0) -> Any:
-    """Join the process group, run ``fn(info, *args)``, and leave it -- cleanly unless ``fn`` raised."""
+    """Join the process group, run ``fn(info, *args)``, and leave it cleanly -- also after a stop every
+    rank agreed on. After an error the group is left as it is: the other ranks may never reach a barrier,
+    and tearing down a group whose collective failed can abort the process (the launcher exits without it).
+    """
     info = init_distributed(backend, timeout_s)
     try:
         result = fn(info, *args)
-    except BaseException:
-        shutdown(clean=False)
+    except JobStopped:
+        shutdown()
         raise
     shutdown()
     return result
@@ -179,35 +177,3 @@ def build_mesh(info: DistInfo, hsdp_replicas: int = 1) -> DeviceMesh | None:
         )
     shape = (hsdp_replicas, info.world_size // hsdp_replicas)
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
-    os.environ.update(
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    fn(*args)
-
-
-def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
-    """Run ``fn(*args)`` on ``nproc`` local ranks (spawned processes with torchrun's environment).
-
-    Raises if any rank raises; ``fn`` must be picklable (a module-level function).
-    """
-    port = free_port()
-    # Each rank gets its share of the cores; oversubscribing threads slows CPU runs several-fold.
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    mp.start_processes(
-        _local_entry, args=(nproc, port, fn, args), nprocs=nproc, join=True, start_method="spawn"
-    )

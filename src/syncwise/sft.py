@@ -18,6 +18,7 @@ from .distributed import DistInfo, init_distributed, run_rank
 from .engine import Engine
 from .losses import sft_loss
 from .metrics import JsonlLogger, format_step
+from .signals import stopped
 
 PAD_ID = 0
 ALPHABET = 64  # progressions live in token ids 1..64
@@ -66,6 +67,10 @@ def run_sft(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]
             logger.log(metrics)
             if step % config.sft.log_every == 0 or step == config.sft.steps - 1:
                 print(format_step(metrics, config.sft.steps), flush=True)
+        if metrics["stop/signal"]:  # agreed by every rank
+            if logger is not None:
+                logger.close()
+            raise stopped(metrics["stop/signal"], step + 1, config.sft.steps, f"metrics in {out_dir / 'metrics.jsonl'}")
     if logger is not None:
         logger.close()
         first, last = history[0]["loss"], history[-1]["loss"]

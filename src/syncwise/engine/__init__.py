@@ -31,6 +31,7 @@ from ..memory import sharded_model_of
 from ..models import build_model
 from ..modes import SyncMode, check_mode, spec, supported_modes
 from ..schedule import unit_traffic
+from ..signals import StopRequest
 from ..sync import SwitchesFor
 from ..wrap import WrappedModel, wrap_model
 from .audit import StepAudit, SyncNoOpError
@@ -187,7 +188,7 @@ class Engine:
             finally:
                 self._peak_meter = None
             peak, measured = self.governor.local_peak(result, meter)
-            metrics, peak, budget = self._reduce_step(result.metrics, peak, self.governor.own_budget)
+            metrics, peak, budget, stop = self._reduce_step(result.metrics, peak, self.governor.own_budget)
         memory, next_mode = self.governor.after_step(result, peak, budget, measured, mode, self.info.is_main)
         if next_mode is not None:
             self.active_mode = next_mode
@@ -200,6 +201,7 @@ class Engine:
             "train/step_time_s": time.perf_counter() - started,
             "train/lr": self.scheduler.get_last_lr()[0],
             "sync/mode": mode.value,
+            "stop/signal": stop,
             **memory,
             **counter.totals.as_metrics(),
         })
@@ -209,18 +211,19 @@ class Engine:
 
     def _reduce_step(
         self, local: dict[str, float], peak: int | None, budget: int
-    ) -> tuple[dict[str, float], int | None, int]:
-        """One all-reduce for a step's loss metrics (summed), each rank's memory peak (every rank takes the
-        max) and auto budget (the min): the same agreed numbers everywhere, so auto decides alike. Keys
-        are sorted so every rank packs alike."""
+    ) -> tuple[dict[str, float], int | None, int, int]:
+        """One all-reduce for a step's loss metrics (summed) and three decisions every rank must take alike:
+        the memory peak (the max over ranks) and auto's budget (the min), so auto chooses the same mode
+        everywhere, and a stop signal received by any rank (see :mod:`syncwise.signals`). Keys are sorted
+        so every rank packs alike. Returns (metrics, peak, budget, stop signal or 0)."""
         keys = sorted(local)
         totals, per_rank = agree(
-            [local[k] for k in keys], [float(peak or 0), float(budget)], "the metrics all-reduce (end of the step)",
-            self.info.device, self.config.dist.timeout_s,
+            [local[k] for k in keys], [float(peak or 0), float(budget), float(StopRequest.received)],
+            "the metrics all-reduce (end of the step)", self.info.device, self.config.dist.timeout_s,
         )
         metrics = dict(zip(keys, totals.tolist(), strict=True))
         agreed_peak = int(per_rank[:, 0].max()) if peak is not None else None
-        return metrics, agreed_peak, int(per_rank[:, 1].min())
+        return metrics, agreed_peak, int(per_rank[:, 1].min()), int(per_rank[:, 2].max())
 
     def expected_collectives(self, num_microbatches: int, mode: SyncMode | None = None) -> dict[str, int] | None:
         """The collective counts one ``train_batch`` in ``mode`` (default: the active one) should produce

@@ -52,7 +52,7 @@ class Rollout:
             prompt_ids = encoded["input_ids"][i // n][prompt_mask]
             response_ids = _until_eos(generated[width:], tok.eos_token_id)
             text = tok.decode(response_ids, skip_special_tokens=True)
-            rewards.append(float(source.reward_fn(row["prompt"], text, row)))
+            rewards.append(_score(source, row, text))
             responses.append(text)
             sequences.append(torch.cat([prompt_ids, response_ids]))
             response_masks.append(torch.cat([torch.zeros_like(prompt_ids), torch.ones_like(response_ids)]))
@@ -68,6 +68,16 @@ class Rollout:
             "response_lengths": torch.tensor([int(m.sum()) for m in response_masks]),
         }
         return {k: v.cpu() for k, v in batch.items()}, info
+
+
+def _score(source: PromptSource, row: dict[str, Any], response: str) -> float:
+    """The reward of one response; a reward function that fails says so, with the prompt it failed on."""
+    try:
+        return float(source.reward_fn(row["prompt"], response, row))
+    except Exception as exc:  # user code: any exception
+        raise ValueError(
+            f"rl.reward_fn: raised {type(exc).__name__}: {exc} (prompt {row['prompt']!r}, response {response!r})"
+        ) from exc
 
 
 def _until_eos(ids: torch.Tensor, eos_id: int) -> torch.Tensor:

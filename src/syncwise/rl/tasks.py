@@ -97,34 +97,36 @@ def load_reward_fn(path: str) -> RewardFn:
 
 
 def load_dataset(path: str) -> list[dict[str, Any]]:
-    """Rows of a JSONL or Parquet file; each needs a ``prompt`` string."""
+    """Rows of a JSONL or Parquet file; each needs a ``prompt`` string. Errors name the file and the line
+    (JSONL) or row (Parquet)."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"rl.dataset: file not found: {path}")
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq  # optional: only for Parquet datasets
 
-        rows = pq.read_table(file).to_pylist()
+        try:
+            numbered = [(f"row {i}", row) for i, row in enumerate(pq.read_table(file).to_pylist(), start=1)]
+        except Exception as exc:  # pyarrow raises its own kinds for a file that is not Parquet
+            raise ValueError(f"rl.dataset: {path} is not a readable Parquet file ({exc})") from exc
     else:
-        rows = []
+        numbered = []
         for number, line in enumerate(file.read_text().splitlines(), start=1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    numbered.append((f"line {number}", json.loads(line)))
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"rl.dataset: {path} line {number} is not JSON: {exc}") from exc
-    if not rows:
+    if not numbered:
         raise ValueError(f"rl.dataset: {path} has no rows")
-    for number, row in enumerate(rows, start=1):
+    for where, row in numbered:
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"rl.dataset: {path} row {number} has no string 'prompt'")
-    return rows
+            raise ValueError(f"rl.dataset: {path} {where} has no string 'prompt'")
+    return [row for _, row in numbered]
 
 
 def prompt_source(task: str, dataset: str | None, reward_fn: str | None) -> PromptSource:
     if dataset:
-        if not reward_fn:
-            raise ValueError("rl.dataset needs rl.reward_fn (package.module:function)")
         return PromptSource(load_dataset(dataset), load_reward_fn(reward_fn))
     if task not in TASKS:
         raise ValueError(f"rl.task: {task!r} is not one of {', '.join(TASKS)}")

@@ -30,6 +30,7 @@ from ..distributed import DistInfo, init_distributed, run_rank
 from ..engine import Engine
 from ..metrics import JsonlLogger, TensorBoardLogger, plot_curves
 from ..models import build_model
+from ..signals import stopped
 from .advantages import grpo_advantages, rloo_advantages
 from .losses import make_policy_loss
 from .rollout import Rollout
@@ -160,17 +161,18 @@ class GRPOTrainer:
         """Collective: a checkpoint of the state after ``done`` steps."""
         return self.checkpoints.save(done, self.engine, {"step": done})
 
-    def finish(self) -> None:
-        """Export, close the logs, plot and summarise."""
+    def close_logs(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.config.train.export:
-            export_hf(self.engine, self.tokenizer, self.out_dir / "export")
-        if not self.info.is_main:
-            return
         for logger in self.loggers:
             logger.close()
-        if self.history:
+
+    def finish(self) -> None:
+        """Export, close the logs, plot and summarise."""
+        if self.config.train.export:
+            export_hf(self.engine, self.tokenizer, self.out_dir / "export")
+        self.close_logs()
+        if self.info.is_main and self.history:
             plot_curves(self.history, self.out_dir / "curves.png")
             _print_summary(self.history, self.out_dir)
 
@@ -188,8 +190,13 @@ class GRPOTrainer:
                     f"{consecutive_skips} consecutive steps had a non-finite gradient norm (last at step {done}); "
                     f"stopped, checkpoint at {path}"
                 )
-            if (train.checkpoint_every and done % train.checkpoint_every == 0) or done == train.steps:
-                self.save(done)
+            stop = metrics["stop/signal"]  # agreed by every rank in the step's last all-reduce
+            due = (train.checkpoint_every and done % train.checkpoint_every == 0) or done == train.steps
+            if due or stop:
+                path = self.save(done)
+            if stop:
+                self.close_logs()
+                raise stopped(stop, done, train.steps, f"checkpoint {path}; rerun with train.resume=auto to go on")
         self.finish()
         return self.history
 

@@ -1,0 +1,258 @@
+"""Starting a job's ranks and ending them, and what the user sees when one fails or is stopped.
+
+- :func:`launch_local` spawns N ranks on this machine with the environment torchrun would give them and
+  supervises them: Ctrl-C or SIGTERM is passed on (the ranks stop at the next step boundary; a second
+  signal kills them), a rank that fails gives the others :data:`FAILURE_GRACE_S` to notice before they are
+  killed, and no process is left behind.
+- :func:`rank_main` is every rank's entry, under the local launcher or torchrun: it turns a clean stop
+  into exit status 128 + signal and any error into one short report. Under the local launcher the reports
+  go to a folder the launcher reads, and the launcher prints the root cause once; under torchrun each
+  failing rank prints its own line. The traceback only with ``SYNCWISE_DEBUG=1`` (``syncwise --debug``).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .signals import STOP_SIGNALS, JobStopped, StopRequest
+
+REPORT_DIR_ENV = "SYNCWISE_REPORT_DIR"
+DEBUG_ENV = "SYNCWISE_DEBUG"
+# After one rank fails, the others normally fail within a moment (their peer's sockets close); a rank
+# that is not in a collective with it (e.g. still joining the process group) is killed after this.
+FAILURE_GRACE_S = 10.0
+# Errors that are the consequence of another rank's failure rather than its cause.
+_SECONDARY = re.compile(
+    r"did not complete within dist\.timeout_s|invalid on \d+ other rank|Connection closed by peer|"
+    r"Connection reset by peer|Broken pipe|DistBackendError"
+)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+@dataclass
+class ErrorReport:
+    """What one rank says about the exception that ended it."""
+
+    rank: int
+    world_size: int
+    time: float
+    message: str
+    traceback: str
+
+    @property
+    def secondary(self) -> bool:
+        return bool(_SECONDARY.search(self.message))
+
+
+def describe(exc: BaseException) -> str:
+    """One line for the user: syncwise's own errors (and ``ValueError``, which syncwise raises naming the
+    key or file) by their message, anything else with its type in front."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    mine = type(exc).__module__.startswith("syncwise") or type(exc) in (ValueError, FileNotFoundError)
+    if mine and first:
+        return first
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank_main(fn: Callable[..., Any], *args: Any) -> int:
+    """Run ``fn(*args)`` as one rank; returns its exit status (0, 128 + signal, or 1 after an error)."""
+    from tqdm import tqdm
+
+    StopRequest.install()
+    # tqdm's default lock is a multiprocessing semaphore, which a rank that ends with ``os._exit`` would
+    # leave behind (the resource tracker then warns at exit); one rank's bars need only a thread lock.
+    tqdm.set_lock(threading.RLock())
+    rank, world = _rank_and_world()
+    try:
+        fn(*args)
+        return 0
+    except JobStopped as stop:
+        if rank == 0:
+            print(str(stop), flush=True)
+        return stop.exit_code
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes one report
+        report = ErrorReport(rank, world, time.time(), describe(exc), traceback.format_exc())
+        folder = os.environ.get(REPORT_DIR_ENV)
+        if folder:
+            _write_report(Path(folder), report)
+        else:  # under torchrun nobody collects: each failing rank says it once
+            print(error_lines(report, world)[0], file=sys.stderr, flush=True)
+            if debug_enabled():
+                print(report.traceback, file=sys.stderr, flush=True)
+        return 1
+
+
+def exit_now(code: int) -> None:
+    """Leave the process without tearing down the process group: after a failed collective, gloo's and
+    NCCL's destructors can abort the process ("terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _write_report(folder: Path, report: ErrorReport) -> None:
+    tmp = folder / f".rank{report.rank}.json"
+    tmp.write_text(json.dumps(asdict(report)))
+    tmp.replace(folder / f"rank{report.rank}.json")
+
+
+def root_cause(reports: list[ErrorReport]) -> ErrorReport:
+    """The earliest report that is not a consequence of another rank's failure (else the earliest)."""
+    primary = [r for r in reports if not r.secondary] or reports
+    return min(primary, key=lambda r: r.time)
+
+
+def error_lines(report: ErrorReport, world_size: int) -> list[str]:
+    """At most three lines: the error, where it was raised, how to see more."""
+    lines = [f"syncwise: error: {report.message}"]
+    where = f"raised on rank {report.rank} of {world_size}" if world_size > 1 else ""
+    hint = "" if debug_enabled() else "rerun with SYNCWISE_DEBUG=1 (or syncwise --debug) for the traceback"
+    if where or hint:
+        lines.append("syncwise: " + "; ".join(p for p in (where, hint) if p))
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# The local launcher
+# ------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(
+        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    code = rank_main(fn, *args)
+    if code == 1:
+        exit_now(code)
+    sys.exit(code)
+
+
+@dataclass
+class JobResult:
+    """How a locally launched job ended: its exit status and, after a failure, the root cause."""
+
+    exit_code: int
+    reports: list[ErrorReport]
+    lines: list[str]  # what the launcher printed
+
+    @property
+    def cause(self) -> ErrorReport | None:
+        return root_cause(self.reports) if self.reports else None
+
+
+class _Supervisor:
+    """Passes signals to the ranks (the first asks them to stop, a second kills them) and reaps them."""
+
+    def __init__(self, processes: list[multiprocessing.Process]):
+        self.processes = processes
+        self.signals: list[int] = []
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Supervisor:
+        for signum in STOP_SIGNALS:
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.kill_all()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signals.append(signum)
+        for process in self.alive():
+            os.kill(process.pid, signum if len(self.signals) == 1 else signal.SIGKILL)
+
+    def alive(self) -> list[multiprocessing.Process]:
+        return [p for p in self.processes if p.exitcode is None and p.is_alive()]
+
+    def kill_all(self) -> None:
+        for process in self.alive():
+            process.kill()
+        for process in self.processes:
+            process.join()
+
+    def wait(self) -> None:
+        """Until every rank has exited; after the first failure, the rest get FAILURE_GRACE_S."""
+        deadline = None
+        while alive := self.alive():
+            multiprocessing.connection.wait([p.sentinel for p in alive], timeout=1.0)
+            failed = any(p.exitcode not in (None, 0) and p.exitcode < 128 for p in self.processes)
+            if failed and deadline is None:
+                deadline = time.monotonic() + FAILURE_GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                self.kill_all()
+
+
+def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> JobResult:
+    """Run ``fn(*args)`` on ``nproc`` local ranks (spawned processes with torchrun's environment) and wait.
+
+    Prints the root cause of a failure (at most three lines) to stderr and returns how the job ended.
+    ``fn`` must be picklable (a module-level function).
+    """
+    port = free_port()
+    # Each rank gets its share of the cores; oversubscribing threads slows CPU runs several-fold.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    folder = Path(tempfile.mkdtemp(prefix="syncwise-reports-"))
+    os.environ[REPORT_DIR_ENV] = str(folder)
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_local_entry, args=(r, nproc, port, fn, args)) for r in range(nproc)]
+    try:
+        with _Supervisor(processes) as supervisor:
+            for process in processes:
+                process.start()
+            supervisor.wait()
+        reports = [ErrorReport(**json.loads(p.read_text())) for p in sorted(folder.glob("rank*.json"))]
+    finally:
+        os.environ.pop(REPORT_DIR_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
+    return _outcome(processes, reports, nproc)
+
+
+def _outcome(processes: list[multiprocessing.Process], reports: list[ErrorReport], nproc: int) -> JobResult:
+    codes = [p.exitcode for p in processes]
+    if all(code == 0 for code in codes):
+        return JobResult(0, [], [])
+    if not reports and all(code in (0, 130, 143) for code in codes):
+        return JobResult(max(codes), [], [])  # a clean stop: rank 0 said where the checkpoint is
+    if reports:
+        lines = error_lines(root_cause(reports), nproc)
+    else:
+        rank = next(r for r, code in enumerate(codes) if code not in (0, 130, 143))
+        how = f"signal {signal.Signals(-codes[rank]).name}" if codes[rank] < 0 else f"exit status {codes[rank]}"
+        lines = [f"syncwise: error: rank {rank} of {nproc} died ({how}) without a report"]
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+    if debug_enabled() and reports:
+        print(root_cause(reports).traceback, file=sys.stderr, flush=True)
+    return JobResult(1, reports, lines)

@@ -1,0 +1,84 @@
+"""User mistakes caught before any rank starts: a model directory without a config, a tokenizer that does
+not load, a prompt file that does not parse, a reward function that does not import, a checkpoint that is
+not there. Each is one :class:`PreflightError` naming the key or file; the command prints it and exits 2.
+
+What can only fail inside a rank (a reward function that raises on some prompt, a collective timeout) is
+reported by :mod:`syncwise.launcher` instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import Config
+
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+)
+
+
+class PreflightError(ValueError):
+    """A mistake in what the job was given; the message names the key or file."""
+
+
+def check_model(config: Config) -> None:
+    """``model.path`` is a Hugging Face model directory (config and weights), or ``model.preset`` exists."""
+    from transformers import AutoConfig
+
+    from .models import PRESETS
+
+    path = config.model.path
+    if not path:
+        if config.model.preset not in PRESETS:
+            raise PreflightError(f"model.preset: {config.model.preset!r} is not one of {', '.join(PRESETS)}")
+        return
+    folder = Path(path)
+    if not folder.is_dir():
+        raise PreflightError(f"model.path: {path} is not a directory (a local Hugging Face model folder)")
+    if not (folder / "config.json").is_file():
+        raise PreflightError(f"model.path: {path} has no config.json (a local Hugging Face model folder)")
+    try:
+        AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:  # transformers raises several kinds for a bad config
+        raise PreflightError(f"model.path: {folder / 'config.json'} does not load: {_first_line(exc)}") from exc
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise PreflightError(f"model.path: {path} has no weights ({' or '.join(WEIGHT_FILES[::2])})")
+
+
+def check_rl(config: Config) -> None:
+    """The tokenizer loads; the prompt file parses (every row a string ``prompt``); the reward imports."""
+    from .checkpoint import CheckpointError, CheckpointManager
+    from .rl.tasks import prompt_source
+    from .rl.trainer import load_tokenizer
+
+    rl = config.rl
+    key = "rl.tokenizer" if rl.tokenizer else "model.path"
+    folder = rl.tokenizer or config.model.path
+    if folder and not any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise PreflightError(f"{key}: {folder} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    try:
+        load_tokenizer(config)
+    except Exception as exc:  # transformers raises several kinds for a folder without a tokenizer
+        raise PreflightError(
+            f"{key}: cannot load a tokenizer from {rl.tokenizer or config.model.path}: {_first_line(exc)}"
+        ) from exc
+    try:
+        prompt_source(rl.task, rl.dataset, rl.reward_fn)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
+    try:
+        CheckpointManager(Path(config.train.out_dir) / "checkpoints").resolve(config.train.resume)
+    except CheckpointError as exc:
+        raise PreflightError(str(exc)) from exc
+
+
+def preflight(config: Config, job: str) -> None:
+    """Everything about ``job`` (``train`` or ``sft``) that can be checked before ranks start."""
+    check_model(config)
+    if job == "train":
+        check_rl(config)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
