@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .config import ConfigError, config_to_dict, load_config
 from .distributed import launched_by_torchrun
-from .launcher import DEBUG_ENV, exit_now, launch_local, rank_main
+from .launcher import DEBUG_ENV, launch_local, leave, rank_main
 
 
 def _split_args(values: list[str]) -> tuple[str | None, list[str]]:
@@ -47,10 +47,8 @@ def _launch(worker, nproc: int, payload: dict) -> int:
     """Run ``worker(payload)`` as this torchrun rank, or spawn ``nproc`` local ranks; the exit status."""
     if not launched_by_torchrun():
         return launch_local(worker, nproc, payload).exit_code
-    code = rank_main(worker, payload)
-    if code == 1:
-        exit_now(code)  # the process group may be broken: skip its teardown
-    return code
+    leave(rank_main(worker, payload))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ def require_supported_torch(unit: FSDPModule | None = None) -> None:
     state = unit._get_fsdp_state()
     missing = [a for a in ("_fsdp_param_groups", "_is_root", "_auto_reshard_after_forward", "_lazy_init")
                if not hasattr(state, a)]
-    for group in state._fsdp_param_groups if not missing else ():
+    for group in getattr(state, "_fsdp_param_groups", ()):
         missing += [f"group.{a}" for a in _GROUP_ATTRS if not hasattr(group, a)]
         for param in group.fsdp_params:
             missing += [f"param.{a}" for a in _PARAM_ATTRS if not hasattr(param, a)]

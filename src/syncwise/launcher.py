@@ -106,9 +106,14 @@ def rank_main(fn: Callable[..., Any], *args: Any) -> int:
         return 1
 
 
-def exit_now(code: int) -> None:
-    """Leave the process without tearing down the process group: after a failed collective, gloo's and
-    NCCL's destructors can abort the process ("terminate called without an active exception")."""
+def leave(code: int) -> None:
+    """End this rank's process with ``code``. A process group still open here was not closed cleanly (an
+    error, or a collective that failed): tearing it down can abort the process ("terminate called without
+    an active exception" from gloo's or NCCL's destructors), so the process then exits without it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -150,10 +155,7 @@ def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any],
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
-    code = rank_main(fn, *args)
-    if code == 1:
-        exit_now(code)
-    sys.exit(code)
+    leave(rank_main(fn, *args))
 
 
 @dataclass

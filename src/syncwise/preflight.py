@@ -72,8 +72,20 @@ def check_rl(config: Config) -> None:
         raise PreflightError(str(exc)) from exc
 
 
+def check_torch(config: Config) -> None:
+    """The installed torch has the FSDP2 syncwise was verified on."""
+    from .fsdp_internals import UnsupportedTorchError, require_supported_torch
+
+    if config.engine.strategy == "fsdp2":
+        try:
+            require_supported_torch()
+        except UnsupportedTorchError as exc:
+            raise PreflightError(f"engine.strategy=fsdp2: {exc}") from exc
+
+
 def preflight(config: Config, job: str) -> None:
     """Everything about ``job`` (``train`` or ``sft``) that can be checked before ranks start."""
+    check_torch(config)
     check_model(config)
     if job == "train":
         check_rl(config)

@@ -88,6 +88,7 @@ def _wrap_fsdp2(
     model: nn.Module, engine_cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device,
     mesh: DeviceMesh | None,
 ) -> nn.Module:
+    fsdp.require_supported_torch()
     param_dtype = DTYPE_BY_NAME[model_cfg.param_dtype]
     reduce_dtype = DTYPE_BY_NAME[model_cfg.reduce_dtype]
     kwargs = dict(

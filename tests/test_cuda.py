@@ -1,0 +1,56 @@
+"""On a CUDA device (skipped elsewhere): NCCL, the allocator's peak every step, CPU offload of FSDP2
+parameters -- whose gradient norm must travel on the device, since NCCL takes no CPU tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from scenarios import engine_config, full_params, make_batch
+from syncwise.engine import Engine
+from syncwise.losses import sft_loss
+from syncwise.models import build_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda_suite(info) -> dict:
+    out = {"device": str(info.device)}
+    params = {}
+    for offload in (False, True):
+        cfg = engine_config("fsdp2", "deferred", f"engine.cpu_offload={str(offload).lower()}")
+        engine = Engine(cfg, build_model(cfg.model), info)
+        steps = [engine.train_batch(make_batch(seed=s), sft_loss) for s in (1, 2)]
+        params[offload] = {k: v.cpu() for k, v in full_params(engine).items()}
+        out[("steps", offload)] = steps
+        out[("param_device", offload)] = str(next(engine.model.parameters()).device)
+    out["max_param_diff"] = max((params[True][k] - params[False][k]).abs().max().item() for k in params[True])
+    cfg = engine_config("fsdp2", "auto", "model.param_dtype=bfloat16")
+    engine = Engine(cfg, build_model(cfg.model), info)
+    out["auto"] = [engine.train_batch(make_batch(seed=s), sft_loss) for s in (3, 4, 5)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return run_distributed(cuda_suite, 1, backend="nccl")[0]
+
+
+def test_runs_on_the_gpu_with_nccl(cuda):
+    assert cuda["device"].startswith("cuda")
+    assert cuda[("param_device", False)].startswith("cuda")
+
+
+def test_cpu_offload_trains_and_matches_the_gpu_run(cuda):
+    assert cuda[("param_device", True)] == "cpu"
+    for steps in (cuda[("steps", True)], cuda[("steps", False)]):
+        assert all(torch.isfinite(torch.tensor(m["train/grad_norm"])) for m in steps)
+        assert all(m["train/skipped"] == 0 for m in steps)
+    assert cuda["max_param_diff"] < 1e-4
+
+
+def test_peak_measured_every_step_and_auto_decides(cuda):
+    steps = cuda["auto"]
+    assert all(m["memory/peak_measured"] == 1 and m["memory/peak_bytes"] > 0 for m in steps)
+    assert [m["sync/mode"] for m in steps] == ["per_microbatch", "deferred_unsharded", "deferred_unsharded"]

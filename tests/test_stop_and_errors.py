@@ -1,0 +1,242 @@
+"""What a user sees: Ctrl-C and SIGTERM stop `syncwise train` cleanly at a step boundary (locally and under
+torchrun), mistakes are caught before any rank starts, and an error in one rank is reported once.
+
+Signals: a process started in the background by a non-interactive shell inherits SIGINT *ignored*, and
+so would the job this test starts. Each job is therefore started with SIGINT restored to SIG_DFL in its
+own process (``preexec_fn``), or the Ctrl-C tests would prove nothing -- and one test checks that a job
+started with SIGINT ignored keeps ignoring it, as a background job should.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from syncwise.metrics import read_jsonl
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+QUICK = ["train.progress=false", "rl.prompts_per_rank=4", "rl.samples_per_prompt=4", "train.export=false"]
+STOPPED = re.compile(r"syncwise: stopped by (SIG\w+) after step (\d+) of 200; checkpoint (\S+); rerun with "
+                     r"train\.resume=auto to go on")
+
+
+def _restore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start(cmd: list[str], preexec=_restore_sigint) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=preexec)
+
+
+def _wait_for_steps(out: Path, steps: int, job: subprocess.Popen) -> None:
+    """Until the job has logged ``steps`` steps (an event, not a time)."""
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.05)
+
+
+def _descendants(pid: int) -> set[int]:
+    found, frontier = set(), {pid}
+    while frontier:
+        parent = frontier.pop()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == parent and int(entry) not in found:
+                    found.add(int(entry))
+                    frontier.add(int(entry))
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def _assert_all_gone(pids: set[int]) -> None:
+    """Every process the job started has ended: the ranks before the launcher returned, Python's
+    multiprocessing resource tracker (a helper that ends when it sees its launcher's pipe close) just after."""
+    deadline = time.monotonic() + 60
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pids), [Path(f"/proc/{p}/cmdline").read_text() for p in _alive(pids)]
+
+
+def _train(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "syncwise", "train", f"train.out_dir={out}", "train.steps=200",
+            "train.checkpoint_every=100", *QUICK, *extra]
+
+
+def _assert_stopped(out: Path, stdout: str, stderr: str, signame: str) -> int:
+    """One line says where the checkpoint is; it holds the last step logged; no traceback."""
+    lines = [line for line in stdout.splitlines() if line.startswith("syncwise: stopped")]
+    assert len(lines) == 1, stdout
+    match = STOPPED.fullmatch(lines[0])
+    assert match and match.group(1) == signame, lines[0]
+    step = int(match.group(2))
+    assert [r["train/step"] for r in read_jsonl(out / "metrics.jsonl")][-1] == step
+    assert match.group(3) == str(out / "checkpoints" / f"step_{step:06d}")
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{step:06d}"
+    assert "Traceback" not in stderr
+    return step
+
+
+@pytest.mark.parametrize(("signame", "target"), [("SIGINT", "group"), ("SIGTERM", "launcher")])
+def test_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes(tmp_path, signame, target):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM to the launcher
+    alone: exit 130 / 143, the last completed step checkpointed, one line, no process left; resume goes on."""
+    out = tmp_path / "run"
+    job = _start(_train(out))
+    _wait_for_steps(out, 3, job)
+    ranks = _descendants(job.pid)
+    assert len(ranks) >= 2
+    signum = getattr(signal, signame)
+    if target == "group":
+        os.killpg(job.pid, signum)
+    else:
+        os.kill(job.pid, signum)
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 128 + signum, stderr[-3000:]
+    step = _assert_stopped(out, stdout, stderr, signame)
+    _assert_all_gone(ranks)
+
+    resumed = subprocess.run(_train(out, "train.resume=auto", f"train.steps={step + 2}"), env=ENV,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step}" in resumed.stdout
+    assert [r["train/step"] for r in read_jsonl(out / "metrics.jsonl")][-3:] == [step, step + 1, step + 2]
+
+
+def test_background_job_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
+    out = tmp_path / "run"
+    job = _start(_train(out), preexec=_ignore_sigint)
+    _wait_for_steps(out, 2, job)
+    os.killpg(job.pid, signal.SIGINT)
+    logged = len((out / "metrics.jsonl").read_text().splitlines())
+    _wait_for_steps(out, logged + 2, job)  # still training after the SIGINT
+    os.kill(job.pid, signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 143, stderr[-3000:]
+    _assert_stopped(out, stdout, stderr, "SIGTERM")
+
+
+def test_sigint_under_torchrun(tmp_path):
+    """torchrun forwards the signal to its workers: they stop at the same step boundary, checkpoint it,
+    rank 0 prints the line once and both exit 130; torchrun then reports the signal itself (its own
+    warning and exit status 1, not syncwise's)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "syncwise", "train", f"train.out_dir={out}", "train.steps=200", "train.checkpoint_every=100",
+           *QUICK]
+    job = _start(cmd)
+    _wait_for_steps(out, 3, job)
+    workers = _descendants(job.pid)
+    os.killpg(job.pid, signal.SIGINT)
+    stdout, stderr = job.communicate(timeout=300)
+    step = _assert_stopped(out, stdout, "", "SIGINT")
+    _assert_all_gone(workers)
+    assert f"step {step}" in stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# Mistakes
+# ------------------------------------------------------------------------------------------------
+def _run(args: list[str], cwd: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "syncwise", *args], env={**ENV, **(extra_env or {})}, cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mistakes")
+    (root / "bad.jsonl").write_text('{"prompt": "target 1 :"}\nnot json\n')
+    (root / "noprompt.jsonl").write_text('{"prompt": "target 1 :"}\n\n{"question": "target 2 :"}\n')
+    (root / "empty_model").mkdir()
+    (root / "rewards.py").write_text(
+        "import os\n\ndef flaky(prompt, response, row):\n"
+        "    if os.environ['RANK'] == '1':\n        raise KeyError('target_digit')\n    return 0.0\n"
+    )
+    return root
+
+
+MISTAKES = {
+    "no model dir": (["model.path=/nonexistent/model"], "syncwise: error: model.path: /nonexistent/model is not a "
+                     "directory"),
+    "model dir without config": (["model.path={root}/empty_model"], "syncwise: error: model.path: {root}/empty_model "
+                                 "has no config.json"),
+    "bad jsonl line": (["rl.dataset={root}/bad.jsonl", "rl.reward_fn=rewards:flaky"],
+                       "syncwise: error: rl.dataset: {root}/bad.jsonl line 2 is not JSON"),
+    "row without prompt": (["rl.dataset={root}/noprompt.jsonl", "rl.reward_fn=rewards:flaky"],
+                           "syncwise: error: rl.dataset: {root}/noprompt.jsonl line 3 has no string 'prompt'"),
+    "dataset without reward": (["rl.dataset={root}/noprompt.jsonl"],
+                               "syncwise: config error: rl.dataset needs rl.reward_fn"),
+    "reward does not import": (["rl.reward_fn=rewards:nothere"],
+                               "syncwise: error: rl.reward_fn: cannot import 'rewards:nothere'"),
+    "missing checkpoint": (["train.resume={root}/nowhere"],
+                           "syncwise: error: train.resume: checkpoint directory not found: {root}/nowhere"),
+    "old flat key": (["rl.clip_high=0.3"], "syncwise: config error: 'rl.clip_high' is now 'rl.loss.clip_high'"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_mistakes_are_one_line_before_any_rank_starts(files, case):
+    args, expected = MISTAKES[case]
+    proc = _run(["train", *(a.format(root=files) for a in args), f"train.out_dir={files / 'out'}"], cwd=files,
+                extra_env={"PYTHONPATH": str(files)})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], "one line"
+    assert proc.stderr.startswith(expected.format(root=files)), proc.stderr
+    assert "GRPO on" not in proc.stdout, "no rank started"
+
+
+def test_error_on_rank_1_is_reported_once_in_two_lines(files):
+    """The reward function fails on rank 1 only: the launcher prints that root cause (not rank 0's
+    consequence), names the key, and shows the traceback only when asked."""
+    args = ["train", "rl.reward_fn=rewards:flaky", f"train.out_dir={files / 'out_flaky'}", *QUICK]
+    proc = _run(args, cwd=files, extra_env={"PYTHONPATH": str(files)})
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("syncwise: error: rl.reward_fn: raised KeyError: 'target_digit' (prompt 'target")
+    assert lines[1:] == ["syncwise: raised on rank 1 of 2; rerun with SYNCWISE_DEBUG=1 (or syncwise --debug) for "
+                         "the traceback"]
+    debug = _run(["--debug", *args], cwd=files, extra_env={"PYTHONPATH": str(files)})
+    assert debug.returncode == 1
+    assert "Traceback" in debug.stderr and "rewards.py" in debug.stderr and "KeyError" in debug.stderr
+
+
+def test_error_report_names_the_checkpoint_file(tmp_path):
+    """An error only a rank can find (a truncated checkpoint shard): one report, the file named."""
+    out = tmp_path / "run"
+    first = subprocess.run(_train(out, "train.steps=2", "train.checkpoint_every=2"), env=ENV,
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shard = next((out / "checkpoints" / "step_000002" / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = subprocess.run(_train(out, "train.resume=auto"), env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) <= 3 and "Traceback" not in proc.stderr
+    assert lines[0].startswith(f"syncwise: error: {out / 'checkpoints' / 'step_000002' / 'dcp'}: cannot load"), lines
