@@ -1,5 +1,9 @@
 """On a CUDA device (skipped elsewhere): NCCL, the allocator's peak every step, CPU offload of FSDP2
-parameters -- whose gradient norm must travel on the device, since NCCL takes no CPU tensor."""
+parameters -- whose gradient norm must travel on the device, since NCCL takes no CPU tensor.
+
+The GPU machine lent to this project has torch 2.11, below the supported floor (fsdp_internals.MIN_TORCH);
+``SYNCWISE_TEST_TORCH_FLOOR=1`` lowers the floor inside these ranks so the CUDA paths can still be
+exercised there."""
 
 from __future__ import annotations
 
@@ -16,6 +20,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def cuda_suite(info) -> dict:
+    import os
+
+    from syncwise import fsdp_internals
+
+    if os.environ.get("SYNCWISE_TEST_TORCH_FLOOR") == "1":
+        fsdp_internals.MIN_TORCH = fsdp_internals.torch_version()
     out = {"device": str(info.device)}
     params = {}
     for offload in (False, True):

@@ -164,9 +164,11 @@ def test_sigint_under_torchrun(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Mistakes
 # ------------------------------------------------------------------------------------------------
-def _run(args: list[str], cwd: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "syncwise", *args], env={**ENV, **(extra_env or {})}, cwd=cwd,
-                          capture_output=True, text=True, timeout=600)
+def _run(args: list[str], cwd: Path, path: Path | None = None) -> subprocess.CompletedProcess:
+    """``syncwise args`` with ``path`` first on PYTHONPATH (where the reward module is)."""
+    env = {**ENV, "PYTHONPATH": f"{path}{os.pathsep}{ENV.get('PYTHONPATH', '')}"} if path else ENV
+    return subprocess.run([sys.executable, "-m", "syncwise", *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +207,7 @@ MISTAKES = {
 def test_mistakes_are_one_line_before_any_rank_starts(files, case):
     args, expected = MISTAKES[case]
     proc = _run(["train", *(a.format(root=files) for a in args), f"train.out_dir={files / 'out'}"], cwd=files,
-                extra_env={"PYTHONPATH": str(files)})
+                path=files)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], "one line"
     assert proc.stderr.startswith(expected.format(root=files)), proc.stderr
@@ -216,13 +218,13 @@ def test_error_on_rank_1_is_reported_once_in_two_lines(files):
     """The reward function fails on rank 1 only: the launcher prints that root cause (not rank 0's
     consequence), names the key, and shows the traceback only when asked."""
     args = ["train", "rl.reward_fn=rewards:flaky", f"train.out_dir={files / 'out_flaky'}", *QUICK]
-    proc = _run(args, cwd=files, extra_env={"PYTHONPATH": str(files)})
+    proc = _run(args, cwd=files, path=files)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert lines[0].startswith("syncwise: error: rl.reward_fn: raised KeyError: 'target_digit' (prompt 'target")
     assert lines[1:] == ["syncwise: raised on rank 1 of 2; rerun with SYNCWISE_DEBUG=1 (or syncwise --debug) for "
                          "the traceback"]
-    debug = _run(["--debug", *args], cwd=files, extra_env={"PYTHONPATH": str(files)})
+    debug = _run(["--debug", *args], cwd=files, path=files)
     assert debug.returncode == 1
     assert "Traceback" in debug.stderr and "rewards.py" in debug.stderr and "KeyError" in debug.stderr
 

@@ -17,8 +17,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-# The oldest torch whose FSDP2 has every internal used below; the test suite ran on it (docs/design.md).
-MIN_TORCH = (2, 11)
+# The oldest torch the whole test suite ran on (docs/design.md). torch 2.11 fails it: its FSDP2 keeps one
+# parameter group per unit (no ``_fsdp_param_groups``), its c10d has no ``reduce_scatter_single``, and its
+# DCP reads checkpoint metadata differently.
+MIN_TORCH = (2, 13)
 
 # What this module reads or writes on FSDP2's state, its parameter groups and their parameters.
 _GROUP_ATTRS = ("reduce_grads", "all_reduce_grads", "reshard_after_backward", "post_forward_mesh_info",
@@ -47,9 +49,10 @@ def require_supported_torch(unit: FSDPModule | None = None) -> None:
     if unit is None:
         return
     state = unit._get_fsdp_state()
-    missing = [a for a in ("_fsdp_param_groups", "_is_root", "_auto_reshard_after_forward", "_lazy_init")
-               if not hasattr(state, a)]
-    for group in getattr(state, "_fsdp_param_groups", ()):
+    missing = [a for a in ("_is_root", "_auto_reshard_after_forward", "_lazy_init") if not hasattr(state, a)]
+    if not hasattr(state, "_fsdp_param_groups") and not hasattr(state, "_fsdp_param_group"):
+        missing.append("_fsdp_param_groups")
+    for group in _groups(unit):
         missing += [f"group.{a}" for a in _GROUP_ATTRS if not hasattr(group, a)]
         for param in group.fsdp_params:
             missing += [f"param.{a}" for a in _PARAM_ATTRS if not hasattr(param, a)]
@@ -68,9 +71,18 @@ def fsdp2_units(module: nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
+def _groups(unit: FSDPModule) -> list[Any]:
+    """The unit's FSDP2 parameter groups (torch before 2.13 kept a single ``_fsdp_param_group``)."""
+    state = unit._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
 def has_params(unit: FSDPModule) -> bool:
     """Whether the unit manages parameters of its own (not only nested units')."""
-    return any(group.fsdp_params for group in unit._get_fsdp_state()._fsdp_param_groups)
+    return any(group.fsdp_params for group in _groups(unit))
 
 
 def init_root(root: FSDPModule) -> None:
@@ -105,7 +117,7 @@ def reset_after_forward_error(module: nn.Module) -> None:
     """After an exception in a forward-only pass: FSDP2's forward trackers reset and its parameters
     resharded, but every gradient accumulated so far kept -- a failed evaluation must not cost training
     anything. (``reset_iter_state`` also drops HSDP's partial reduce outputs: they are put back.)"""
-    groups = [g for unit in fsdp2_units(module) for g in unit._get_fsdp_state()._fsdp_param_groups]
+    groups = [g for unit in fsdp2_units(module) for g in _groups(unit)]
     partial = [g._partial_reduce_output for g in groups]
     _reset_root(module)
     for group, output in zip(groups, partial, strict=True):
@@ -117,7 +129,7 @@ def reset_after_forward_error(module: nn.Module) -> None:
 # ------------------------------------------------------------------------------------------------
 def sync_flags(unit: FSDPModule) -> list[tuple[bool, bool]]:
     """(reduce_grads, all_reduce_grads) of each parameter group of an FSDP2 unit."""
-    return [(g.reduce_grads, g.all_reduce_grads) for g in unit._get_fsdp_state()._fsdp_param_groups]
+    return [(g.reduce_grads, g.all_reduce_grads) for g in _groups(unit)]
 
 
 def restore_sync_flags(unit: FSDPModule, flags: list[tuple[bool, bool]]) -> None:
@@ -131,7 +143,7 @@ def restore_sync_flags(unit: FSDPModule, flags: list[tuple[bool, bool]]) -> None
             unit.set_requires_all_reduce(all_reduce_grads, recurse=False)
         return
     # Groups of one unit disagree (only possible through private edits): restore each as it was.
-    for group, (reduce_grads, all_reduce_grads) in zip(unit._get_fsdp_state()._fsdp_param_groups, flags, strict=True):
+    for group, (reduce_grads, all_reduce_grads) in zip(_groups(unit), flags, strict=True):
         group.reduce_grads = reduce_grads
         group.all_reduce_grads = all_reduce_grads
 
@@ -141,14 +153,14 @@ def reshard_flags(unit: FSDPModule) -> dict[str, Any]:
     heuristic flag. Restored verbatim: ``set_reshard_after_forward`` would also clear the heuristic."""
     state = unit._get_fsdp_state()
     return {
-        "groups": [(g.reshard_after_backward, g.post_forward_mesh_info) for g in state._fsdp_param_groups],
+        "groups": [(g.reshard_after_backward, g.post_forward_mesh_info) for g in _groups(unit)],
         "auto": state._auto_reshard_after_forward,
     }
 
 
 def restore_reshard_flags(unit: FSDPModule, flags: dict[str, Any]) -> None:
     state = unit._get_fsdp_state()
-    for group, (after_backward, post_forward_mesh_info) in zip(state._fsdp_param_groups, flags["groups"], strict=True):
+    for group, (after_backward, post_forward_mesh_info) in zip(_groups(unit), flags["groups"], strict=True):
         group.reshard_after_backward = after_backward
         group.post_forward_mesh_info = post_forward_mesh_info
     state._auto_reshard_after_forward = flags["auto"]
@@ -162,7 +174,7 @@ def accumulators(module: nn.Module) -> Iterator[torch.Tensor]:
     (reduce-scattered, not yet all-reduced) and the reduce-dtype accumulators of deferred units whose
     parameters compute in another dtype (``unsharded_accumulated_grad``)."""
     for unit in fsdp2_units(module):
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
+        for group in _groups(unit):
             if group._partial_reduce_output is not None:
                 yield group._partial_reduce_output
             for fsdp_param in group.fsdp_params:
@@ -174,7 +186,7 @@ def unsynced_grads(module: nn.Module) -> Iterator[torch.Tensor]:
     """Every gradient accumulated locally and not yet fully reduced (FSDP2 and FSDP1)."""
     yield from accumulators(module)
     for unit in fsdp2_units(module):
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
+        for group in _groups(unit):
             for fsdp_param in group.fsdp_params:
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 if unsharded is not None and unsharded.grad is not None:
@@ -190,7 +202,7 @@ def unsynced_grads(module: nn.Module) -> Iterator[torch.Tensor]:
 def discard_unsynced_grads(module: nn.Module) -> None:
     """Drop gradients FSDP2 accumulated locally but never reduced (see :func:`reset_after_error`)."""
     for unit in fsdp2_units(module):
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
+        for group in _groups(unit):
             group._partial_reduce_output = None
             for fsdp_param in group.fsdp_params:
                 fsdp_param.unsharded_accumulated_grad = None
@@ -202,6 +214,6 @@ def discard_unsynced_grads(module: nn.Module) -> None:
 def gathered_params(module: nn.Module) -> Iterator[torch.Tensor]:
     """FSDP2's all-gather outputs: the parameters a unit currently holds unsharded."""
     for unit in fsdp2_units(module):
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
+        for group in _groups(unit):
             for fsdp_param in group.fsdp_params:
                 yield from fsdp_param.all_gather_outputs
