@@ -92,3 +92,36 @@ def normalisation_suite(info) -> dict:
     if info.rank == 0:
         out["lopsided_reference"] = reference(info.world_size, lopsided, "sft", "token-mean")
     return out
+
+
+PACKING_KINDS = ["sft", "ppo", "gspo", "pg", "cispo"]
+
+
+def _rl_loss(kind: str, agg: str):
+    if kind == "sft":
+        return make_sft_loss(agg)
+    # Entropy and KL too: they read the logits and a per-target tensor (ref_log_probs) through the packing.
+    return make_policy_loss(PolicyLossConfig(kind=kind, agg=agg, clip_low=0.2, clip_high=0.28, entropy_coef=0.01,
+                                             kl_coef=0.05))
+
+
+def packing_suite(info) -> dict:
+    """Packed vs padded micro-batches on the same data: gradients, per-sample log-probs, the token cap."""
+    out: dict = {}
+    batch = skewed_batch(info.rank, SIZES[info.rank])
+    batch["ref_log_probs"] = batch["old_log_probs"] + 0.05
+    for kind in PACKING_KINDS:
+        for agg in AGG_MODES:
+            for packing in ("true", "false"):
+                cfg = engine_config("fsdp2", "deferred", f"engine.packing={packing}",
+                                    "engine.max_tokens_per_micro_batch=40")
+                engine = Engine(cfg, build_model(cfg.model), info)
+                result = engine.forward_backward_batch(batch, _rl_loss(kind, agg))
+                out[(kind, agg, packing)] = {"grads": full_grads(engine), "loss": result.metrics["loss"],
+                                             "log_probs": result.outputs.get("log_probs")}
+    for packing in ("true", "false"):
+        cfg = engine_config("fsdp2", "deferred", f"engine.packing={packing}", "engine.max_tokens_per_micro_batch=40")
+        engine = Engine(cfg, build_model(cfg.model), info)
+        out[("eval", packing)] = engine.eval_batch(batch).outputs["log_probs"]
+        out[("step", packing)] = engine.train_batch(batch, make_sft_loss())
+    return out

@@ -5,11 +5,13 @@ import torch
 
 from syncwise.batching import (
     BatchError,
+    capped_bins,
     imbalance,
     karmarkar_karp,
     microbatches_needed,
     restore_order,
     split_batch,
+    token_cost,
     workloads,
 )
 
@@ -91,3 +93,44 @@ def test_microbatches_needed():
     assert microbatches_needed(_padded(torch.tensor([10, 30, 21])), 2, max_tokens=30) == 3
     with pytest.raises(BatchError, match="a sequence of 30 tokens exceeds engine.max_tokens_per_micro_batch=25"):
         microbatches_needed(_padded(torch.tensor([30])), micro_batch_size=1, max_tokens=25)
+
+
+def _lengths_of(batch, micro) -> list[list[int]]:
+    lengths = batch["attention_mask"].sum(1)
+    return [lengths[mb.indices].tolist() for mb in micro if mb.data is not None]
+
+
+@pytest.mark.parametrize(("lengths", "budget", "packed", "expected"), [
+    ([6, 6, 6], 10, True, [[6], [6], [6]]),  # was one micro-batch of 12 real tokens
+    ([9, 1, 1, 9], 10, False, [[1, 1], [9], [9]]),  # was 2 x 9 = 18 padded positions
+    ([9, 1, 1, 9], 10, True, [[1, 9], [1, 9]]),
+])
+def test_token_budget_is_a_cap(lengths, budget, packed, expected):
+    batch = _padded(torch.tensor(lengths))
+    k = microbatches_needed(batch, 1, max_tokens=budget, packed=packed)
+    micro = split_batch(batch, k, max_tokens=budget, packed=packed)
+    assert sorted(sorted(group) for group in _lengths_of(batch, micro)) == expected
+    for group in _lengths_of(batch, micro):
+        assert token_cost(group, packed) <= budget
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_every_microbatch_keeps_within_the_budget_on_long_tails(packed):
+    """Many long-tailed batches, budgets and agreed counts (a rank may have to run more micro-batches than it
+    needs, when another rank needs more): never over the budget, every sample exactly once."""
+    for seed in range(40):
+        lengths = _long_tail(n=3 + seed % 20, seed=seed).clamp(max=600)
+        batch = _padded(lengths)
+        budget = int(lengths.max()) + 97 * (seed % 5)
+        needed = microbatches_needed(batch, 1, max_tokens=budget, packed=packed)
+        for k in (needed, needed + 1, needed + 3):
+            micro = split_batch(batch, k, max_tokens=budget, packed=packed)
+            assert len(micro) == k
+            assert sorted(i for mb in micro for i in mb.indices.tolist()) == list(range(len(lengths)))
+            assert all(token_cost(group, packed) <= budget for group in _lengths_of(batch, micro)), (seed, k)
+
+
+def test_capped_bins_is_the_fewest_for_equal_lengths():
+    assert len(capped_bins([4] * 10, 12, packed=True)) == 4  # 3 per micro-batch
+    assert len(capped_bins([4] * 10, 12, packed=False)) == 4
+    assert len(capped_bins([5, 4, 4, 4], 12, packed=False)) == 2  # [5, 4] rows x 5 = 10, then [4, 4]

@@ -209,7 +209,7 @@ class FakeCausalLM(nn.Module):
         self.layers = nn.ModuleList([FakeFSDP2(f"layer{i}", log, nn.Linear(hidden, hidden)) for i in range(2)])
         self.head = nn.Linear(hidden, vocab)
 
-    def forward(self, input_ids, attention_mask=None):
+    def forward(self, input_ids, attention_mask=None, **kwargs):
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .packing import Packing
+
 Batch = dict[str, torch.Tensor]
 
 
@@ -20,6 +22,7 @@ class BatchError(ValueError):
 class MicroBatch:
     indices: torch.Tensor  # positions of its samples in the original batch
     data: Batch | None  # None: an empty micro-batch (this rank has fewer samples than micro-batches)
+    packing: Packing | None = None  # set when ``data`` is packed into one row (see syncwise.packing)
 
 
 def batch_size_of(batch: Batch) -> int:
@@ -75,18 +78,85 @@ def workloads(lengths: torch.Tensor, linear_coef: float = 24576.0) -> list[float
     return [linear_coef * float(n) + float(n) ** 2 for n in lengths.tolist()]
 
 
-def microbatches_needed(batch: Batch, micro_batch_size: int, max_tokens: int = 0) -> int:
-    """This rank's own count: ``ceil(B / size)``, or with a token budget ``ceil(tokens / budget)``."""
+def token_cost(lengths: list[int], packed: bool) -> int:
+    """Positions a micro-batch computes: its real tokens when packed, rows × the longest when padded."""
+    if not lengths:
+        return 0
+    return sum(lengths) if packed else len(lengths) * max(lengths)
+
+
+def capped_bins(lengths: list[int], budget: int, packed: bool) -> list[list[int]]:
+    """The fewest micro-batches whose :func:`token_cost` stays within ``budget``: first-fit decreasing
+    when packed; when padded, longest first, each micro-batch taking as many of the next (shorter)
+    sequences as ``budget // longest`` rows allow."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    if packed:
+        loads: list[int] = []
+        for i in order:
+            for b, load in enumerate(loads):
+                if load + lengths[i] <= budget:
+                    bins[b].append(i)
+                    loads[b] += lengths[i]
+                    break
+            else:
+                bins.append([i])
+                loads.append(lengths[i])
+    else:
+        position = 0
+        while position < len(order):
+            rows = max(1, budget // lengths[order[position]])
+            bins.append(order[position : position + rows])
+            position += rows
+    return [sorted(b) for b in bins]
+
+
+def _check_budget(lengths: list[int], budget: int) -> None:
+    longest = max(lengths)
+    if longest > budget:
+        raise BatchError(
+            f"batch: a sequence of {longest} tokens exceeds engine.max_tokens_per_micro_batch={budget} "
+            f"(sample {lengths.index(longest)}; a sequence cannot be split across micro-batches: raise the budget)"
+        )
+
+
+def microbatches_needed(batch: Batch, micro_batch_size: int, max_tokens: int = 0, packed: bool = True) -> int:
+    """This rank's own count: ``ceil(B / size)``, or with a token budget the fewest micro-batches that
+    keep within it (:func:`capped_bins`; real tokens when ``packed``, rows × longest otherwise)."""
     size = batch_size_of(batch)
     if max_tokens > 0:
-        lengths = sequence_lengths(batch)
-        if int(lengths.max()) > max_tokens:
-            raise BatchError(
-                f"batch: a sequence of {int(lengths.max())} tokens exceeds "
-                f"engine.max_tokens_per_micro_batch={max_tokens}"
-            )
-        return max(1, math.ceil(int(lengths.sum()) / max_tokens))
+        lengths = sequence_lengths(batch).tolist()
+        _check_budget(lengths, max_tokens)
+        return len(capped_bins(lengths, max_tokens, packed))
     return math.ceil(size / micro_batch_size)
+
+
+def capped_partition(
+    lengths: list[int], weights: list[float], k: int, budget: int, packed: bool
+) -> list[list[int]]:
+    """Exactly ``k`` groups (some possibly empty), each within the budget, as balanced as it allows:
+    Karmarkar–Karp when its partition fits; else heaviest first into the lightest group with room;
+    else the fewest-bins solution with empty groups added. ``k`` is at least :func:`capped_bins`'s count."""
+
+    def fits(group: list[int]) -> bool:
+        return token_cost([lengths[i] for i in group], packed) <= budget
+
+    parts = karmarkar_karp(weights, k)
+    if all(fits(p) for p in parts):
+        return parts
+    groups: list[list[int]] = [[] for _ in range(k)]
+    loads = [0.0] * k
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        room = [g for g in range(k) if fits(groups[g] + [i])]
+        if not room:
+            break
+        g = min(room, key=lambda g: (loads[g], g))
+        groups[g].append(i)
+        loads[g] += weights[i]
+    else:
+        return [sorted(g) for g in groups]
+    bins = capped_bins(lengths, budget, packed)
+    return bins + [[] for _ in range(k - len(bins))]
 
 
 def karmarkar_karp(weights: list[float], k: int) -> list[list[int]]:
@@ -147,18 +217,25 @@ def _trim(data: Batch) -> Batch:
 
 
 def split_batch(
-    batch: Batch, num_microbatches: int, *, balance: bool = False, linear_coef: float = 24576.0
+    batch: Batch, num_microbatches: int, *, balance: bool = False, max_tokens: int = 0, packed: bool = True,
+    linear_coef: float = 24576.0,
 ) -> list[MicroBatch]:
     """Exactly ``num_microbatches`` micro-batches, each trimmed to its longest sequence.
 
-    ``balance``: partition by Karmarkar–Karp on the workload estimate (token-budget batching); otherwise
-    consecutive, near-equal chunks. A rank with fewer samples than micro-batches gets empty ones
-    (``data`` None): the engine still runs them, with zero gradient, so every rank issues the same
-    collectives.
+    ``max_tokens`` > 0: every micro-batch within that many tokens (real tokens when ``packed``, rows ×
+    longest otherwise; :func:`capped_partition`), balanced by the workload estimate. ``balance`` alone:
+    Karmarkar–Karp on the workload estimate. Otherwise consecutive, near-equal chunks. A rank with fewer
+    samples than micro-batches gets empty ones (``data`` None): the engine still runs them, with zero
+    gradient, so every rank issues the same collectives.
     """
     size = batch_size_of(batch)
-    if balance:
-        parts = karmarkar_karp(workloads(sequence_lengths(batch), linear_coef), num_microbatches)
+    if max_tokens > 0 or balance:
+        lengths = sequence_lengths(batch)
+        weights = workloads(lengths, linear_coef)
+        if max_tokens > 0:
+            parts = capped_partition(lengths.tolist(), weights, num_microbatches, max_tokens, packed)
+        else:
+            parts = karmarkar_karp(weights, num_microbatches)
         parts.sort(key=lambda p: (not p, p[:1]))  # non-empty first, in sample order
     else:
         parts = [chunk.tolist() for chunk in torch.arange(size).tensor_split(num_microbatches)]

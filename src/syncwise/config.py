@@ -49,10 +49,17 @@ class EngineConfig:
 
     strategy: str = "fsdp2"
     micro_batch_size: int = 2
-    # > 0: micro-batches by token budget (ceil(tokens / budget), equal on every rank), balanced by
-    # Karmarkar-Karp on the workload estimate a·L + L²; micro_batch_size is then ignored.
+    # > 0: a hard cap on the tokens of every micro-batch (real tokens when packed, rows x longest when
+    # padded); the fewest micro-batches that keep within it, balanced by the workload estimate a·L + L²;
+    # micro_batch_size is then ignored.
     max_tokens_per_micro_batch: int = 0
     workload_linear_coef: float = 24576.0
+    # Each micro-batch's sequences in one row without padding (models that keep packed sequences apart).
+    packing: bool = True
+    # Recompute each decoder layer's activations in backward instead of keeping them.
+    activation_checkpointing: bool = False
+    # Tokens whose fp32 log-softmax over the vocabulary exists at once (log-probs, entropy); 0 = all.
+    logprob_chunk_size: int = 1024
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     # >1 builds a 2-D (replicate x shard) mesh: HSDP with this many replicas.
@@ -206,6 +213,10 @@ class Config:
                 f"got {self.engine.max_tokens_per_micro_batch}"
             )
         _positive("engine.hsdp_replicas", self.engine.hsdp_replicas)
+        if self.engine.logprob_chunk_size < 0:
+            raise ConfigError(
+                f"engine.logprob_chunk_size: must be >= 0 (0 = unchunked), got {self.engine.logprob_chunk_size}"
+            )
         _positive("dist.nproc", self.dist.nproc)
         if self.sync.memory_budget < 0:
             raise ConfigError(

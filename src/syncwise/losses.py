@@ -10,12 +10,13 @@ split.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .config import AGG_MODES
 
@@ -57,17 +58,130 @@ def target_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return mask[:, 1:].to(torch.float32)
 
 
-def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each next token, shape [B, T-1], computed in fp32."""
-    batch, width = input_ids.shape
-    # Cross-entropy over contiguous [tokens, vocab] rows: markedly faster than over a transposed
-    # [B, vocab, T] view for large vocabularies.
-    flat = logits[:, :-1].float().reshape(batch * (width - 1), -1)
-    return -F.cross_entropy(flat, input_ids[:, 1:].reshape(-1), reduction="none").view(batch, width - 1)
+# Tokens whose vocabulary-wide fp32 log-softmax exists at once (engine.logprob_chunk_size; 0: all).
+_CHUNK_TOKENS: ContextVar[int] = ContextVar("syncwise_logprob_chunk_tokens", default=1024)
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normalizer, norm_constant: float = 0.0):
-    """This micro-batch's share of the full-batch aggregate of per-token ``values`` [B, T-1].
+@contextmanager
+def logprob_chunking(tokens: int) -> Iterator[None]:
+    """Within the block, :func:`token_log_probs` and :func:`token_entropy` work ``tokens`` at a time."""
+    reset = _CHUNK_TOKENS.set(tokens)
+    try:
+        yield
+    finally:
+        _CHUNK_TOKENS.reset(reset)
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (bf16 / fp16 logits are upcast; fp64 stays)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _chunks(positions: int, rows: int) -> list[slice]:
+    tokens = _CHUNK_TOKENS.get()
+    step = positions if tokens <= 0 else max(1, tokens // max(rows, 1))
+    return [slice(start, min(start + step, positions)) for start in range(0, positions, step)]
+
+
+class _TokenStats(torch.autograd.Function):
+    """For j < T - 1: log softmax(logits[:, j] / T)[input_ids[:, j + 1]] and, when asked, the entropy of
+    softmax(logits[:, j] / T) -- a chunk of positions at a time.
+
+    Nothing vocabulary-wide is kept between chunks: backward recomputes each chunk's softmax and writes its
+    gradient (both terms at once) into one preallocated tensor, the logits' gradient, so memory beyond the
+    logits and their gradient stays at one chunk whatever the length and vocabulary. Full logits go in, so
+    no slice's backward allocates a second full-size gradient."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool):
+        rows, width, _ = logits.shape
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        log_probs = logits.new_empty((rows, width - 1), dtype=dtype)
+        entropy = logits.new_empty((rows, width - 1) if with_entropy else (0,), dtype=dtype)
+        parts = _chunks(width - 1, rows)
+        for part in parts:
+            logp = torch.log_softmax(_fp32(logits[:, part]) / temperature, dim=-1)
+            log_probs[:, part] = logp.gather(-1, input_ids[:, 1:][:, part, None]).squeeze(-1)
+            if with_entropy:
+                entropy[:, part] = -(logp.exp() * logp).sum(dim=-1)
+        ctx.save_for_backward(logits, input_ids, entropy)
+        ctx.temperature, ctx.parts, ctx.with_entropy = temperature, parts, with_entropy
+        ctx.mark_non_differentiable(input_ids)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        logits, input_ids, entropy = ctx.saved_tensors
+        targets = input_ids[:, 1:]
+        grad = torch.zeros_like(logits)
+        for part in ctx.parts:
+            logp = torch.log_softmax(_fp32(logits[:, part]) / ctx.temperature, dim=-1)
+            p = logp.exp()
+            chunk = torch.zeros_like(logp)
+            if grad_log_probs is not None:  # d log p_y / dx = onehot(y) - p
+                g = grad_log_probs[:, part, None].to(chunk.dtype)
+                chunk -= p * g
+                chunk.scatter_add_(-1, targets[:, part, None], g)
+            if ctx.with_entropy and grad_entropy is not None:  # dH / dx = -p (log p + H)
+                chunk -= p * (logp + entropy[:, part, None]) * grad_entropy[:, part, None]
+            grad[:, part] = chunk / ctx.temperature
+        return grad, None, None, None
+
+
+def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each next token under softmax(logits / temperature), shape [B, T-1], in fp32,
+    a chunk of positions at a time (see :func:`logprob_chunking`)."""
+    return _TokenStats.apply(logits, input_ids, float(temperature), False)[0]
+
+
+def token_log_probs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_log_probs` and the entropy of each next-token distribution, [B, T-1] each, from one pass
+    (one gradient buffer: asking for them separately would hold two logits-sized gradients)."""
+    return _TokenStats.apply(logits, input_ids, float(temperature), True)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the next-token distribution softmax(logits / temperature) at each target position,
+    [B, T-1], in fp32, a chunk of positions at a time."""
+    ids = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
+    return _TokenStats.apply(logits, ids, float(temperature), True)[1]
+
+
+def target_sequences(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Which sequence each target position belongs to, [R, T-1]: given by a packed micro-batch
+    (``target_sequence``); None for the padded layout, where each row is one sequence."""
+    return batch.get("target_sequence")
+
+
+def sequence_sums(
+    values: torch.Tensor, mask: torch.Tensor, sequences: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ masked values, Σ mask) of each sequence: per row, or grouped by ``sequences`` when packed."""
+    masked = values * mask
+    if sequences is None:
+        return masked.sum(dim=1), mask.sum(dim=1)
+    count = int(sequences.max()) + 1 if sequences.numel() else 0
+    index = sequences.reshape(-1)
+    sums = masked.new_zeros(count).index_add(0, index, masked.reshape(-1))
+    counts = mask.new_zeros(count).index_add(0, index, mask.reshape(-1))
+    return sums, counts
+
+
+def per_position(per_sequence: torch.Tensor, like: torch.Tensor, sequences: torch.Tensor | None = None) -> torch.Tensor:
+    """A per-sequence value at each target position of its sequence."""
+    if sequences is None:
+        return per_sequence.unsqueeze(1).expand_as(like)
+    return per_sequence[sequences]
+
+
+def aggregate(
+    values: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normalizer, norm_constant: float = 0.0,
+    sequences: torch.Tensor | None = None,
+):
+    """This micro-batch's share of the full-batch aggregate of per-token ``values`` [B, T-1] (or [1, N-1]
+    packed, with ``sequences`` from :func:`target_sequences`).
 
     - ``token-mean``: Σ masked values / global loss tokens
     - ``seq-mean-token-sum``: Σ_seq (Σ its values) / global sequences
@@ -84,18 +198,12 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normali
     if mode == "seq-mean-token-sum":
         return masked.sum() / max(norm.sequences, 1.0)
     if mode == "seq-mean-token-mean":
-        per_seq = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
-        return per_seq.sum() / max(norm.sequences, 1.0)
+        sums, counts = sequence_sums(values, mask, sequences)
+        return (sums / counts.clamp(min=1.0)).sum() / max(norm.sequences, 1.0)
     if mode == "seq-mean-token-sum-norm":
         constant = norm_constant if norm_constant > 0 else max(norm.max_target_len, 1.0)
         return masked.sum() / (max(norm.sequences, 1.0) * constant)
     raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGG_MODES)}")
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the next-token distribution at each target position, [B, T-1], in fp32."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
 
 
 def make_sft_loss(agg: str = "token-mean", norm_constant: float = 0.0) -> LossFn:
@@ -106,7 +214,7 @@ def make_sft_loss(agg: str = "token-mean", norm_constant: float = 0.0) -> LossFn
     def loss_fn(outputs: Any, micro_batch: dict[str, torch.Tensor], norm: Normalizer) -> LossOutput:
         mask = target_mask(micro_batch)
         token_loss = -token_log_probs(outputs.logits, micro_batch["input_ids"])
-        share = aggregate(token_loss, mask, agg, norm, norm_constant)
+        share = aggregate(token_loss, mask, agg, norm, norm_constant, target_sequences(micro_batch))
         with torch.no_grad():
             correct = (outputs.logits[:, :-1].argmax(-1) == micro_batch["input_ids"][:, 1:]).float()
             accuracy = aggregate(correct, mask, "token-mean", norm)

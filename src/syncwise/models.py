@@ -78,8 +78,16 @@ def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers, or the activation-checkpoint wrappers around them where they are wrapped (the
+    module FSDP must shard, so that recomputation finds its parameters gathered)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
     classes = tuple(decoder_layer_classes(model))
-    return [m for m in model.modules() if isinstance(m, classes)]
+    wrapped = [
+        m for m in model.modules()
+        if isinstance(m, CheckpointWrapper) and any(isinstance(child, classes) for child in m.children())
+    ]
+    return wrapped or [m for m in model.modules() if isinstance(m, classes)]
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -61,6 +61,8 @@ def wrap_model(
         # FSDP's offload moves parameters and optimizer state from an accelerator to host memory; on a
         # CPU run they already live there (and FSDP2's offload path asks for an accelerator).
         raise ValueError("engine.cpu_offload=true needs a CUDA device: on CPU, parameters are already in host memory")
+    if engine_cfg.activation_checkpointing:
+        checkpoint_decoder_layers(model)
     if strategy == "none":
         if world_size > 1:
             raise ValueError(
@@ -82,6 +84,24 @@ def wrap_model(
     else:
         raise ValueError(f"engine.strategy: {strategy!r} is not one of fsdp2, fsdp1, ddp, none")
     return WrappedModel(module, strategy, num_units=len(units), dp_size=world_size, mesh=mesh, units=units)
+
+
+def checkpoint_decoder_layers(model: nn.Module) -> None:
+    """Wrap each decoder layer in torch's activation-checkpoint wrapper (non-reentrant), in place, before any
+    FSDP wrapping: its activations are recomputed in backward instead of kept. Parameter names keep their
+    meaning: torch's state-dict utilities (DCP, the export) drop the wrapper's prefix."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    classes = tuple(decoder_layer_classes(model))
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, classes),
+    )
 
 
 def _wrap_fsdp2(

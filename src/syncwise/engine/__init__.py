@@ -15,6 +15,7 @@ One optimizer step (:meth:`Engine.train_batch`), and the module each part lives 
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import nullcontext
 from typing import Any
 
@@ -62,6 +63,7 @@ class Engine:
         self.sync_mode = SyncMode(config.sync.mode)  # as configured; may be AUTO
         raw = model if model is not None else build_model(config.model)
         self.hf_config = getattr(raw, "config", None)  # None for a plain nn.Module
+        self.packing = config.engine.packing and _packing_works(raw, self.info.is_main)
         sharded = config.engine.strategy in ("fsdp2", "fsdp1")
         mesh = build_mesh(self.info, config.engine.hsdp_replicas) if sharded else None
         hsdp = mesh is not None and mesh.ndim == 2
@@ -94,10 +96,11 @@ class Engine:
     # ----------------------------------------------------------------------------------------------
     def _plan(self, batch: Batch, require_tokens: bool) -> BatchPlan:
         batch = {k: v.to(self.info.device) for k, v in batch.items()} if _is_batch(batch) else batch
-        vocab = self.hf_config.vocab_size if self.hf_config is not None else None
+        hf = self.hf_config
         return plan_batch(
             batch, self.config.engine, dp_size=self.wrapped.dp_size, device=self.info.device,
-            timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, vocab_size=vocab,
+            timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, packing=self.packing,
+            vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
         )
 
     def forward_backward_batch(
@@ -121,7 +124,7 @@ class Engine:
         try:
             return accumulate(
                 self.model, plan, loss_fn, self._switches_of(self.active_mode), device=self.info.device,
-                timeout_s=self.config.dist.timeout_s, linear_coef=self.config.engine.workload_linear_coef,
+                timeout_s=self.config.dist.timeout_s, chunk_tokens=self.config.engine.logprob_chunk_size,
                 meter=self._peak_meter,
             )
         except BaseException:
@@ -135,7 +138,7 @@ class Engine:
         plan = self._plan(batch, require_tokens=False)
         return forward_only(
             self.model, plan, loss_fn, device=self.info.device, timeout_s=self.config.dist.timeout_s,
-            linear_coef=self.config.engine.workload_linear_coef,
+            chunk_tokens=self.config.engine.logprob_chunk_size,
         )
 
     def _switches_of(self, mode: SyncMode):
@@ -188,7 +191,8 @@ class Engine:
             finally:
                 self._peak_meter = None
             peak, measured = self.governor.local_peak(result, meter)
-            metrics, peak, budget, stop = self._reduce_step(result.metrics, peak, self.governor.own_budget)
+            metrics, agreed = self._reduce_step(result.metrics, peak, self.governor.own_budget, result.workloads)
+        peak, budget, stop = agreed["peak"], agreed["budget"], agreed["stop"]
         memory, next_mode = self.governor.after_step(result, peak, budget, measured, mode, self.info.is_main)
         if next_mode is not None:
             self.active_mode = next_mode
@@ -198,6 +202,8 @@ class Engine:
             "train/skipped": self.skipped_steps - skipped_before,
             "train/num_microbatches": result.num_microbatches,
             "batch/workload_imbalance": result.workload_imbalance,
+            "batch/cross_rank_imbalance": agreed["cross_rank_imbalance"],
+            "batch/padding_fraction": 1.0 - metrics["batch/real_tokens"] / max(metrics["batch/computed_tokens"], 1.0),
             "train/step_time_s": time.perf_counter() - started,
             "train/lr": self.scheduler.get_last_lr()[0],
             "sync/mode": mode.value,
@@ -210,20 +216,27 @@ class Engine:
         return metrics
 
     def _reduce_step(
-        self, local: dict[str, float], peak: int | None, budget: int
-    ) -> tuple[dict[str, float], int | None, int, int]:
-        """One all-reduce for a step's loss metrics (summed) and three decisions every rank must take alike:
-        the memory peak (the max over ranks) and auto's budget (the min), so auto chooses the same mode
-        everywhere, and a stop signal received by any rank (see :mod:`syncwise.signals`). Keys are sorted
-        so every rank packs alike. Returns (metrics, peak, budget, stop signal or 0)."""
+        self, local: dict[str, float], peak: int | None, budget: int, loads: list[float] = ()
+    ) -> tuple[dict[str, float], dict[str, Any]]:
+        """One all-reduce for a step's loss metrics (summed) and what every rank must decide alike: the
+        memory peak (the max over ranks) and auto's budget (the min), so auto chooses the same mode
+        everywhere, and a stop signal received by any rank (see :mod:`syncwise.signals`); plus each
+        rank's micro-batch workloads, for the cross-rank balance. Keys are sorted so every rank packs
+        alike. Returns (metrics, agreed: peak, budget, stop, cross_rank_imbalance)."""
         keys = sorted(local)
         totals, per_rank = agree(
-            [local[k] for k in keys], [float(peak or 0), float(budget), float(StopRequest.received)],
+            [local[k] for k in keys], [float(peak or 0), float(budget), float(StopRequest.received), *loads],
             "the metrics all-reduce (end of the step)", self.info.device, self.config.dist.timeout_s,
         )
         metrics = dict(zip(keys, totals.tolist(), strict=True))
-        agreed_peak = int(per_rank[:, 0].max()) if peak is not None else None
-        return metrics, agreed_peak, int(per_rank[:, 1].min()), int(per_rank[:, 2].max())
+        work = per_rank[:, 3:]  # [rank, micro-batch]: every rank waits for the slowest at each collective
+        mean = float(work.mean(dim=0).sum())
+        return metrics, {
+            "peak": int(per_rank[:, 0].max()) if peak is not None else None,
+            "budget": int(per_rank[:, 1].min()),
+            "stop": int(per_rank[:, 2].max()),
+            "cross_rank_imbalance": float(work.max(dim=0).values.sum()) / mean if mean > 0 else 1.0,
+        }
 
     def expected_collectives(self, num_microbatches: int, mode: SyncMode | None = None) -> dict[str, int] | None:
         """The collective counts one ``train_batch`` in ``mode`` (default: the active one) should produce
@@ -275,6 +288,21 @@ class Engine:
             self.scheduler.load_state_dict(state["scheduler"])
         self.active_mode = SyncMode(state["active_mode"])
         self.governor.load_state(state)
+
+
+def _packing_works(model: nn.Module, say: bool) -> bool:
+    """Whether ``model`` keeps packed sequences apart (checked once per kind of model); if not, one message
+    and the padded path."""
+    from ..packing import packs_correctly
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        reason = f"{type(model).__name__} is not a Hugging Face model (packing needs position_ids support)"
+    else:
+        reason = packs_correctly(type(model), config.to_json_string(), config._attn_implementation or "sdpa")
+    if reason and say:
+        warnings.warn(f"engine.packing: {reason}; using padded micro-batches", RuntimeWarning, stacklevel=3)
+    return reason is None
 
 
 def _is_batch(batch: Any) -> bool:

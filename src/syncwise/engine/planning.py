@@ -8,36 +8,55 @@ collectives line up even when ranks hold different amounts of data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..batching import Batch, BatchError, MicroBatch, microbatches_needed, split_batch
+from ..batching import (
+    Batch,
+    BatchError,
+    MicroBatch,
+    microbatches_needed,
+    sequence_lengths,
+    split_batch,
+    token_cost,
+    workloads,
+)
 from ..config import EngineConfig
 from ..distributed import agree
 from ..losses import Normalizer, target_mask
+from ..packing import pack, packable
 
 
 @dataclass
 class BatchPlan:
     """This rank's micro-batches and the normaliser every rank shares."""
 
-    micro_batches: list[MicroBatch]
+    micro_batches: list[MicroBatch]  # heaviest first (micro-batch i is the i-th heaviest on every rank)
     normalizer: Normalizer
     target_width: int  # columns of per-target outputs (log-probs) in the original batch
+    real_tokens: int = 0  # tokens of this rank's samples
+    computed_tokens: int = 0  # positions its micro-batches compute (real tokens when packed)
+    workloads: list[float] = field(default_factory=list)  # estimated compute of each micro-batch
 
 
-def check_token_ids(batch: Batch, vocab_size: int | None) -> None:
-    """Token ids must index the embedding: an id out of range would fail inside one rank's forward,
-    leaving the others in a collective."""
-    if vocab_size is None:
-        return
+def check_model_limits(batch: Batch, vocab_size: int | None, max_positions: int | None) -> None:
+    """Token ids must index the embedding and sequences fit the model's positions: either would fail inside
+    one rank's forward, leaving the others in a collective."""
     ids = batch["input_ids"]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+    if vocab_size is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise BatchError(
             f"batch['input_ids']: ids must lie in [0, {vocab_size}) (the model's vocabulary), "
             f"got {int(ids.min())}..{int(ids.max())}"
         )
+    if max_positions is not None:
+        lengths = sequence_lengths(batch)
+        longest = int(lengths.max())
+        if longest > max_positions:
+            raise BatchError(
+                f"batch: sample {int(lengths.argmax())} has {longest} tokens, more than the model's "
+                f"max_position_embeddings={max_positions}"
+            )
 
 
 def plan_batch(
@@ -48,14 +67,19 @@ def plan_batch(
     device: torch.device,
     timeout_s: float,
     require_tokens: bool,
+    packing: bool = False,
     vocab_size: int | None = None,
+    max_positions: int | None = None,
 ) -> BatchPlan:
-    """Validate ``batch``, agree with every rank (one all-reduce), and split it into micro-batches."""
+    """Validate ``batch``, agree with every rank (one all-reduce), split it into micro-batches (packed into
+    one row each with ``packing``), heaviest first."""
     error: BatchError | None = None
     sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]
     try:
-        needed = microbatches_needed(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
-        check_token_ids(batch, vocab_size)
+        needed = microbatches_needed(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, packing)
+        check_model_limits(batch, vocab_size, max_positions)
+        if packing and (reason := packable(batch)):
+            raise BatchError(reason)
         per_sequence = target_mask(batch).sum(dim=1)
         sums[:2] = [float(per_sequence.sum()), float((per_sequence > 0).sum())]
         own = [float(needed), float(per_sequence.max())]
@@ -71,10 +95,26 @@ def plan_batch(
         raise BatchError("batch: loss_mask (or attention_mask) leaves no target token on any rank: nothing to train on")
     micro_batches = split_batch(
         batch, int(per_rank[:, 0].max()), balance=cfg.max_tokens_per_micro_batch > 0,
-        linear_coef=cfg.workload_linear_coef,
+        max_tokens=cfg.max_tokens_per_micro_batch, packed=packing, linear_coef=cfg.workload_linear_coef,
     )
+    # Heaviest first on every rank, so micro-batch i costs about the same everywhere: ranks that meet in
+    # its collectives then wait less for each other.
+    loads = [_workload(mb, cfg.workload_linear_coef) for mb in micro_batches]
+    order = sorted(range(len(micro_batches)), key=lambda i: (-loads[i], i))
+    micro_batches, loads = [micro_batches[i] for i in order], [loads[i] for i in order]
+    lengths = sequence_lengths(batch)
+    computed = sum(token_cost(sequence_lengths(mb.data).tolist(), packing) for mb in micro_batches if mb.data)
+    if packing:
+        micro_batches = [MicroBatch(mb.indices, *pack(mb.data)) if mb.data else mb for mb in micro_batches]
     norm = Normalizer(
         tokens=float(totals[0]), sequences=float(totals[1]), dp_size=dp_size,
         max_target_len=float(per_rank[:, 1].max()),
     )
-    return BatchPlan(micro_batches, norm, target_width=batch["input_ids"].shape[1] - 1)
+    return BatchPlan(
+        micro_batches, norm, target_width=batch["input_ids"].shape[1] - 1, real_tokens=int(lengths.sum()),
+        computed_tokens=computed, workloads=loads,
+    )
+
+
+def _workload(mb: MicroBatch, linear_coef: float) -> float:
+    return sum(workloads(sequence_lengths(mb.data), linear_coef)) if mb.data is not None else 0.0

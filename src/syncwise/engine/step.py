@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from .. import fsdp_internals as fsdp
-from ..batching import Batch, MicroBatch, restore_order, sequence_lengths, workloads
+from ..batching import MicroBatch, restore_order
 from ..distributed import collective_timeout
-from ..losses import LossFn, LossOutput, Normalizer, token_log_probs
+from ..losses import LossFn, LossOutput, Normalizer, logprob_chunking, token_log_probs
 from ..memory import PeakMeter, grad_bytes, unsharded_param_bytes
+from ..packing import unpack
 from ..sync import SwitchesFor, apply_switches
 from .planning import BatchPlan
 
@@ -30,19 +31,25 @@ class ForwardBackwardResult:
     retained_grad_bytes: int = 0  # most gradient bytes held after any micro-batch's backward
     unsharded_param_bytes: int = 0  # most all-gathered parameter bytes held after any backward
     workload_imbalance: float = 1.0  # max / min estimated compute over this rank's non-empty micro-batches
+    workloads: list[float] = field(default_factory=list)  # estimated compute of each micro-batch, in order
 
 
 def forward_microbatch(
-    model: nn.Module, data: Batch | None, loss_fn: LossFn | None, norm: Normalizer, device: torch.device,
+    model: nn.Module, mb: MicroBatch, loss_fn: LossFn | None, norm: Normalizer, device: torch.device,
     with_log_probs: bool,
 ) -> LossOutput:
-    """One micro-batch forward and its loss. An empty micro-batch (``data`` None: this rank has fewer
-    samples than the agreed count) runs a one-token dummy forward whose zero loss still runs every FSDP
-    unit, so the collectives match the other ranks."""
+    """One micro-batch forward and its loss. A packed micro-batch gives the model restarting
+    ``position_ids`` and no attention mask (see :mod:`syncwise.packing`). An empty micro-batch (this rank
+    has fewer samples than the agreed count) runs a one-token dummy forward whose zero loss still runs
+    every FSDP unit, so the collectives match the other ranks."""
+    data = mb.data
     if data is None:
-        logits = model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device)).logits
+        logits = model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False).logits
         return LossOutput(loss=logits.float().sum() * 0.0)
-    model_out = model(input_ids=data["input_ids"], attention_mask=data.get("attention_mask"))
+    if mb.packing is not None:
+        model_out = model(input_ids=data["input_ids"], position_ids=data["position_ids"], use_cache=False)
+    else:
+        model_out = model(input_ids=data["input_ids"], attention_mask=data.get("attention_mask"), use_cache=False)
     result = loss_fn(model_out, data, norm) if loss_fn is not None else LossOutput(torch.zeros((), device=device))
     if with_log_probs:
         result.outputs.setdefault("log_probs", token_log_probs(model_out.logits, data["input_ids"]))
@@ -62,26 +69,30 @@ class _Collector:
         for key, value in result.metrics.items():
             self.totals[key] = self.totals.get(key, 0.0) + value.detach().float()
         for key, value in result.outputs.items():
-            self.chunks.setdefault(key, []).append(value.detach())
+            value = value.detach()
+            self.chunks.setdefault(key, []).append(unpack(value, mb.packing) if mb.packing is not None else value)
 
-    def result(self, plan: BatchPlan, linear_coef: float, **extra) -> ForwardBackwardResult:
+    def result(self, plan: BatchPlan, **extra) -> ForwardBackwardResult:
         return ForwardBackwardResult(
-            metrics={k: float(v) for k, v in self.totals.items()},
+            metrics={k: float(v) for k, v in self.totals.items()}
+            | {"batch/real_tokens": float(plan.real_tokens), "batch/computed_tokens": float(plan.computed_tokens)},
+            workloads=plan.workloads,
             outputs={
                 k: restore_order(parts, plan.micro_batches, plan.target_width) for k, parts in self.chunks.items()
             },
             num_microbatches=len(plan.micro_batches),
-            workload_imbalance=workload_imbalance(plan.micro_batches, linear_coef),
+            workload_imbalance=_imbalance(plan.workloads),
             **extra,
         )
 
 
 def accumulate(
     model: nn.Module, plan: BatchPlan, loss_fn: LossFn, switches_of: SwitchesOf, *, device: torch.device,
-    timeout_s: float, linear_coef: float, meter: PeakMeter | None = None,
+    timeout_s: float, chunk_tokens: int, meter: PeakMeter | None = None,
 ) -> ForwardBackwardResult:
     """Forward and backward of every micro-batch, each under the switches its mode gives it; gradients
-    accumulate into ``.grad`` (or FSDP's unsynced buffers until the syncing micro-batch)."""
+    accumulate into ``.grad`` (or FSDP's unsynced buffers until the syncing micro-batch). Log-probs are
+    computed ``chunk_tokens`` at a time."""
     model.train()
     collected, retained, gathered = _Collector(), 0, 0
     n = len(plan.micro_batches)
@@ -89,19 +100,21 @@ def accumulate(
         if meter is not None:
             meter.before_microbatch()
         what = f"micro-batch {i + 1}/{n} forward/backward (FSDP all-gather / reduce-scatter)"
-        with collective_timeout(what, timeout_s), apply_switches(model, switches_of(i, n)):
-            result = forward_microbatch(model, mb.data, loss_fn, plan.normalizer, device, with_log_probs=False)
+        with collective_timeout(what, timeout_s), apply_switches(model, switches_of(i, n)), logprob_chunking(
+            chunk_tokens
+        ):
+            result = forward_microbatch(model, mb, loss_fn, plan.normalizer, device, with_log_probs=False)
             result.loss.backward()
         retained = max(retained, grad_bytes(model))
         gathered = max(gathered, unsharded_param_bytes(model))
         collected.add(mb, result)
-    return collected.result(plan, linear_coef, retained_grad_bytes=retained, unsharded_param_bytes=gathered)
+    return collected.result(plan, retained_grad_bytes=retained, unsharded_param_bytes=gathered)
 
 
 @torch.no_grad()
 def forward_only(
     model: nn.Module, plan: BatchPlan, loss_fn: LossFn | None, *, device: torch.device, timeout_s: float,
-    linear_coef: float,
+    chunk_tokens: int,
 ) -> ForwardBackwardResult:
     """Forward of every micro-batch under ``no_grad``, with ``log_probs`` [B, T-1] always in the outputs.
     Gradients and sync switches are never touched; every gathered parameter is freed at the end."""
@@ -110,16 +123,17 @@ def forward_only(
     n = len(plan.micro_batches)
     try:
         for i, mb in enumerate(plan.micro_batches):
-            with collective_timeout(f"micro-batch {i + 1}/{n} forward (FSDP all-gather)", timeout_s):
-                result = forward_microbatch(model, mb.data, loss_fn, plan.normalizer, device, with_log_probs=True)
+            what = f"micro-batch {i + 1}/{n} forward (FSDP all-gather)"
+            with collective_timeout(what, timeout_s), logprob_chunking(chunk_tokens):
+                result = forward_microbatch(model, mb, loss_fn, plan.normalizer, device, with_log_probs=True)
             collected.add(mb, result)
     except BaseException:
         fsdp.reset_after_forward_error(model)
         raise
     fsdp.reshard_all(model)
-    return collected.result(plan, linear_coef)
+    return collected.result(plan)
 
 
-def workload_imbalance(micro_batches: list[MicroBatch], linear_coef: float) -> float:
-    loads = [sum(workloads(sequence_lengths(mb.data), linear_coef)) for mb in micro_batches if mb.data is not None]
-    return max(loads) / min(loads) if loads and min(loads) > 0 else 1.0
+def _imbalance(loads: list[float]) -> float:
+    busy = [w for w in loads if w > 0]
+    return max(busy) / min(busy) if busy else 1.0

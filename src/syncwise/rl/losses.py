@@ -19,7 +19,18 @@ from typing import Any
 import torch
 
 from ..config import KL_ESTIMATORS, PolicyLossConfig
-from ..losses import LossFn, LossOutput, Normalizer, aggregate, target_mask, token_entropy, token_log_probs
+from ..losses import (
+    LossFn,
+    LossOutput,
+    Normalizer,
+    aggregate,
+    per_position,
+    sequence_sums,
+    target_mask,
+    target_sequences,
+    token_log_probs,
+    token_log_probs_and_entropy,
+)
 
 __all__ = ["PolicyLossConfig", "ValueLossConfig", "kl_penalty", "make_policy_loss", "make_value_loss",
            "policy_token_losses"]
@@ -43,9 +54,10 @@ def _per_token(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def policy_token_losses(
     log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-    cfg: PolicyLossConfig,
+    cfg: PolicyLossConfig, sequences: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-token policy-gradient loss, per-token clipped indicator) for ``cfg.kind``."""
+    """(per-token policy-gradient loss, per-token clipped indicator) for ``cfg.kind``. ``sequences``: which
+    sequence each position belongs to in a packed row (GSPO's ratio is per sequence)."""
     low, high = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
     log_ratio = log_probs - old_log_probs
     if cfg.kind == "pg":
@@ -56,7 +68,8 @@ def policy_token_losses(
         return -clipped_weight * advantages * log_probs, (clipped_weight != weight).float()
     if cfg.kind == "gspo":
         # Sequence-level ratio exp(mean log-ratio); its value per token, gradient through each token.
-        seq_log_ratio = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        sums, counts = sequence_sums(log_ratio, mask, sequences)
+        seq_log_ratio = per_position(sums / counts.clamp(min=1), log_ratio, sequences)
         ratio = torch.exp(seq_log_ratio.detach() + log_probs - log_probs.detach())
     else:
         ratio = torch.exp(log_ratio)
@@ -77,23 +90,28 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None) -> LossFn:
 
     def loss_fn(outputs: Any, micro_batch: dict[str, torch.Tensor], norm: Normalizer) -> LossOutput:
         mask = target_mask(micro_batch)
-        log_probs = token_log_probs(outputs.logits, micro_batch["input_ids"])
+        if cfg.entropy_coef:  # one pass, one gradient buffer for both
+            log_probs, token_ent = token_log_probs_and_entropy(outputs.logits, micro_batch["input_ids"])
+        else:
+            log_probs = token_log_probs(outputs.logits, micro_batch["input_ids"])
         old = micro_batch.get("old_log_probs")
         old = log_probs.detach() if old is None else old.float()
         advantages = _per_token(micro_batch["advantages"], log_probs)
-        token_loss, is_clipped = policy_token_losses(log_probs, old, advantages, mask, cfg)
-        pg = aggregate(token_loss, mask, cfg.agg, norm, cfg.norm_constant)
+        sequences = target_sequences(micro_batch)
+        token_loss, is_clipped = policy_token_losses(log_probs, old, advantages, mask, cfg, sequences)
+
+        def agg(values: torch.Tensor) -> torch.Tensor:
+            return aggregate(values, mask, cfg.agg, norm, cfg.norm_constant, sequences)
+
+        pg = agg(token_loss)
         total = pg
         metrics: dict[str, torch.Tensor] = {"actor/pg_loss": pg.detach()}
         if cfg.entropy_coef:
-            entropy = aggregate(token_entropy(outputs.logits), mask, cfg.agg, norm, cfg.norm_constant)
+            entropy = agg(token_ent)
             total = total - cfg.entropy_coef * entropy
             metrics["actor/entropy"] = entropy.detach()
         if cfg.kl_coef:
-            kl = aggregate(
-                kl_penalty(log_probs, micro_batch["ref_log_probs"].float(), cfg.kl_estimator), mask, cfg.agg, norm,
-                cfg.norm_constant,
-            )
+            kl = agg(kl_penalty(log_probs, micro_batch["ref_log_probs"].float(), cfg.kl_estimator))
             total = total + cfg.kl_coef * kl
             metrics["actor/kl_loss"] = kl.detach()
         with torch.no_grad():
@@ -130,7 +148,7 @@ def make_value_loss(cfg: ValueLossConfig | None = None) -> LossFn:
         else:
             token_loss = 0.5 * loss_unclipped
             clipped = torch.zeros_like(token_loss)
-        share = aggregate(token_loss, mask, cfg.agg, norm)
+        share = aggregate(token_loss, mask, cfg.agg, norm, sequences=target_sequences(micro_batch))
         metrics = {"loss": share.detach(), "critic/vf_loss": share.detach(),
                    "critic/vf_clip_fraction": aggregate(clipped, mask, "token-mean", norm).detach()}
         return LossOutput(loss=share * norm.dp_size, metrics=metrics, outputs={"values": values.detach()})

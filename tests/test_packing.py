@@ -1,0 +1,120 @@
+"""Sequence packing: the layout (unit), the model keeps packed sequences apart (real HF models), and on 2
+gloo ranks packed micro-batches give the padded path's gradients for SFT and every policy loss and
+aggregation mode, the same per-sample log-probs, and micro-batches within the token cap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from scenarios import _clean
+from scenarios_batching import PACKING_KINDS, SIZES, packing_suite, skewed_batch
+from syncwise.config import AGG_MODES, ModelConfig
+from syncwise.models import build_model
+from syncwise.packing import pack, packable, packs_correctly, unpack
+
+
+def test_pack_lays_every_tensor_along_one_row_and_unpacks():
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]])
+    mask = (ids > 0).long()
+    per_target = torch.arange(9.0).view(3, 3)
+    packed, packing = pack({"input_ids": ids, "attention_mask": mask, "old": per_target,
+                            "adv": torch.tensor([1.0, 2.0, 3.0])})
+    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert packed["loss_mask"].tolist() == [[0, 1, 1, 0, 1, 0, 1, 1, 1]]  # no target across a boundary
+    assert packed["old"].tolist() == [[0.0, 1.0, 0.0, 3.0, 0.0, 6.0, 7.0, 8.0]]
+    assert packed["adv"].tolist() == [[1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 3.0]]
+    assert packed["target_sequence"].tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+    assert "attention_mask" not in packed
+    assert unpack(packed["old"], packing).tolist() == [[0.0, 1.0, 0.0], [3.0, 0.0, 0.0], [6.0, 7.0, 8.0]]
+    assert torch.equal(unpack(packed["input_ids"], packing), ids)
+
+
+def test_left_padding_packs_too_and_gaps_do_not():
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 4]])
+    packed, _ = pack({"input_ids": ids, "attention_mask": (ids > 0).long()})
+    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 4]]
+    holes = {"input_ids": ids, "attention_mask": torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])}
+    assert "gaps" in packable(holes)
+    odd = {"input_ids": ids, "scores": torch.zeros(2, 7)}
+    assert "cannot be packed" in packable(odd)
+
+
+@pytest.mark.parametrize("preset", ["qwen2-test", "llama-test"])
+def test_packed_logits_of_each_sequence_equal_its_unpacked_logits(preset):
+    model = build_model(ModelConfig(preset=preset)).eval()
+    seqs = [torch.randint(1, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 12, 3)]
+    batch = {"input_ids": torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)}
+    batch["attention_mask"] = (torch.arange(12)[None] < torch.tensor([7, 12, 3])[:, None]).long()
+    packed, packing = pack(batch)
+    with torch.no_grad():
+        logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
+        padded = unpack(logits, packing)
+        for i, seq in enumerate(seqs):
+            alone = model(input_ids=seq[None], use_cache=False).logits[0]
+            assert torch.allclose(padded[i, : len(seq)], alone, atol=1e-5), i
+    assert packs_correctly(type(model), model.config.to_json_string(), "sdpa") is None
+
+
+def test_a_model_that_cannot_pack_gets_a_message_and_the_padded_path():
+    from torch import nn
+
+    from syncwise.config import load_config
+    from syncwise.engine import Engine
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+
+        def forward(self, input_ids, attention_mask=None, **kwargs):
+            return type("Out", (), {"logits": self.embed(input_ids)})()
+
+    with pytest.warns(RuntimeWarning, match="engine.packing: Plain is not a Hugging Face model"):
+        engine = Engine(load_config(None, ["engine.strategy=none"]), Plain())
+    assert engine.packing is False
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(packing_suite, 2)
+
+
+def _close(a: dict, b: dict, atol: float = 1e-6) -> None:
+    for name in a:
+        diff = (a[name] - b[name]).abs().max().item()
+        assert torch.allclose(a[name], b[name], atol=atol, rtol=1e-5), f"{_clean(name)}: {diff}"
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("kind", PACKING_KINDS)
+def test_packed_gradients_equal_the_padded_path(results, kind, agg):
+    packed, padded = results[0][(kind, agg, "true")], results[0][(kind, agg, "false")]
+    _close(packed["grads"], padded["grads"])
+    assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-6)
+
+
+def test_per_sample_log_probs_come_back_in_order(results):
+    """Where a target exists (a real token predicting a real token) packed and padded log-probs agree; the
+    packed path writes 0 elsewhere, the padded one whatever the model says about padding."""
+    for rank, r in enumerate(results):
+        mask = skewed_batch(rank, SIZES[rank])["attention_mask"]
+        valid = (mask[:, 1:] * mask[:, :-1]).bool()
+        for packed, padded in ((r[("eval", "true")], r[("eval", "false")]),
+                               (r[("ppo", "token-mean", "true")]["log_probs"],
+                                r[("ppo", "token-mean", "false")]["log_probs"])):
+            assert packed.shape == padded.shape
+            assert torch.allclose(packed[valid], padded[valid], atol=1e-5)
+            assert (packed[~valid] == 0).all()
+
+
+def test_packing_computes_no_padding(results):
+    for r in results:
+        packed, padded = r[("step", "true")], r[("step", "false")]
+        assert packed["batch/padding_fraction"] == 0.0 < padded["batch/padding_fraction"]
+        assert packed["batch/real_tokens"] == padded["batch/real_tokens"]
+        assert packed["train/num_microbatches"] <= padded["train/num_microbatches"]
+        for m in (packed, padded):
+            assert m["comm/reduce_scatter_count"] == m["comm/expected_reduce_scatter_count"]
