@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from scenarios import engine_config, full_grads
+from scenarios import engine_config, full_grads, make_batch
 from syncwise.engine import Engine
 from syncwise.losses import AGG_MODES, Normalizer, make_sft_loss, target_mask
 from syncwise.models import build_model
@@ -124,4 +124,30 @@ def packing_suite(info) -> dict:
         engine = Engine(cfg, build_model(cfg.model), info)
         out[("eval", packing)] = engine.eval_batch(batch).outputs["log_probs"]
         out[("step", packing)] = engine.train_batch(batch, make_sft_loss())
+    long = make_batch(seed=60 + info.rank, size=8, seq_len=128)  # activations worth checkpointing
+    long["advantages"] = torch.randn(8, generator=torch.Generator().manual_seed(info.rank))
+    long["ref_log_probs"] = torch.full((8, 127), -6.0)
+    out["checkpointing"] = activation_checkpointing(info, long)
+    return out
+
+
+def activation_checkpointing(info, batch: dict) -> dict:
+    """Every sync mode, packed, with and without activation checkpointing: gradients, collectives (strict)
+    and the measured peak of one accumulation."""
+    from syncwise.memory import PeakMeter
+
+    out = {}
+    for mode in ("per_microbatch", "deferred", "deferred_unsharded"):
+        for ac in ("false", "true"):
+            cfg = engine_config("fsdp2", mode, f"engine.activation_checkpointing={ac}", "sync.strict=true",
+                                "engine.micro_batch_size=4")
+            engine = Engine(cfg, build_model(cfg.model), info)
+            metrics = engine.train_batch(batch, _rl_loss("ppo", "token-mean"))  # raises on a collective mismatch
+            engine.optimizer.zero_grad(set_to_none=True)
+            meter = PeakMeter(engine.model, engine.optimizer, engine.info.device)
+            with meter:
+                engine._peak_meter = meter
+                engine.forward_backward_batch(batch, _rl_loss("ppo", "token-mean"))
+                engine._peak_meter = None
+            out[(mode, ac)] = {"grads": full_grads(engine), "peak": meter.peak, "metrics": metrics}
     return out

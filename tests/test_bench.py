@@ -39,3 +39,28 @@ def test_bench_smoke(tmp_path):
         assert (out / name).stat().st_size > 5_000
     table = (out / "bench.md").read_text()
     assert "| qwen2-test (0.4M) | 3 | deferred |" in table and "auto chose deferred_unsharded" in table
+
+
+def test_bench_rl_workload_smoke(tmp_path):
+    """`syncwise bench --workload rl`: every configuration on the long-tailed and the uniform data, with real
+    tokens per second, padding fraction and measured peaks (ratios are measured, not asserted here)."""
+    out = tmp_path / "bench_rl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "syncwise", "bench", "--workload", "rl", "--presets", "qwen2-test", "--sequences", "6",
+         "--warmup", "1", "--repeats", "1", "--out", str(out)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from syncwise.bench_rl import RL_CONFIGS, UNIFORM_CONFIGS
+
+    records = json.loads((out / "bench_rl.json").read_text())["records"]
+    assert {(r["data"], r["config"]) for r in records} == (
+        {("rl", c) for c in RL_CONFIGS} | {("uniform", c) for c in UNIFORM_CONFIGS}
+    )
+    for r in records:
+        assert r["real_tokens_per_s"] > 0 and r["peak_measured"] == 1 and r["peak_bytes"] > 0
+        assert r["real_tokens_per_step"] == next(x for x in records if x["data"] == r["data"])["real_tokens_per_step"]
+        packed = r["config"].startswith("packed")
+        assert (r["padding_fraction"] == 0.0) if packed or r["data"] == "uniform" else r["padding_fraction"] > 0.2
+    summary = (out / "bench_rl.md").read_text()
+    assert "packed / padded real tokens per second" in summary and "target >= 1.70" in summary

@@ -118,3 +118,27 @@ def test_packing_computes_no_padding(results):
         assert packed["train/num_microbatches"] <= padded["train/num_microbatches"]
         for m in (packed, padded):
             assert m["comm/reduce_scatter_count"] == m["comm/expected_reduce_scatter_count"]
+
+
+@pytest.mark.parametrize("mode", ["per_microbatch", "deferred", "deferred_unsharded"])
+def test_activation_checkpointing_keeps_gradients_and_lowers_the_peak(results, mode):
+    off, on = results[0]["checkpointing"][(mode, "false")], results[0]["checkpointing"][(mode, "true")]
+    _close(on["grads"], off["grads"])
+    assert on["peak"] < off["peak"]
+    for m in (on["metrics"], off["metrics"]):
+        assert m["comm/all_gather_count"] == m["comm/expected_all_gather_count"]
+
+
+def test_a_sequence_longer_than_the_model_allows_is_named():
+    from syncwise.batching import BatchError
+    from syncwise.config import load_config
+    from syncwise.engine import Engine
+    from syncwise.losses import sft_loss
+
+    engine = Engine(load_config(None, ["engine.strategy=none", "model.preset=qwen2-test"]))
+    lengths = torch.tensor([10, 600, 20])
+    ids = torch.randint(1, 500, (3, 600))
+    mask = (torch.arange(600)[None] < lengths[:, None]).long()
+    with pytest.raises(BatchError, match="batch: sample 1 has 600 tokens, more than the model's "
+                                         "max_position_embeddings=512"):
+        engine.train_batch({"input_ids": ids * mask, "attention_mask": mask}, sft_loss)

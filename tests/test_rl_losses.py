@@ -165,3 +165,35 @@ def test_gae_by_hand():
     assert adv[0, :3].tolist() == pytest.approx([a0, a1, a2])
     assert adv[0, 3].item() == 0.0
     assert ret[0, :3].tolist() == pytest.approx([a0 + 0.5, a1 + 0.6, a2 + 0.7])
+
+
+def test_cispo_bounds_the_weight_from_above_only():
+    """MiniMax-M1: a weight below 1 - ε_low is kept as it is (the paper sets no lower bound)."""
+    loss, clipped = _ratio_case([0.5, 1.5], [1.0, 1.0], kind="cispo", clip_low=0.2, clip_high=0.28)
+    assert loss == pytest.approx([-0.5 * math.log(0.5), -1.28 * math.log(1.5)])
+    assert clipped == [0.0, 1.0]
+
+
+def test_k3_log_ratio_is_clamped_before_exp():
+    logp, ref = torch.tensor([0.0]), torch.tensor([-50.0])  # log r = ±50: e^{50} for the reverse order
+    assert kl_penalty(logp, ref, "k3", clamp=10.0).item() == pytest.approx(math.exp(-10) + 10 - 1)
+    assert kl_penalty(ref, logp, "k3", clamp=10.0).item() == pytest.approx(math.exp(10) - 10 - 1)
+    assert kl_penalty(ref, logp, "k3").item() == pytest.approx(math.exp(50) - 50 - 1, rel=1e-5)  # unclamped
+
+
+def test_policy_loss_uses_the_sampling_temperature_and_reports_the_ratio():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4, 6)
+    ids = torch.tensor([[0, 3, 1, 5]])
+    temperature = 0.6
+    expected = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    old = expected + torch.tensor([[0.0, 0.1, -0.2]])  # ratios 1, e^-0.1, e^0.2
+    batch = {"input_ids": ids, "old_log_probs": old, "advantages": torch.tensor([1.0])}
+    norm = Normalizer(tokens=3.0, sequences=1.0, dp_size=1)
+    result = make_policy_loss(PolicyLossConfig(kind="ppo"), temperature=temperature)(
+        SimpleNamespace(logits=logits), batch, norm)
+    assert torch.allclose(result.outputs["log_probs"], expected, atol=1e-6)
+    ratios = [1.0, math.exp(-0.1), math.exp(0.2)]
+    assert result.metrics["actor/ratio_mean"].item() == pytest.approx(sum(ratios) / 3, rel=1e-5)
+    assert result.metrics["actor/ratio_max"].item() == pytest.approx(math.exp(0.2), rel=1e-5)
+    assert result.metrics["actor/approx_kl"].item() == pytest.approx((0.01 + 0.04) / 2 / 3, rel=1e-4)

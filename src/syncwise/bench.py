@@ -110,6 +110,26 @@ def _engine(preset: str, mode: str, info: DistInfo) -> Engine:
     return Engine(cfg, build_model(cfg.model), info)
 
 
+def time_interleaved(entries: list[dict[str, Any]], warmup: int, repeats: int) -> None:
+    """One step of every entry per round, in an order rotated each round (machine drift hits all alike);
+    each entry's ``times`` gets its timed steps, ``metrics`` its engine's last metrics and
+    ``first_metrics`` its first step's (the one whose memory peak the engine measures)."""
+    for round_index in range(warmup + repeats):
+        shift = round_index % len(entries)
+        for entry in entries[shift:] + entries[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            runner = entry["runner"]
+            if isinstance(runner, Engine):
+                entry["metrics"] = runner.train_batch(entry["batch"], sft_loss)
+                entry.setdefault("first_metrics", entry["metrics"])
+            else:
+                runner.step(entry["batch"])
+            dist.barrier()  # a step ends when the slowest rank is done
+            if round_index >= warmup:
+                entry["times"].append(time.perf_counter() - start)
+
+
 def run_bench(info: DistInfo, spec: BenchSpec) -> list[dict[str, Any]]:
     """Run every configuration; returns one record per configuration (on every rank)."""
     records: list[dict[str, Any]] = []
@@ -128,19 +148,7 @@ def run_bench(info: DistInfo, spec: BenchSpec) -> list[dict[str, Any]]:
                 batch = _batch(n, spec.seq_len, _vocab(preset), info.rank)
                 entries.append({"preset": preset, "params": params, "microbatches": n, "config": name,
                                 "runner": runner, "batch": batch, "times": [], "metrics": {}})
-        for round_index in range(spec.warmup + spec.repeats):
-            shift = round_index % len(entries)
-            for entry in entries[shift:] + entries[:shift]:
-                dist.barrier()
-                start = time.perf_counter()
-                runner = entry["runner"]
-                if isinstance(runner, Engine):
-                    entry["metrics"] = runner.train_batch(entry["batch"], sft_loss)
-                else:
-                    runner.step(entry["batch"])
-                dist.barrier()  # a step ends when the slowest rank is done
-                if round_index >= spec.warmup:
-                    entry["times"].append(time.perf_counter() - start)
+        time_interleaved(entries, spec.warmup, spec.repeats)
         for entry in entries:
             records.append(_record(entry, info, spec))
             del entry["runner"]

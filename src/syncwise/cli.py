@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     sft = sub.add_parser("sft", help="supervised fine-tuning job (the built-in task by default)")
     sft.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
     bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
+    bench.add_argument("--workload", choices=("modes", "rl"), default="modes",
+                       help="modes: every sync mode side by side; rl: padded vs packed on long-tailed RL lengths")
     bench.add_argument("--quick", action="store_true", help="the small 2-minute version")
     bench.add_argument("--nproc", type=int, default=2, help="local ranks (ignored under torchrun)")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--repeats", type=int, help="timed steps per configuration")
     bench.add_argument("--warmup", type=int, help="untimed rounds first")
     bench.add_argument("--seq-len", type=int, help="tokens per sample (default 64)")
+    bench.add_argument("--sequences", type=int, help="rl workload: sequences per rank (default 32)")
     plan = sub.add_parser("plan", help="what each sync mode costs for a model and cluster (no job is run)")
     plan.add_argument("model", help="built-in shape (qwen3-4b, llama-3-8b, ...) or a local HF model dir / config.json")
     plan.add_argument("--world-size", type=int, default=8)
@@ -119,14 +122,20 @@ def _run_bench(args: argparse.Namespace) -> int:
     import dataclasses
 
     from .bench import BenchSpec, bench_worker
+    from .bench_rl import RLBenchSpec, bench_rl_worker
 
-    spec = BenchSpec.quick(args.out) if args.quick else BenchSpec(out_dir=args.out)
-    for name in ("presets", "microbatches", "modes", "repeats", "warmup", "seq_len"):
+    if args.workload == "rl":
+        spec = RLBenchSpec(out_dir=args.out if args.out != "runs/bench" else "runs/bench_rl")
+        names, worker = ("presets", "repeats", "warmup", "sequences"), bench_rl_worker
+    else:
+        spec = BenchSpec.quick(args.out) if args.quick else BenchSpec(out_dir=args.out)
+        spec.baselines = not args.no_baselines
+        names, worker = ("presets", "microbatches", "modes", "repeats", "warmup", "seq_len"), bench_worker
+    for name in names:
         value = getattr(args, name)
         if value is not None:
             setattr(spec, name, value)
-    spec.baselines = not args.no_baselines
-    return _launch(bench_worker, args.nproc, dataclasses.asdict(spec))
+    return _launch(worker, args.nproc, dataclasses.asdict(spec))
 
 
 if __name__ == "__main__":

@@ -131,6 +131,7 @@ class PolicyLossConfig:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial model
     kl_estimator: str = "k3"
+    kl_clamp: float = 10.0  # k3: the log-ratio bounded to ±kl_clamp before exp (0: off)
 
     def validate(self, prefix: str = "rl.loss.") -> PolicyLossConfig:
         _choice(f"{prefix}kind", self.kind, POLICY_LOSSES)
@@ -138,7 +139,7 @@ class PolicyLossConfig:
         _choice(f"{prefix}kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.dual_clip and self.dual_clip <= 1.0:
             raise ConfigError(f"{prefix}dual_clip: must be > 1 (or 0 to disable), got {self.dual_clip}")
-        for name in ("clip_low", "clip_high", "norm_constant", "entropy_coef", "kl_coef"):
+        for name in ("clip_low", "clip_high", "norm_constant", "entropy_coef", "kl_coef", "kl_clamp"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{prefix}{name}: must be >= 0, got {getattr(self, name)}")
         return self
@@ -155,8 +156,10 @@ class RLConfig:
     prompts_per_rank: int = 4  # prompts each rank takes per step
     samples_per_prompt: int = 8  # the GRPO group size
     max_new_tokens: int = 4
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling temperature; training-side log-probs use the same
     advantage: str = "grpo"  # grpo | drgrpo | rloo
+    mini_batches: int = 1  # optimizer steps per pass over a rollout batch (each rank's samples split alike)
+    epochs: int = 1  # passes over each rollout batch
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
 
@@ -202,6 +205,14 @@ class Config:
         _positive("rl.samples_per_prompt", self.rl.samples_per_prompt)
         _positive("rl.max_new_tokens", self.rl.max_new_tokens)
         _positive("rl.temperature", self.rl.temperature)
+        _positive("rl.mini_batches", self.rl.mini_batches)
+        _positive("rl.epochs", self.rl.epochs)
+        samples = self.rl.prompts_per_rank * self.rl.samples_per_prompt
+        if self.rl.mini_batches > samples:
+            raise ConfigError(
+                f"rl.mini_batches={self.rl.mini_batches} is more than the {samples} samples each rank has per step "
+                f"(rl.prompts_per_rank x rl.samples_per_prompt)"
+            )
         if self.rl.advantage == "rloo" and self.rl.samples_per_prompt < 2:
             raise ConfigError("rl.advantage=rloo needs rl.samples_per_prompt >= 2")
         if self.train.checkpoint_every < 0:

@@ -36,7 +36,8 @@ class LossOutput:
     """A micro-batch's loss share, its metrics, and optional per-sample outputs.
 
     ``metrics`` are *summed* over micro-batches and ranks, so report global shares the way ``loss`` is
-    (without the ``dp_size`` factor). ``outputs`` hold one row per sample of the micro-batch; the engine
+    (without the ``dp_size`` factor) -- except those whose name ends in ``_max``, which are maxima over
+    micro-batches and ranks (:func:`is_maximum`). ``outputs`` hold one row per sample of the micro-batch; the engine
     returns them for the whole batch in the original sample order.
     """
 
@@ -46,6 +47,11 @@ class LossOutput:
 
 
 LossFn = Callable[[Any, dict[str, torch.Tensor], Normalizer], LossOutput]
+
+
+def is_maximum(metric: str) -> bool:
+    """Whether a loss metric is reduced by maximum (its name ends in ``_max``) rather than summed."""
+    return metric.endswith("_max")
 
 
 def target_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -108,6 +108,20 @@ def unpack(value: torch.Tensor, packing: Packing) -> torch.Tensor:
     raise ValueError(f"unpack: an output of shape {tuple(value.shape)} is neither per token nor per target")
 
 
+def packing_pays(lengths: list[int], linear_coef: float, varlen_attention: bool) -> bool:
+    """Whether packing this micro-batch computes less than padding it, by the workload estimate a·L + L²:
+    padded, every row costs its padded width T; packed, the linear layers see only the real tokens N, and
+    attention costs Σ L² with variable-length kernels (flash-attention) but N² with a block-diagonal mask
+    (sdpa, eager), which for equal lengths is more than the rows' B·T². Without padding it never pays."""
+    if not lengths:
+        return False
+    rows, width, tokens = len(lengths), max(lengths), sum(lengths)
+    if rows * width == tokens:
+        return False
+    attention = sum(n * n for n in lengths) if varlen_attention else tokens * tokens
+    return linear_coef * tokens + attention < rows * (linear_coef * width + width * width)
+
+
 def packable(batch: Batch) -> str | None:
     """Why ``batch`` cannot be packed (a message naming the key), or None."""
     rows, width = batch["input_ids"].shape
@@ -132,6 +146,8 @@ def packs_correctly(model_class: type, config_json: str, attn_implementation: st
     or None. Cached per model class, config and attention implementation."""
     from transformers import AutoConfig
 
+    from .attention import sequence_bounds
+
     try:
         config = AutoConfig.for_model(**_one_small_layer(json.loads(config_json)))
         # flash-attention packs through its variable-length kernels, but runs only on a GPU: check sdpa's mask
@@ -143,7 +159,8 @@ def packs_correctly(model_class: type, config_json: str, attn_implementation: st
         with torch.no_grad():
             alone = [model(input_ids=s[None], use_cache=False).logits[0] for s in seqs]
             positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-            packed = model(input_ids=torch.cat(seqs)[None], position_ids=positions, use_cache=False).logits[0]
+            packed = model(input_ids=torch.cat(seqs)[None], position_ids=positions, use_cache=False,
+                           **sequence_bounds(positions)).logits[0]
     except Exception as exc:  # a model that cannot run this check cannot be trusted to pack
         return f"{model_class.__name__} could not be checked ({type(exc).__name__}: {exc})"
     for part, reference in zip(packed.split([len(s) for s in seqs]), alone, strict=True):

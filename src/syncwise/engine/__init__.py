@@ -22,12 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import attention
 from .. import fsdp_internals as fsdp
 from ..batching import Batch
 from ..config import Config
 from ..counting import CollectiveCounter
 from ..distributed import CollectiveTimeout, DistInfo, agree, build_mesh, init_distributed
-from ..losses import LossFn
+from ..losses import LossFn, is_maximum
 from ..memory import sharded_model_of
 from ..models import build_model
 from ..modes import SyncMode, check_mode, spec, supported_modes
@@ -100,6 +101,7 @@ class Engine:
         return plan_batch(
             batch, self.config.engine, dp_size=self.wrapped.dp_size, device=self.info.device,
             timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, packing=self.packing,
+            varlen_attention=str(getattr(hf, "_attn_implementation", "")).startswith(("flash", attention.NAME)),
             vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
         )
 
@@ -132,13 +134,16 @@ class Engine:
             fsdp.reset_after_error(self.model)
             raise
 
-    def forward_batch(self, batch: Batch, loss_fn: LossFn | None = None) -> ForwardBackwardResult:
-        """Forward-only pass (log-probs, evaluation): ``log_probs`` [B, T-1] always in the outputs, plus
-        what ``loss_fn`` returns. Never touches gradients or sync state, also when it fails."""
+    def forward_batch(
+        self, batch: Batch, loss_fn: LossFn | None = None, temperature: float = 1.0
+    ) -> ForwardBackwardResult:
+        """Forward-only pass (log-probs, evaluation): ``log_probs`` [B, T-1] of softmax(logits /
+        ``temperature``) always in the outputs, plus what ``loss_fn`` returns. Never touches gradients or
+        sync state, also when it fails."""
         plan = self._plan(batch, require_tokens=False)
         return forward_only(
             self.model, plan, loss_fn, device=self.info.device, timeout_s=self.config.dist.timeout_s,
-            chunk_tokens=self.config.engine.logprob_chunk_size,
+            chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature,
         )
 
     def _switches_of(self, mode: SyncMode):
@@ -223,13 +228,16 @@ class Engine:
         everywhere, and a stop signal received by any rank (see :mod:`syncwise.signals`); plus each
         rank's micro-batch workloads, for the cross-rank balance. Keys are sorted so every rank packs
         alike. Returns (metrics, agreed: peak, budget, stop, cross_rank_imbalance)."""
-        keys = sorted(local)
+        summed = sorted(k for k in local if not is_maximum(k))
+        maxima = sorted(k for k in local if is_maximum(k))
+        own = [float(peak or 0), float(budget), float(StopRequest.received), *(local[k] for k in maxima), *loads]
         totals, per_rank = agree(
-            [local[k] for k in keys], [float(peak or 0), float(budget), float(StopRequest.received), *loads],
-            "the metrics all-reduce (end of the step)", self.info.device, self.config.dist.timeout_s,
+            [local[k] for k in summed], own, "the metrics all-reduce (end of the step)", self.info.device,
+            self.config.dist.timeout_s,
         )
-        metrics = dict(zip(keys, totals.tolist(), strict=True))
-        work = per_rank[:, 3:]  # [rank, micro-batch]: every rank waits for the slowest at each collective
+        metrics = dict(zip(summed, totals.tolist(), strict=True))
+        metrics |= dict(zip(maxima, per_rank[:, 3 : 3 + len(maxima)].max(dim=0).values.tolist(), strict=True))
+        work = per_rank[:, 3 + len(maxima) :]  # [rank, micro-batch]: all wait for the slowest at each collective
         mean = float(work.mean(dim=0).sum())
         return metrics, {
             "peak": int(per_rank[:, 0].max()) if peak is not None else None,
@@ -292,14 +300,18 @@ class Engine:
 
 def _packing_works(model: nn.Module, say: bool) -> bool:
     """Whether ``model`` keeps packed sequences apart (checked once per kind of model); if not, one message
-    and the padded path."""
+    and the padded path. An sdpa model is switched to ``sdpa_varlen`` (:mod:`syncwise.attention`): a
+    packed row's attention then costs what its sequences' would alone."""
     from ..packing import packs_correctly
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         reason = f"{type(model).__name__} is not a Hugging Face model (packing needs position_ids support)"
     else:
-        reason = packs_correctly(type(model), config.to_json_string(), config._attn_implementation or "sdpa")
+        if config._attn_implementation == "sdpa":
+            attention.register()
+            model.set_attn_implementation(attention.NAME)
+        reason = packs_correctly(type(model), config.to_json_string(), config._attn_implementation)
     if reason and say:
         warnings.warn(f"engine.packing: {reason}; using padded micro-batches", RuntimeWarning, stacklevel=3)
     return reason is None

@@ -25,7 +25,7 @@ from ..batching import (
 from ..config import EngineConfig
 from ..distributed import agree
 from ..losses import Normalizer, target_mask
-from ..packing import pack, packable
+from ..packing import pack, packable, packing_pays
 
 
 @dataclass
@@ -68,11 +68,13 @@ def plan_batch(
     timeout_s: float,
     require_tokens: bool,
     packing: bool = False,
+    varlen_attention: bool = False,
     vocab_size: int | None = None,
     max_positions: int | None = None,
 ) -> BatchPlan:
-    """Validate ``batch``, agree with every rank (one all-reduce), split it into micro-batches (packed into
-    one row each with ``packing``), heaviest first."""
+    """Validate ``batch``, agree with every rank (one all-reduce), split it into micro-batches, heaviest
+    first. With ``packing``, each micro-batch is packed into one row where that computes less than padding
+    it (:func:`~syncwise.packing.packing_pays`): micro-batches without padding stay as they are."""
     error: BatchError | None = None
     sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]
     try:
@@ -102,17 +104,24 @@ def plan_batch(
     loads = [_workload(mb, cfg.workload_linear_coef) for mb in micro_batches]
     order = sorted(range(len(micro_batches)), key=lambda i: (-loads[i], i))
     micro_batches, loads = [micro_batches[i] for i in order], [loads[i] for i in order]
-    lengths = sequence_lengths(batch)
-    computed = sum(token_cost(sequence_lengths(mb.data).tolist(), packing) for mb in micro_batches if mb.data)
-    if packing:
-        micro_batches = [MicroBatch(mb.indices, *pack(mb.data)) if mb.data else mb for mb in micro_batches]
+    computed = 0
+    for position, mb in enumerate(micro_batches):
+        if mb.data is None:
+            continue
+        lengths = sequence_lengths(mb.data).tolist()
+        packs = packing and packing_pays(lengths, cfg.workload_linear_coef, varlen_attention)
+        if packing and not packs and cfg.max_tokens_per_micro_batch > 0:  # padded, it must keep within the cap
+            packs = token_cost(lengths, packed=False) > cfg.max_tokens_per_micro_batch
+        computed += token_cost(lengths, packs)
+        if packs:
+            micro_batches[position] = MicroBatch(mb.indices, *pack(mb.data))
     norm = Normalizer(
         tokens=float(totals[0]), sequences=float(totals[1]), dp_size=dp_size,
         max_target_len=float(per_rank[:, 1].max()),
     )
     return BatchPlan(
-        micro_batches, norm, target_width=batch["input_ids"].shape[1] - 1, real_tokens=int(lengths.sum()),
-        computed_tokens=computed, workloads=loads,
+        micro_batches, norm, target_width=batch["input_ids"].shape[1] - 1,
+        real_tokens=int(sequence_lengths(batch).sum()), computed_tokens=computed, workloads=loads,
     )
 
 

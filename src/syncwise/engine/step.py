@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from .. import fsdp_internals as fsdp
+from ..attention import sequence_bounds
 from ..batching import MicroBatch, restore_order
 from ..distributed import collective_timeout
-from ..losses import LossFn, LossOutput, Normalizer, logprob_chunking, token_log_probs
+from ..losses import LossFn, LossOutput, Normalizer, is_maximum, logprob_chunking, token_log_probs
 from ..memory import PeakMeter, grad_bytes, unsharded_param_bytes
 from ..packing import unpack
 from ..sync import SwitchesFor, apply_switches
@@ -36,7 +37,7 @@ class ForwardBackwardResult:
 
 def forward_microbatch(
     model: nn.Module, mb: MicroBatch, loss_fn: LossFn | None, norm: Normalizer, device: torch.device,
-    with_log_probs: bool,
+    with_log_probs: bool, temperature: float = 1.0,
 ) -> LossOutput:
     """One micro-batch forward and its loss. A packed micro-batch gives the model restarting
     ``position_ids`` and no attention mask (see :mod:`syncwise.packing`). An empty micro-batch (this rank
@@ -47,12 +48,14 @@ def forward_microbatch(
         logits = model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False).logits
         return LossOutput(loss=logits.float().sum() * 0.0)
     if mb.packing is not None:
-        model_out = model(input_ids=data["input_ids"], position_ids=data["position_ids"], use_cache=False)
+        positions = data["position_ids"]
+        inputs = {"position_ids": positions, **sequence_bounds(positions)}
     else:
-        model_out = model(input_ids=data["input_ids"], attention_mask=data.get("attention_mask"), use_cache=False)
+        inputs = {"attention_mask": data.get("attention_mask")}
+    model_out = model(input_ids=data["input_ids"], use_cache=False, **inputs)
     result = loss_fn(model_out, data, norm) if loss_fn is not None else LossOutput(torch.zeros((), device=device))
     if with_log_probs:
-        result.outputs.setdefault("log_probs", token_log_probs(model_out.logits, data["input_ids"]))
+        result.outputs.setdefault("log_probs", token_log_probs(model_out.logits, data["input_ids"], temperature))
     return result
 
 
@@ -67,7 +70,11 @@ class _Collector:
         if mb.data is None:
             return
         for key, value in result.metrics.items():
-            self.totals[key] = self.totals.get(key, 0.0) + value.detach().float()
+            value, before = value.detach().float(), self.totals.get(key)
+            if before is None:
+                self.totals[key] = value
+            else:
+                self.totals[key] = torch.maximum(before, value) if is_maximum(key) else before + value
         for key, value in result.outputs.items():
             value = value.detach()
             self.chunks.setdefault(key, []).append(unpack(value, mb.packing) if mb.packing is not None else value)
@@ -114,10 +121,11 @@ def accumulate(
 @torch.no_grad()
 def forward_only(
     model: nn.Module, plan: BatchPlan, loss_fn: LossFn | None, *, device: torch.device, timeout_s: float,
-    chunk_tokens: int,
+    chunk_tokens: int, temperature: float = 1.0,
 ) -> ForwardBackwardResult:
-    """Forward of every micro-batch under ``no_grad``, with ``log_probs`` [B, T-1] always in the outputs.
-    Gradients and sync switches are never touched; every gathered parameter is freed at the end."""
+    """Forward of every micro-batch under ``no_grad``, with ``log_probs`` [B, T-1] of softmax(logits /
+    ``temperature``) always in the outputs. Gradients and sync switches are never touched; every gathered
+    parameter is freed at the end."""
     model.eval()
     collected = _Collector()
     n = len(plan.micro_batches)
@@ -125,7 +133,9 @@ def forward_only(
         for i, mb in enumerate(plan.micro_batches):
             what = f"micro-batch {i + 1}/{n} forward (FSDP all-gather)"
             with collective_timeout(what, timeout_s), logprob_chunking(chunk_tokens):
-                result = forward_microbatch(model, mb, loss_fn, plan.normalizer, device, with_log_probs=True)
+                result = forward_microbatch(
+                    model, mb, loss_fn, plan.normalizer, device, with_log_probs=True, temperature=temperature
+                )
             collected.add(mb, result)
     except BaseException:
         fsdp.reset_after_forward_error(model)

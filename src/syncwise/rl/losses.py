@@ -35,15 +35,20 @@ from ..losses import (
 __all__ = ["PolicyLossConfig", "ValueLossConfig", "kl_penalty", "make_policy_loss", "make_value_loss",
            "policy_token_losses"]
 
-def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_penalty(
+    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str, clamp: float = 0.0
+) -> torch.Tensor:
     """Per-token KL(π || π_ref) estimates: k1 = log r, k2 = ½ (log r)², k3 = e^{-log r} + log r - 1
-    (r = π / π_ref; k3 is the low-variance, always non-negative estimator)."""
+    (r = π / π_ref; k3 is the low-variance, always non-negative estimator). ``clamp`` > 0 bounds k3's
+    log-ratio to ±clamp before the exponential (as verl does), so a far-off token cannot overflow it."""
     log_ratio = log_probs - ref_log_probs
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
     if estimator == "k3":
+        if clamp > 0:
+            log_ratio = log_ratio.clamp(-clamp, clamp)
         return torch.exp(-log_ratio) + log_ratio - 1.0
     raise ValueError(f"kl estimator {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
 
@@ -63,8 +68,10 @@ def policy_token_losses(
     if cfg.kind == "pg":
         return -advantages * log_probs, torch.zeros_like(log_probs)
     if cfg.kind == "cispo":
+        # MiniMax-M1: the importance weight, detached, bounded from above only (the paper tunes only
+        # ε_high); the gradient flows through the log-probability, so clipped tokens still learn.
         weight = torch.exp(log_ratio).detach()
-        clipped_weight = weight.clamp(low, high)
+        clipped_weight = weight.clamp(max=high)
         return -clipped_weight * advantages * log_probs, (clipped_weight != weight).float()
     if cfg.kind == "gspo":
         # Sequence-level ratio exp(mean log-ratio); its value per token, gradient through each token.
@@ -84,16 +91,21 @@ def policy_token_losses(
     return loss, is_clipped
 
 
-def make_policy_loss(cfg: PolicyLossConfig | None = None) -> LossFn:
-    """The actor's loss: policy gradient (``cfg.kind``), minus an entropy bonus, plus a KL penalty."""
+def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1.0) -> LossFn:
+    """The actor's loss: policy gradient (``cfg.kind``), minus an entropy bonus, plus a KL penalty.
+
+    Log-probs and entropy are those of softmax(logits / ``temperature``): the distribution the rollout
+    sampled from (``rl.temperature``), as the old and reference log-probs are. Reports the importance
+    ratio (mean, and per token in ``outputs["ratio"]`` for its max), the clipped fraction and approx KL."""
     cfg = (cfg or PolicyLossConfig()).validate()
 
     def loss_fn(outputs: Any, micro_batch: dict[str, torch.Tensor], norm: Normalizer) -> LossOutput:
         mask = target_mask(micro_batch)
+        ids = micro_batch["input_ids"]
         if cfg.entropy_coef:  # one pass, one gradient buffer for both
-            log_probs, token_ent = token_log_probs_and_entropy(outputs.logits, micro_batch["input_ids"])
+            log_probs, token_ent = token_log_probs_and_entropy(outputs.logits, ids, temperature)
         else:
-            log_probs = token_log_probs(outputs.logits, micro_batch["input_ids"])
+            log_probs = token_log_probs(outputs.logits, ids, temperature)
         old = micro_batch.get("old_log_probs")
         old = log_probs.detach() if old is None else old.float()
         advantages = _per_token(micro_batch["advantages"], log_probs)
@@ -111,13 +123,16 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None) -> LossFn:
             total = total - cfg.entropy_coef * entropy
             metrics["actor/entropy"] = entropy.detach()
         if cfg.kl_coef:
-            kl = agg(kl_penalty(log_probs, micro_batch["ref_log_probs"].float(), cfg.kl_estimator))
+            kl = agg(kl_penalty(log_probs, micro_batch["ref_log_probs"].float(), cfg.kl_estimator, cfg.kl_clamp))
             total = total + cfg.kl_coef * kl
             metrics["actor/kl_loss"] = kl.detach()
         with torch.no_grad():
             log_ratio = log_probs - old
+            ratio = torch.exp(log_ratio) * mask
             metrics["actor/clip_fraction"] = aggregate(is_clipped, mask, "token-mean", norm)
             metrics["actor/approx_kl"] = aggregate(0.5 * log_ratio**2, mask, "token-mean", norm)
+            metrics["actor/ratio_mean"] = aggregate(ratio, mask, "token-mean", norm)
+            metrics["actor/ratio_max"] = ratio.max() if ratio.numel() else ratio.new_zeros(())  # a maximum
         metrics["loss"] = total.detach()
         return LossOutput(loss=total * norm.dp_size, metrics=metrics, outputs={"log_probs": log_probs.detach()})
 

@@ -33,7 +33,9 @@ class Rollout:
 
     @torch.no_grad()
     def generate(self, rows: list[dict[str, Any]], source: PromptSource) -> tuple[dict[str, torch.Tensor], dict]:
-        """``samples_per_prompt`` responses per row; returns the training batch and rewards / texts.
+        """``samples_per_prompt`` responses per row; returns the training batch and what was sampled:
+        rewards, texts, response lengths and the sampler's per-token log-probs ([B, T-1], aligned with the
+        batch's targets; the distribution softmax(logits / rl.temperature) each token was drawn from).
 
         Samples of one prompt are consecutive (the GRPO group)."""
         tok, n = self.tokenizer, self.cfg.samples_per_prompt
@@ -43,10 +45,14 @@ class Rollout:
             **encoded, do_sample=True, temperature=self.cfg.temperature, top_k=0, top_p=1.0,
             max_new_tokens=self.cfg.max_new_tokens, num_return_sequences=n,
             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+            return_dict_in_generate=True, output_scores=True,
         )
         width = encoded["input_ids"].shape[1]
-        sequences, response_masks, rewards, responses = [], [], [], []
-        for i, generated in enumerate(out):
+        # What the sampler drew each token from: its scores are the logits after the temperature warper.
+        steps = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)  # [B * n, new tokens, V]
+        drawn = steps.gather(-1, out.sequences[:, width:, None]).squeeze(-1)
+        sequences, response_masks, rewards, responses, sampler = [], [], [], [], []
+        for i, generated in enumerate(out.sequences):
             row = rows[i // n]
             prompt_mask = encoded["attention_mask"][i // n].bool()
             prompt_ids = encoded["input_ids"][i // n][prompt_mask]
@@ -56,6 +62,8 @@ class Rollout:
             responses.append(text)
             sequences.append(torch.cat([prompt_ids, response_ids]))
             response_masks.append(torch.cat([torch.zeros_like(prompt_ids), torch.ones_like(response_ids)]))
+            # Per target (position j predicts token j + 1): the response tokens' sampler log-probs.
+            sampler.append(torch.cat([drawn.new_zeros(len(prompt_ids) - 1), drawn[i, : len(response_ids)]]))
         total = max(len(s) for s in sequences)
         batch = {
             "input_ids": _right_pad(sequences, total, tok.pad_token_id),
@@ -66,6 +74,7 @@ class Rollout:
             "rewards": torch.tensor(rewards),
             "responses": responses,
             "response_lengths": torch.tensor([int(m.sum()) for m in response_masks]),
+            "log_probs": _right_pad(sampler, total - 1, 0.0).cpu(),  # [B, T-1], like the trainer's
         }
         return {k: v.cpu() for k, v in batch.items()}, info
 

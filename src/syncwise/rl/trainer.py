@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import yaml
 
 from ..checkpoint import CheckpointManager, export_hf
 from ..config import Config, config_to_dict, load_config_dict
-from ..distributed import DistInfo, init_distributed, run_rank
+from ..distributed import DistInfo, agree, init_distributed, run_rank
 from ..engine import Engine
+from ..losses import is_maximum
 from ..metrics import JsonlLogger, TensorBoardLogger, plot_curves
 from ..models import build_model
 from ..signals import stopped
@@ -60,22 +60,43 @@ def advantages_for(rewards: torch.Tensor, config: Config) -> torch.Tensor:
     return grpo_advantages(rewards, n, norm_by_std=config.rl.advantage == "grpo")
 
 
-def _global_stats(rewards: torch.Tensor, lengths: torch.Tensor, device: torch.device) -> dict[str, float]:
-    """Reward and response-length statistics over every rank's samples (one small all-reduce)."""
-    local = torch.tensor(
-        [rewards.sum(), (rewards**2).sum(), float(len(rewards)), lengths.float().sum(), (rewards >= 1).sum()],
-        dtype=torch.float64, device=device,
-    )
-    if dist.is_initialized():
-        dist.all_reduce(local)
-    total, squares, count, length, solved = local.tolist()
+def rollout_stats(
+    sampled: dict[str, Any], trainer_log_probs: torch.Tensor, response_mask: torch.Tensor, info: DistInfo,
+    timeout_s: float,
+) -> dict[str, float]:
+    """Rewards, response lengths and how far the trainer's log-probs (before any update) are from the
+    sampler's over the response tokens -- any mismatch between the two copies of the policy (dtype,
+    temperature, padding, stale weights) biases the gradient -- over every rank (one small all-reduce)."""
+    rewards, lengths = sampled["rewards"].double(), sampled["response_lengths"].double()
+    diff = (sampled["log_probs"] - trainer_log_probs.cpu()).abs() * response_mask
+    sums = [rewards.sum(), (rewards**2).sum(), len(rewards), lengths.sum(), (rewards >= 1).sum(), diff.sum(),
+            response_mask.sum()]
+    totals, per_rank = agree([float(x) for x in sums], [float(diff.max()) if diff.numel() else 0.0],
+                             "the rollout statistics all-reduce", info.device, timeout_s)
+    total, squares, count, length, solved, diff_sum, tokens = totals.tolist()
     mean = total / count
     return {
         "reward/mean": mean,
         "reward/std": math.sqrt(max(squares / count - mean * mean, 0.0)),
         "reward/solved_fraction": solved / count,
         "response/length_mean": length / count,
+        "rollout/log_prob_diff": diff_sum / max(tokens, 1.0),
+        "rollout/log_prob_diff_max": float(per_rank.max()),
     }
+
+
+def combine_updates(updates: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for a rollout step of several optimizer steps: the loss metrics averaged (maxima: the
+    maximum), skipped updates counted, a stop requested in any of them kept, the rest from the last."""
+    row = dict(updates[-1])
+    for key in updates[-1]:
+        if key == "loss" or key.startswith("actor/"):
+            values = [u[key] for u in updates]
+            row[key] = max(values) if is_maximum(key) else sum(values) / len(values)
+    row["train/skipped"] = sum(u["train/skipped"] for u in updates)
+    row["stop/signal"] = max(u["stop/signal"] for u in updates)
+    row["train/optimizer_steps"] = len(updates)
+    return row
 
 
 class GRPOTrainer:
@@ -92,12 +113,14 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(config)
         self.source = prompt_source(rl.task, rl.dataset, rl.reward_fn)
         overrides = {} if config.model.path else {"vocab_size": len(self.tokenizer)}
-        self.engine = Engine(config, build_model(config.model, **overrides), info, total_steps=train.steps)
+        updates_per_step = rl.mini_batches * rl.epochs
+        self.engine = Engine(config, build_model(config.model, **overrides), info,
+                             total_steps=train.steps * updates_per_step)
         self.reference = None
         if rl.loss.kl_coef > 0:
             self.reference = Engine(config, build_model(config.model, **overrides), info, trainable=False)
         self.rollout = Rollout(self.engine, self.tokenizer, rl)
-        self.loss_fn = make_policy_loss(rl.loss)
+        self.loss_fn = make_policy_loss(rl.loss, temperature=rl.temperature)
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
         self.resumed_from = self.checkpoints.resolve(train.resume)
         self.start = int(self.checkpoints.load(self.resumed_from, self.engine)["step"]) if self.resumed_from else 0
@@ -127,22 +150,40 @@ class GRPOTrainer:
             self.bar = tqdm(total=train.steps, initial=self.start, desc="grpo", dynamic_ncols=True)
 
     def step(self, step: int) -> dict[str, Any]:
-        """Rollouts, rewards and advantages, then one actor update; returns the step's metrics."""
+        """Rollouts; rewards and advantages on the whole rollout batch; old (and reference) log-probs at the
+        sampling temperature, before any update; then ``rl.epochs`` passes of ``rl.mini_batches`` optimizer
+        steps each. Returns the step's metrics."""
         started = time.perf_counter()
         rl = self.config.rl
         rows = self.source.batch(step, self.info.rank, self.info.world_size, rl.prompts_per_rank)
         self.rollout.sync_weights()
         batch, sampled = self.rollout.generate(rows, self.source)
         batch["advantages"] = advantages_for(sampled["rewards"], self.config)
+        temperature = rl.temperature
         if self.reference is not None:
-            batch["ref_log_probs"] = self.reference.forward_batch(batch).outputs["log_probs"]
-        metrics = self.engine.train_batch(batch, self.loss_fn)
-        metrics.update(_global_stats(sampled["rewards"], sampled["response_lengths"], self.info.device))
+            batch["ref_log_probs"] = self.reference.forward_batch(batch, temperature=temperature).outputs["log_probs"]
+        batch["old_log_probs"] = self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
+        updates = [self.engine.train_batch(part, self.loss_fn) for part in self._mini_batches(batch, step)]
+        metrics = combine_updates(updates)
+        metrics.update(rollout_stats(sampled, batch["old_log_probs"], batch["loss_mask"][:, 1:].double(), self.info,
+                                     self.config.dist.timeout_s))
         metrics["train/step"] = step + 1
         metrics["time/step_s"] = time.perf_counter() - started
         if self.info.is_main:
             self._log(metrics)
         return metrics
+
+    def _mini_batches(self, batch: dict[str, torch.Tensor], step: int):
+        """Each epoch, this rank's samples in an order seeded by (seed, step, epoch, rank) -- a resumed run
+        repeats it -- split into ``rl.mini_batches`` parts; with one mini-batch, the whole batch."""
+        rl, size = self.config.rl, batch["input_ids"].shape[0]
+        for epoch in range(rl.epochs):
+            order = torch.arange(size)
+            if rl.mini_batches > 1:
+                seed = ((self.config.train.seed * 1_000_003 + step) * 1009 + epoch) * 101 + self.info.rank
+                order = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
+            for part in order.tensor_split(rl.mini_batches):
+                yield {key: value[part] for key, value in batch.items()}
 
     def _log(self, metrics: dict[str, Any]) -> None:
         for logger in self.loggers:
@@ -183,7 +224,8 @@ class GRPOTrainer:
         for step in range(self.start, train.steps):
             metrics = self.step(step)
             done = step + 1
-            consecutive_skips = consecutive_skips + 1 if metrics["train/skipped"] else 0
+            all_skipped = metrics["train/skipped"] == metrics["train/optimizer_steps"]
+            consecutive_skips = consecutive_skips + 1 if all_skipped else 0
             if consecutive_skips >= train.max_consecutive_skips:
                 path = self.save(done)
                 raise TrainingStopped(
