@@ -10,7 +10,6 @@ from syncwise.fsdp_internals import sync_flags as fsdp2_sync_flags
 from syncwise.losses import sft_loss
 from syncwise.memory import PeakMeter
 from syncwise.models import build_model
-from syncwise.modes import SyncMode
 
 NUM_MICROBATCHES = 3
 
@@ -41,9 +40,11 @@ def mode_step(info, mode: str, *extra: str) -> dict:
         "held_between_microbatches": meter.held_between_microbatches,
         "retained_grad_bytes": result.retained_grad_bytes,
         "unsharded_param_bytes": result.unsharded_param_bytes,
-        "predicted_retained": engine.memory_model.retained_grad_bytes(SyncMode(mode), NUM_MICROBATCHES),
-        "predicted_unsharded": engine.memory_model.unsharded_param_bytes(SyncMode(mode), NUM_MICROBATCHES),
-        "predicted_extra": engine.memory_model.extra_bytes(SyncMode(mode), NUM_MICROBATCHES),
+        "predicted_retained": engine.memory_model.retained_grad_bytes(engine.active_mode, NUM_MICROBATCHES),
+        "predicted_unsharded": engine.memory_model.unsharded_param_bytes(engine.active_mode, NUM_MICROBATCHES),
+        "predicted_extra": engine.memory_model.extra_bytes(engine.active_mode, NUM_MICROBATCHES),
+        "choice": engine.active_mode,
+        "unit_extra": engine.memory_model.unit_held_extra(),
         "num_units": engine.wrapped.num_units,
     }
 
@@ -78,6 +79,8 @@ FSDP2_MODES = {
         "deferred_unsharded", ("model.param_dtype=bfloat16", "model.reduce_dtype=float32"),
     ),
     "per_microbatch_bf16": ("per_microbatch", ("model.param_dtype=bfloat16", "model.reduce_dtype=float32")),
+    "partial_1": ("partial", ("sync.deferred_units=1",)),  # the unit that saves most per byte: the root
+    "partial_named": ("partial", ("sync.deferred_units=model.layers.1,root",)),
 }
 
 
@@ -103,9 +106,12 @@ def modes_suite(info) -> dict:
     extra_deferred = out[("step", "deferred")]["predicted_extra"]
     extra_unsharded = out[("step", "deferred_unsharded")]["predicted_extra"]
     medium = base + (extra_deferred + extra_unsharded) // 2
-    tight = base + extra_deferred // 2
+    smallest_unit = min(out[("step", "deferred")]["unit_extra"])
+    tight = base + smallest_unit // 2  # not even one unit's unsharded gradient fits
+    between = base + smallest_unit + smallest_unit // 4  # one unit's fits, two don't
     out[("auto", "medium")] = auto_case(info, medium)
     out[("auto", "tight")] = auto_case(info, tight)
+    out[("auto", "partial")] = auto_case(info, between)
     out["auto_budgets"] = (base, medium, tight)
     # Mid-run: longer sequences raise the activation peak over a budget that fit the first batches.
     short = make_batch(seed=300 + info.rank)

@@ -176,3 +176,35 @@ def test_check_mode_lists_the_allowed_modes():
     with pytest.raises(ValueError, match="choose one of per_microbatch, deferred or auto"):
         check_mode(SyncMode.DEFERRED_UNSHARDED, "ddp", hsdp=False)
     check_mode(SyncMode.REPLICA_DEFERRED, "fsdp2", hsdp=True)
+
+
+@pytest.mark.parametrize(("name", "deferred"), [("partial_1", 1), ("partial_named", 2)])
+def test_partial_reduce_scatters_k_plus_the_rest_every_microbatch(w2, name, deferred):
+    """partial(K): K + (U - K) N reduce-scatters, everything else as per_microbatch."""
+    result = w2[("step", name)]
+    m = result["metrics"]
+    assert m["comm/reduce_scatter_count"] == deferred + (UNITS - deferred) * NUM_MICROBATCHES
+    assert m["comm/all_gather_count"] == NUM_MICROBATCHES * (2 * UNITS - 1)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert m[f"comm/{kind}_count"] == m[f"comm/expected_{kind}_count"]
+    assert m["sync/mode"] == f"partial({deferred})"
+    expected = expected_collectives("partial", NUM_MICROBATCHES, UNITS, deferred_units=deferred)
+    assert {k: m[f"comm/{k}_count"] for k in expected} == expected
+
+
+def test_partial_defers_the_named_units_and_the_smallest_by_count(w2):
+    assert w2[("step", "partial_named")]["choice"].units == frozenset({0, 2})  # root, model.layers.1
+    # Deferring a unit saves about as much time whatever its size; per byte held the smallest saves most.
+    extras = w2[("step", "partial_1")]["unit_extra"]
+    assert w2[("step", "partial_1")]["choice"].units == frozenset({extras.index(min(extras))})
+    assert w2[("step", "partial_1")]["predicted_extra"] == min(extras)
+
+
+def test_auto_picks_partial_when_only_some_units_fit(w2):
+    steps = w2[("auto", "partial")]
+    assert [m["sync/mode"] for m in steps] == ["per_microbatch", "partial(1)", "partial(1)"]
+    decision = steps[0]["sync/decision"]
+    assert "deferred needs" in decision and "partial(2)" in decision and "=> partial(1)" in decision
+    for m in steps:
+        assert m["comm/reduce_scatter_count"] == m["comm/expected_reduce_scatter_count"]
+        assert m["memory/peak_bytes"] <= m["memory/budget_bytes"]

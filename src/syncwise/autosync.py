@@ -1,11 +1,14 @@
-"""``sync.mode=auto``: the fastest sync mode whose predicted peak memory fits the budget.
+"""``sync.mode=auto``: the fastest sync configuration whose predicted peak memory fits the budget.
 
-The first step runs in the safe mode (``per_microbatch``) and measures its peak. Every mode's predicted
-peak is that measured base plus the bytes the mode holds beyond ``per_microbatch`` (the estimator in
+The candidates come from :func:`syncwise.costs.candidates`, fastest first: ``deferred_unsharded``,
+``deferred``, ``partial`` deferring U-1 units, ..., 1 unit, (``replica_deferred``,) ``per_microbatch``.
+The first step runs in the safe mode (``per_microbatch``) and measures its peak. Every candidate's
+predicted peak is that measured base plus the bytes it holds beyond ``per_microbatch`` (the estimator in
 :mod:`syncwise.memory`); the fastest that fits is chosen, and the decision is logged with its numbers.
 Later steps keep measuring (CUDA: the allocator's peak, every step; CPU: a full tracked step every
-``sync.peak_every`` steps, else the base plus the sync bytes measured from the tensors); if a
-peak exceeds the budget, auto steps down to the next cheaper mode that fits -- never back up.
+``sync.peak_every`` steps, else the base plus the sync bytes measured from the tensors); if a peak exceeds
+the budget, auto steps down to the next candidate that fits -- one unit fewer deferred, not straight to
+``per_microbatch`` -- and never back up.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 
 from .memory import ShardedModel, format_bytes
-from .modes import SPEED_ORDER, SyncMode
+from .modes import SyncChoice, SyncMode
 
 log = logging.getLogger("syncwise.auto")
 
@@ -22,64 +25,63 @@ log = logging.getLogger("syncwise.auto")
 @dataclass
 class AutoSync:
     estimator: ShardedModel
-    candidates: tuple[SyncMode, ...]  # concrete modes this strategy supports
+    candidates: list[SyncChoice]  # fastest first (syncwise.costs.candidates)
     budget: int
     base_peak: int | None = None  # measured peak of per_microbatch (activations, params, optimizer, ...)
-    ceiling: int = 0  # index into the candidates (speed order) auto may not go above after stepping down
-    mode: SyncMode = SyncMode.PER_MICROBATCH
+    ceiling: int = 0  # index into the candidates auto may not go above after stepping down
+    mode: SyncChoice = SyncChoice(SyncMode.PER_MICROBATCH)
     decisions: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.candidates = tuple(m for m in SPEED_ORDER if m in self.candidates)
 
     @property
     def decided(self) -> bool:
         return self.base_peak is not None
 
-    def predicted_peak(self, mode: SyncMode, num_microbatches: int) -> int:
+    def predicted_peak(self, mode: SyncChoice, num_microbatches: int) -> int:
         if self.base_peak is None:
             raise RuntimeError("auto sync: no measured base peak yet")
         return self.base_peak + self.estimator.extra_bytes(mode, num_microbatches)
 
     def decide(
-        self, measured_peak: int, measured_mode: SyncMode, num_microbatches: int, source: str = "measured"
-    ) -> SyncMode:
+        self, measured_peak: int, measured_mode: SyncChoice, num_microbatches: int, source: str = "measured"
+    ) -> SyncChoice:
         """Take a peak (of a step run in ``measured_mode``; ``source`` says how it was obtained) and choose
-        the mode for what follows."""
+        the configuration for what follows."""
         self.base_peak = measured_peak - self.estimator.extra_bytes(measured_mode, num_microbatches)
         return self._choose(
-            num_microbatches, reason=f"{source} peak {format_bytes(measured_peak)} in {measured_mode.value}"
+            num_microbatches, reason=f"{source} peak {format_bytes(measured_peak)} in {measured_mode.label}"
         )
 
-    def _choose(self, num_microbatches: int, reason: str) -> SyncMode:
+    def _choose(self, num_microbatches: int, reason: str) -> SyncChoice:
         free = self.budget - self.base_peak
-        parts = []
+        rejected: list[tuple[str, int]] = []
         chosen = self.candidates[-1]
+        found = None
         for index, mode in enumerate(self.candidates):
             if index < self.ceiling:
                 continue
             extra = self.estimator.extra_bytes(mode, num_microbatches)
             if self.base_peak + extra <= self.budget:
-                chosen = mode
-                self.ceiling = index
-                parts.append(f"{mode.value} needs +{format_bytes(extra)} -> fits")
+                chosen, found, self.ceiling = mode, f"{mode.label} needs +{format_bytes(extra)} -> fits", index
                 break
-            parts.append(f"{mode.value} needs +{format_bytes(extra)}, {format_bytes(free)} free -> no")
+            rejected.append((mode.label, extra))
+        parts = _collapse(rejected, free)
+        if found:
+            parts.append(found)
         else:
             self.ceiling = len(self.candidates) - 1
-            parts.append(f"nothing fits: the cheapest, {chosen.value}")
-        changed = chosen is not self.mode or not self.decisions
+            parts.append(f"nothing fits: the cheapest, {chosen.label}")
+        changed = chosen != self.mode or not self.decisions
         self.mode = chosen
         message = (
             f"auto sync ({reason}; budget {format_bytes(self.budget)}, {num_microbatches} micro-batches): "
-            + "; ".join(parts) + f" => {chosen.value}"
+            + "; ".join(parts) + f" => {chosen.label}"
         )
         if changed:
             self.decisions.append(message)
             log.info(message)
         return chosen
 
-    def observe(self, peak: int, num_microbatches: int) -> SyncMode:
+    def observe(self, peak: int, num_microbatches: int) -> SyncChoice:
         """After a step in ``self.mode``: step down if its peak went over the budget."""
         if peak <= self.budget:
             return self.mode
@@ -87,5 +89,25 @@ class AutoSync:
         current = self.candidates.index(self.mode)
         self.ceiling = min(current + 1, len(self.candidates) - 1)
         return self._choose(
-            num_microbatches, reason=f"peak {format_bytes(peak)} over budget in {self.mode.value}, stepping down"
+            num_microbatches, reason=f"peak {format_bytes(peak)} over budget in {self.mode.label}, stepping down"
         )
+
+
+def _collapse(rejected: list[tuple[str, int]], free: int) -> list[str]:
+    """"X needs +a, f free -> no" for each rejected candidate, a run of partial(K) in one part."""
+    parts: list[str] = []
+    index = 0
+    while index < len(rejected):
+        end = index
+        while end + 1 < len(rejected) and rejected[index][0].startswith("partial(") and rejected[end + 1][0].startswith(
+            "partial("
+        ):
+            end += 1
+        (first, most), (last, least) = rejected[index], rejected[end]
+        if end == index:
+            parts.append(f"{first} needs +{format_bytes(most)}, {format_bytes(free)} free -> no")
+        else:
+            parts.append(f"{first}..{last} need +{format_bytes(most)}..+{format_bytes(least)}, "
+                         f"{format_bytes(free)} free -> no")
+        index = end + 1
+    return parts

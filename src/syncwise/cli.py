@@ -82,10 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--reduce-dtype", default="float32")
     plan.add_argument("--device-memory-gib", type=float, default=80.0)
     plan.add_argument("--budget-fraction", type=float, default=0.9, help="of device memory (auto's budget)")
-    plan.add_argument("--activation-gib", type=float, default=0.0, help="activation memory per rank")
+    plan.add_argument("--activation-gib", type=float, default=0.0, help="activation memory per rank (measured)")
+    plan.add_argument("--seq-len", type=int, default=0, help="estimate activations from the shapes: tokens/sequence")
+    plan.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (with --seq-len)")
+    plan.add_argument("--activation-checkpointing", action="store_true", help="each decoder layer recomputed")
+    plan.add_argument("--logprob-chunk", type=int, default=1024, help="tokens per log-prob chunk (0: unchunked)")
     plan.add_argument("--bandwidth-gbps", type=float, default=100.0, help="GB/s per rank in a shard group")
     plan.add_argument("--replica-bandwidth-gbps", type=float, help="GB/s across replicas (HSDP)")
     plan.add_argument("--latency-us", type=float, default=10.0)
+    plan.add_argument("--calibrate", action="store_true",
+                      help="measure latency and bandwidth with a sweep of collectives on --nproc local ranks")
+    plan.add_argument("--nproc", type=int, default=2, help="local ranks for --calibrate")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = parser.parse_args(argv)
     if args.debug:
@@ -108,10 +115,19 @@ def main(argv: list[str] | None = None) -> int:
 def _run_plan(args: argparse.Namespace) -> int:
     from .plan import PlanInput, format_plan, make_plan, plan_to_json
 
-    fields = {k: v for k, v in vars(args).items() if k not in ("command", "json", "debug")}
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "json", "debug", "calibrate", "nproc")}
     try:
-        plan = make_plan(PlanInput(**fields))
-    except (ValueError, OSError) as exc:
+        inp = PlanInput(**fields)
+        inp.validate()
+        if args.calibrate and args.nproc < 2:
+            raise ValueError(f"--calibrate needs --nproc >= 2, got {args.nproc}")
+        links = None
+        if args.calibrate:
+            from .calibrate import calibrate_here
+
+            links, _ = calibrate_here(args.nproc)
+        plan = make_plan(inp, links=links)
+    except (ValueError, OSError, RuntimeError) as exc:
         print(f"syncwise plan: {exc}", file=sys.stderr)
         return 2
     print(plan_to_json(plan) if args.json else format_plan(plan))

@@ -82,6 +82,9 @@ class SyncConfig:
     peak_every: int = 50
     # Raise instead of warning when the counted collectives differ from the mode's formula.
     strict: bool = False
+    # partial: a count K (the K units that save the most time per byte held) or comma-separated unit
+    # names (root, model.layers.0, ...).
+    deferred_units: int | str = 0
 
 
 @dataclass
@@ -238,6 +241,11 @@ class Config:
         reason = unsupported_reason(self.sync.mode, self.engine.strategy, self.engine.hsdp_replicas > 1)
         if reason:
             raise ConfigError(reason)
+        units = self.sync.deferred_units
+        if self.sync.mode == "partial" and units in (0, ""):
+            raise ConfigError("sync.mode=partial needs sync.deferred_units: a count K or unit names")
+        if isinstance(units, int) and units < 0:
+            raise ConfigError(f"sync.deferred_units: must be >= 0, got {units}")
         _positive("dist.timeout_s", self.dist.timeout_s)
         _positive("optim.lr", self.optim.lr)
         _positive("sft.steps", self.sft.steps)
@@ -347,7 +355,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, key)
+        for candidate in inner[:-1]:  # the first type the value fits
+            try:
+                return _coerce(candidate, value, key)
+            except ConfigError:
+                pass
+        return _coerce(inner[-1], value, key)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")

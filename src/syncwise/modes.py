@@ -27,6 +27,7 @@ class SyncMode(str, Enum):
     DEFERRED = "deferred"
     DEFERRED_UNSHARDED = "deferred_unsharded"
     REPLICA_DEFERRED = "replica_deferred"
+    PARTIAL = "partial"
     AUTO = "auto"  # not a mode of its own: the fastest entry whose predicted peak fits the budget
 
 
@@ -56,11 +57,17 @@ class ModeSpec:
     requirement: str  # what a strategy that cannot run it lacks (for the error message)
     early: Switches | tuple[Switches, Switches]  # (unsharded_forward off, on) when they differ
     last: Switches | tuple[Switches, Switches] = SYNC
+    per_unit: bool = False  # the switches apply to a chosen set of units (sync.deferred_units); the rest sync
 
-    def switches(self, index: int, num_microbatches: int, unsharded_forward: bool = False) -> Switches:
-        """The switches for micro-batch ``index`` (0-based) of ``num_microbatches``."""
-        chosen = self.last if index == num_microbatches - 1 else self.early
-        return chosen[int(unsharded_forward)] if isinstance(chosen, tuple) else chosen
+    def switches(
+        self, index: int, num_microbatches: int, unsharded_forward: bool = False, chosen: bool = True
+    ) -> Switches:
+        """The switches for micro-batch ``index`` (0-based) of ``num_microbatches``, for a unit that is
+        (``chosen``) or is not in the mode's set of units; modes that are not per unit apply to all."""
+        if self.per_unit and not chosen:
+            return SYNC
+        picked = self.last if index == num_microbatches - 1 else self.early
+        return picked[int(unsharded_forward)] if isinstance(picked, tuple) else picked
 
     def runs_on(self, strategy: str, hsdp: bool) -> bool:
         return strategy in self.strategies and (hsdp or not self.needs_hsdp)
@@ -75,7 +82,7 @@ MODES: dict[SyncMode, ModeSpec] = {
     spec.mode: spec
     for spec in (
         ModeSpec(
-            SyncMode.PER_MICROBATCH, speed=3,
+            SyncMode.PER_MICROBATCH, speed=4,
             summary="reduce-scatter after every micro-batch: least memory",
             strategies=("fsdp2", "fsdp1", "ddp", "none"), needs_hsdp=False, requirement="",
             early=SYNC,
@@ -97,7 +104,15 @@ MODES: dict[SyncMode, ModeSpec] = {
             last=(SYNC, Switches(reshard_after_forward=False)),
         ),
         ModeSpec(
-            SyncMode.REPLICA_DEFERRED, speed=2,
+            SyncMode.PARTIAL, speed=2,
+            summary="deferred for the units in sync.deferred_units (they hold their unsharded gradient), "
+            "per micro-batch for the rest: the memory of deferral where it fits",
+            strategies=("fsdp2",), needs_hsdp=False,
+            requirement="it needs engine.strategy=fsdp2 (FSDP2's per-unit set_requires_gradient_sync)",
+            early=_NO_GRAD_SYNC, per_unit=True,
+        ),
+        ModeSpec(
+            SyncMode.REPLICA_DEFERRED, speed=3,
             summary="HSDP: reduce-scatter every micro-batch, all-reduce across replicas once",
             strategies=("fsdp2",), needs_hsdp=True,
             requirement="it defers only the cross-replica all-reduce, which needs FSDP2 with HSDP "
@@ -108,6 +123,26 @@ MODES: dict[SyncMode, ModeSpec] = {
 }
 SPEED_ORDER: tuple[SyncMode, ...] = tuple(sorted(MODES, key=lambda m: MODES[m].speed))
 MODE_NAMES: tuple[str, ...] = tuple(m.value for m in MODES) + (SyncMode.AUTO.value,)
+
+
+@dataclass(frozen=True)
+class SyncChoice:
+    """A concrete mode and, for a per-unit mode (``partial``), the units it applies to: indices into the
+    engine's FSDP units, root first. What the engine runs, auto chooses and the estimators price."""
+
+    mode: SyncMode
+    units: frozenset[int] = frozenset()
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode.value}({len(self.units)})" if spec(self.mode).per_unit else self.mode.value
+
+    def switches(self, index: int, num_microbatches: int, unit: int, unsharded_forward: bool = False) -> Switches:
+        return spec(self.mode).switches(index, num_microbatches, unsharded_forward, chosen=unit in self.units)
+
+
+def as_choice(mode: SyncMode | str | SyncChoice) -> SyncChoice:
+    return mode if isinstance(mode, SyncChoice) else SyncChoice(SyncMode(mode))
 
 
 def spec(mode: SyncMode | str) -> ModeSpec:

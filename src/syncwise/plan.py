@@ -18,10 +18,12 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from .activations import estimate_activations
 from .autosync import AutoSync
+from .costs import Links, candidates
 from .memory import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
 from .models import decoder_layers
-from .modes import SyncMode, supported_modes
+from .modes import SyncChoice, SyncMode, spec, supported_modes
 from .schedule import step_traffic, unit_traffic
 
 # Shapes of common models, from their public config.json files (weights are never needed).
@@ -66,6 +68,10 @@ class PlanInput:
     device_memory_gib: float = 80.0
     budget_fraction: float = 0.9
     activation_gib: float = 0.0  # per rank, for one micro-batch (what a profile of your job shows)
+    seq_len: int = 0  # > 0: estimate activations from the model's shapes instead (tokens per sequence)
+    micro_batch_size: int = 1
+    activation_checkpointing: bool = False
+    logprob_chunk: int = 1024  # tokens whose fp32 log-softmax exists at once (engine.logprob_chunk_size)
     bandwidth_gbps: float = 100.0  # GB/s per rank within a shard group
     replica_bandwidth_gbps: float | None = None  # GB/s across replicas (default: bandwidth_gbps)
     latency_us: float = 10.0
@@ -81,6 +87,14 @@ class PlanInput:
                                  f"{', '.join(DTYPE_BYTES)}")
         if self.bandwidth_gbps <= 0 or self.device_memory_gib <= 0:
             raise ValueError("--bandwidth-gbps and --device-memory-gib must be > 0")
+        if not 0 < self.budget_fraction <= 1:
+            raise ValueError(f"--budget-fraction must be in (0, 1], got {self.budget_fraction}")
+        if self.latency_us < 0 or self.activation_gib < 0:
+            raise ValueError("--latency-us and --activation-gib must be >= 0")
+        if self.seq_len < 0 or self.micro_batch_size < 1 or self.logprob_chunk < 0:
+            raise ValueError("--seq-len must be >= 0, --micro-batch-size >= 1, --logprob-chunk >= 0")
+        if self.replica_bandwidth_gbps is not None and self.replica_bandwidth_gbps <= 0:
+            raise ValueError("--replica-bandwidth-gbps must be > 0")
 
 
 @dataclass
@@ -103,9 +117,14 @@ class Plan:
     num_units: int
     base_bytes: int
     budget_bytes: int
-    modes: list[ModePlan] = field(default_factory=list)
+    modes: list[ModePlan] = field(default_factory=list)  # whole-model modes
+    partial: list[ModePlan] = field(default_factory=list)  # partial(K), K = U-1 .. 1
     auto_choice: str = ""
     auto_reason: str = ""
+    activation_bytes: int = 0
+    links_measured: bool = False
+    latency_us: float = 0.0
+    bandwidth_gbps: float = 0.0
 
 
 def load_hf_config(spec: str):
@@ -127,74 +146,82 @@ def sharded_model_for(hf_config, shard_size: int, param_dtype: str, reduce_dtype
     return sharded_model_of([model, *decoder_layers(model)], shard_size, param_dtype, reduce_dtype)
 
 
-def make_plan(inp: PlanInput, hf_config=None) -> Plan:
+def _row(choice: SyncChoice, sharded: ShardedModel, units, inp: PlanInput, links: Links, base: int,
+         budget: int) -> ModePlan:
+    n, shard, hsdp = inp.microbatches, inp.world_size // inp.replicas, inp.replicas > 1
+    traffic = step_traffic(choice, n, units, unsharded_forward=True, hsdp=hsdp)
+    extra = sharded.extra_bytes(choice, n)
+    return ModePlan(
+        mode=choice.label,
+        retained_grad_bytes=sharded.retained_grad_bytes(choice, n),
+        unsharded_param_bytes=sharded.unsharded_param_bytes(choice, n),
+        extra_bytes=extra,
+        peak_bytes=base + extra,
+        fits=base + extra <= budget,
+        collectives=dict(traffic.counts),
+        collective_bytes=dict(traffic.bytes),
+        comm_time_s=links.step_time(traffic.counts, traffic.bytes, shard, inp.replicas),
+    )
+
+
+def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Plan:
+    """Every mode's (and every partial(K)'s) held bytes, peak, collectives and communication time, and what
+    auto would choose. ``links``: measured link speeds (default: ``inp``'s latency and bandwidth)."""
     inp.validate()
     hf_config = hf_config if hf_config is not None else load_hf_config(inp.model)
+    links = links or Links(inp.latency_us * 1e-6, inp.bandwidth_gbps * 1e9,
+                           inp.replica_bandwidth_gbps * 1e9 if inp.replica_bandwidth_gbps else None)
     shard = inp.world_size // inp.replicas
     hsdp = inp.replicas > 1
     sharded = sharded_model_for(hf_config, shard, inp.param_dtype, inp.reduce_dtype)
     n = inp.microbatches
     local = sharded.padded_numel() // shard
+    activations = estimate_activations(
+        hf_config, inp.seq_len, inp.micro_batch_size, inp.activation_checkpointing, inp.param_dtype, inp.logprob_chunk,
+    ) if inp.seq_len else None
+    activation_bytes = activations.peak_bytes if activations else int(inp.activation_gib * 2**30)
     base = (
         local * DTYPE_BYTES[sharded.orig_dtype]  # sharded parameters
         + sharded.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)  # sharded gradients
         + local * ADAMW_STATE_BYTES
-        + int(inp.activation_gib * 2**30)
+        + activation_bytes
     )
     budget = int(inp.device_memory_gib * 2**30 * inp.budget_fraction)
-    plan = Plan(inp, sharded.num_params, len(sharded.unit_shapes), base, budget)
+    plan = Plan(inp, sharded.num_params, len(sharded.unit_shapes), base, budget, activation_bytes=activation_bytes,
+                links_measured=links.measured, latency_us=links.latency_s * 1e6, bandwidth_gbps=links.bandwidth / 1e9)
     units = unit_traffic(sharded, hsdp)
-    modes = supported_modes("fsdp2", hsdp)
-    for mode in modes:
-        traffic = step_traffic(mode.value, n, units, unsharded_forward=True, hsdp=hsdp)
-        extra = sharded.extra_bytes(mode, n)
-        plan.modes.append(ModePlan(
-            mode=mode.value,
-            retained_grad_bytes=sharded.retained_grad_bytes(mode, n),
-            unsharded_param_bytes=sharded.unsharded_param_bytes(mode, n),
-            extra_bytes=extra,
-            peak_bytes=base + extra,
-            fits=base + extra <= budget,
-            collectives=dict(traffic.counts),
-            collective_bytes=dict(traffic.bytes),
-            comm_time_s=_ring_time(traffic.counts, traffic.bytes, shard, inp),
-        ))
-    auto = AutoSync(sharded, modes, budget)
-    plan.auto_choice = auto.decide(base, SyncMode.PER_MICROBATCH, n, source="estimated").value
+    choices = candidates(supported_modes("fsdp2", hsdp), sharded, links)
+    for choice in choices:
+        row = _row(choice, sharded, units, inp, links, base, budget)
+        (plan.partial if spec(choice.mode).per_unit else plan.modes).append(row)
+    auto = AutoSync(sharded, choices, budget)
+    plan.auto_choice = auto.decide(base, SyncChoice(SyncMode.PER_MICROBATCH), n, source="estimated").label
     plan.auto_reason = auto.decisions[-1]
     return plan
-
-
-def _ring_time(counts: dict[str, int], nbytes: dict[str, int], shard: int, inp: PlanInput) -> float:
-    alpha = inp.latency_us * 1e-6
-    beta = inp.bandwidth_gbps * 1e9
-    replica_beta = (inp.replica_bandwidth_gbps or inp.bandwidth_gbps) * 1e9
-    g, r = shard, inp.replicas
-    time = 0.0
-    for kind in ("all_gather", "reduce_scatter"):
-        if g > 1:
-            time += counts[kind] * (g - 1) * alpha + (g - 1) / g * nbytes[kind] / beta
-    if r > 1:
-        time += 2 * counts["all_reduce"] * (r - 1) * alpha + 2 * (r - 1) / r * nbytes["all_reduce"] / replica_beta
-    return time
 
 
 def format_plan(plan: Plan) -> str:
     inp = plan.input
     mesh = f"{inp.replicas} x {inp.world_size // inp.replicas} (HSDP)" if inp.replicas > 1 else f"{inp.world_size}"
+    if inp.seq_len:
+        shape = (f"{inp.micro_batch_size} x {inp.seq_len} tokens per micro-batch"
+                 f"{', checkpointed' if inp.activation_checkpointing else ''}")
+        activations = f" + activations {format_bytes(plan.activation_bytes)} ({shape})"
+    else:
+        activations = f" + {inp.activation_gib:g} GiB activations" if inp.activation_gib else ""
+    links = "measured" if plan.links_measured else "assumed"
     lines = [
         f"{inp.model}: {plan.num_params / 1e9:.3f}B parameters in {plan.num_units} FSDP units; ranks {mesh}; "
         f"{inp.microbatches} micro-batches/step; params {inp.param_dtype}, reduce {inp.reduce_dtype}",
-        f"per rank: base {format_bytes(plan.base_bytes)} (sharded fp32 params + grads + AdamW"
-        f"{f' + {inp.activation_gib:g} GiB activations' if inp.activation_gib else ''}), budget "
-        f"{format_bytes(plan.budget_bytes)} ({inp.budget_fraction:.0%} of {inp.device_memory_gib:g} GiB); "
-        f"links {inp.bandwidth_gbps:g} GB/s, {inp.latency_us:g} us",
+        f"per rank: base {format_bytes(plan.base_bytes)} (sharded fp32 params + grads + AdamW{activations}), "
+        f"budget {format_bytes(plan.budget_bytes)} ({inp.budget_fraction:.0%} of {inp.device_memory_gib:g} GiB); "
+        f"links {plan.bandwidth_gbps:.3g} GB/s, {plan.latency_us:.3g} us ({links})",
         "",
         "| mode | held grads | held params | extra | peak | fits | all-gathers | reduce-scatters | all-reduces "
         "| AG bytes | RS bytes | AR bytes | comm time |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for m in plan.modes:
+    for m in plan.modes[:-1] + plan.partial + plan.modes[-1:]:  # per_microbatch (the cheapest) last
         lines.append(
             f"| {m.mode} | {format_bytes(m.retained_grad_bytes)} | {format_bytes(m.unsharded_param_bytes)} "
             f"| +{format_bytes(m.extra_bytes)} | {format_bytes(m.peak_bytes)} | {'yes' if m.fits else 'NO'} "

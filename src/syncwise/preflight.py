@@ -83,10 +83,35 @@ def check_torch(config: Config) -> None:
             raise PreflightError(f"engine.strategy=fsdp2: {exc}") from exc
 
 
+def check_deferred_units(config: Config) -> None:
+    """``sync.deferred_units`` names units the model has, or counts no more than it has (the model is built
+    on the meta device: no weights, no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .memory import sharded_model_of
+    from .models import decoder_layers, preset_config
+    from .units import resolve_deferred_units, unit_names
+
+    if config.sync.mode != "partial":
+        return
+    path = config.model.path
+    hf = AutoConfig.from_pretrained(path, local_files_only=True) if path else preset_config(config.model.preset)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    units = [model, *decoder_layers(model)]
+    estimator = sharded_model_of(units, max(config.dist.nproc, 1), config.model.param_dtype, config.model.reduce_dtype)
+    try:
+        resolve_deferred_units(config.sync.deferred_units, unit_names(model, units), estimator)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
+
+
 def preflight(config: Config, job: str) -> None:
     """Everything about ``job`` (``train`` or ``sft``) that can be checked before ranks start."""
     check_torch(config)
     check_model(config)
+    check_deferred_units(config)
     if job == "train":
         check_rl(config)
 

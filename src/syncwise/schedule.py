@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .counting import CollectiveCounts
 from .memory import DTYPE_BYTES, ShardedModel
-from .modes import SyncMode, spec
+from .modes import SyncChoice, SyncMode, as_choice, spec
 
 # The engine's own all-reduces: a training step's (normaliser, grad norm, metrics with the memory peak and
 # budget) and a forward-only pass's (normaliser, metrics).
@@ -47,7 +47,7 @@ def unit_traffic(model: ShardedModel, hsdp: bool) -> list[UnitTraffic]:
 
 
 def step_traffic(
-    mode: str,
+    mode: str | SyncChoice,
     num_microbatches: int,
     units: list[UnitTraffic],
     *,
@@ -69,31 +69,29 @@ def step_traffic(
     if num_microbatches < 1 or not units:
         raise ValueError("num_microbatches and the number of units must be >= 1")
     names = [m.value for m in SyncMode if m is not SyncMode.AUTO]
-    if mode not in names:
+    if not isinstance(mode, SyncChoice) and mode not in names:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(names)}")
-    mode_spec = spec(mode)
-    if mode_spec.needs_hsdp and not hsdp:
-        raise ValueError(f"mode {mode!r} needs HSDP (hsdp=True)")
+    choice = as_choice(mode)
+    if spec(choice.mode).needs_hsdp and not hsdp:
+        raise ValueError(f"mode {choice.mode.value!r} needs HSDP (hsdp=True)")
     totals = CollectiveCounts()
     unsharded = [False] * len(units)
     for i in range(num_microbatches):
-        switches = mode_spec.switches(i, num_microbatches, unsharded_forward)
+        switches = [choice.switches(i, num_microbatches, k, unsharded_forward) for k in range(len(units))]
         for k, unit in enumerate(units):  # forward
             if not unsharded[k] and sharded:
                 totals.add("all_gather", unit.gather_bytes)
             unsharded[k] = True
-        after_forward = reshard_after_forward if switches.reshard_after_forward is None else (
-            switches.reshard_after_forward
-        )
         for k, unit in enumerate(units):  # backward
-            if k > 0 and after_forward and sharded:
+            after_forward = switches[k].reshard_after_forward
+            if k > 0 and (reshard_after_forward if after_forward is None else after_forward) and sharded:
                 totals.add("all_gather", unit.gather_bytes)
-            if switches.sync_grads and unit.trainable:
+            if switches[k].sync_grads and unit.trainable:
                 if sharded:
                     totals.add("reduce_scatter", unit.reduce_bytes)
-                if hsdp and switches.all_reduce_grads:
+                if hsdp and switches[k].all_reduce_grads:
                     totals.add("all_reduce", unit.replica_bytes)
-        unsharded = [switches.reshard_after_backward is False] * len(units)
+        unsharded = [s.reshard_after_backward is False for s in switches]
     return totals
 
 
@@ -132,19 +130,23 @@ def expected_collectives(
     sharded: bool = True,
     engine_all_reduces: int = TRAIN_ALL_REDUCES,
     trainable_units: int | None = None,
+    deferred_units: int = 0,
 ) -> dict[str, int]:
     """Collectives one engine step (FSDP1 or FSDP2, U units of which T trainable, N micro-batches) should
-    issue.
+    issue; ``deferred_units`` K for ``partial`` (the first K units: which ones does not change the counts).
 
     In closed form: all-gathers ``(2U - 1) N`` (``U N`` without ``reshard_after_forward``) for
     ``per_microbatch``, ``deferred`` and ``replica_deferred``; for ``deferred_unsharded``
     ``U + (U - 1) N``, or ``U`` with ``unsharded_forward``. Reduce-scatters ``T N`` for
-    ``per_microbatch`` and ``replica_deferred``, ``T`` otherwise. HSDP replica all-reduces ``T N`` for
-    ``per_microbatch``, ``T`` otherwise. Plus ``engine_all_reduces``: the engine's own (loss normaliser,
-    gradient norm, metrics with the memory peak). See :func:`step_traffic` for the schedule behind it.
+    ``per_microbatch`` and ``replica_deferred``, ``K + (T - K) N`` for ``partial``, ``T`` otherwise. HSDP
+    replica all-reduces ``T N`` for ``per_microbatch``, ``K + (T - K) N`` for ``partial``, ``T`` otherwise.
+    Plus ``engine_all_reduces``: the engine's own (loss normaliser, gradient norm, metrics with the memory
+    peak). See :func:`step_traffic` for the schedule behind it.
     """
+    known = isinstance(mode, str) and mode in {m.value for m in SyncMode}
+    choice = SyncChoice(SyncMode(mode), frozenset(range(deferred_units))) if known else mode
     counts = step_traffic(
-        mode, num_microbatches, uniform_units(num_units, trainable_units),
+        choice, num_microbatches, uniform_units(num_units, trainable_units),
         reshard_after_forward=reshard_after_forward, unsharded_forward=unsharded_forward, hsdp=hsdp,
         sharded=sharded,
     ).counts

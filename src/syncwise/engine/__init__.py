@@ -31,10 +31,11 @@ from ..distributed import CollectiveTimeout, DistInfo, agree, build_mesh, init_d
 from ..losses import LossFn, is_maximum
 from ..memory import sharded_model_of
 from ..models import build_model
-from ..modes import SyncMode, check_mode, spec, supported_modes
+from ..modes import Switches, SyncChoice, SyncMode, as_choice, check_mode, spec, supported_modes
 from ..schedule import unit_traffic
 from ..signals import StopRequest
 from ..sync import SwitchesFor
+from ..units import resolve_deferred_units, unit_names
 from ..wrap import WrappedModel, wrap_model
 from .audit import StepAudit, SyncNoOpError
 from .governor import MemoryGovernor
@@ -89,7 +90,8 @@ class Engine:
             self.model, self.optimizer, self.info.device, self.memory_model, config.sync,
             supported_modes(self.wrapped.strategy, hsdp),
         )
-        self.active_mode = self.governor.first_mode or self.sync_mode  # the concrete mode the next step runs
+        # What the next step runs: a concrete mode (and, for partial, its units).
+        self.active_mode: SyncChoice = self.governor.first_mode or self._configured_choice()
         self._peak_meter = None  # set by train_batch while a step is metered
 
     # ----------------------------------------------------------------------------------------------
@@ -146,11 +148,23 @@ class Engine:
             chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature,
         )
 
-    def _switches_of(self, mode: SyncMode):
-        mode_spec, unsharded_forward = spec(mode), self.config.sync.unsharded_forward
+    def _configured_choice(self) -> SyncChoice:
+        """``sync.mode`` as configured; for ``partial``, with the units ``sync.deferred_units`` names or
+        counts (the ones that save the most time per byte held)."""
+        if not spec(self.sync_mode).per_unit:
+            return SyncChoice(self.sync_mode)
+        names = unit_names(self.model, self.wrapped.units)
+        return SyncChoice(self.sync_mode, resolve_deferred_units(self.config.sync.deferred_units, names,
+                                                                 self.memory_model))
 
-        def switches(index: int, num_microbatches: int) -> SwitchesFor:
-            return mode_spec.switches(index, num_microbatches, unsharded_forward)
+    def _switches_of(self, choice: SyncChoice):
+        unsharded_forward = self.config.sync.unsharded_forward
+        index = {id(unit): k for k, unit in enumerate(self.wrapped.units)}
+
+        def switches(i: int, num_microbatches: int) -> Switches | SwitchesFor:
+            if not spec(choice.mode).per_unit:  # one set of switches for all (FSDP1 / DDP know only that)
+                return choice.switches(i, num_microbatches, 0, unsharded_forward)
+            return lambda unit: choice.switches(i, num_microbatches, index.get(id(unit), -1), unsharded_forward)
 
         return switches
 
@@ -211,7 +225,7 @@ class Engine:
             "batch/padding_fraction": 1.0 - metrics["batch/real_tokens"] / max(metrics["batch/computed_tokens"], 1.0),
             "train/step_time_s": time.perf_counter() - started,
             "train/lr": self.scheduler.get_last_lr()[0],
-            "sync/mode": mode.value,
+            "sync/mode": mode.label,
             "stop/signal": stop,
             **memory,
             **counter.totals.as_metrics(),
@@ -246,10 +260,13 @@ class Engine:
             "cross_rank_imbalance": float(work.max(dim=0).values.sum()) / mean if mean > 0 else 1.0,
         }
 
-    def expected_collectives(self, num_microbatches: int, mode: SyncMode | None = None) -> dict[str, int] | None:
+    def expected_collectives(
+        self, num_microbatches: int, mode: SyncMode | SyncChoice | None = None
+    ) -> dict[str, int] | None:
         """The collective counts one ``train_batch`` in ``mode`` (default: the active one) should produce
         (FSDP strategies), else None."""
-        return self.audit.expected(mode or self.active_mode, num_microbatches) if self.audit is not None else None
+        choice = as_choice(mode) if mode is not None else self.active_mode
+        return self.audit.expected(choice, num_microbatches) if self.audit is not None else None
 
     # ----------------------------------------------------------------------------------------------
     # evaluation and state
@@ -285,7 +302,8 @@ class Engine:
             "step": self.step,
             "skipped_steps": self.skipped_steps,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "active_mode": self.active_mode.value,
+            "active_mode": self.active_mode.mode.value,
+            "active_units": sorted(self.active_mode.units),
             **self.governor.state(),
         }
 
@@ -294,7 +312,7 @@ class Engine:
         self.skipped_steps = int(state["skipped_steps"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self.active_mode = SyncMode(state["active_mode"])
+        self.active_mode = SyncChoice(SyncMode(state["active_mode"]), frozenset(state.get("active_units", ())))
         self.governor.load_state(state)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from ..modes import SyncMode
+from ..modes import SyncChoice
 from ..schedule import TRAIN_ALL_REDUCES, UnitTraffic, step_traffic
 
 
@@ -30,19 +30,19 @@ class StepAudit:
     strict: bool
     warned: bool = False
 
-    def expected(self, mode: SyncMode, num_microbatches: int) -> dict[str, int]:
+    def expected(self, mode: SyncChoice, num_microbatches: int) -> dict[str, int]:
         counts = step_traffic(
-            mode.value, num_microbatches, self.units, reshard_after_forward=self.reshard_after_forward,
+            mode, num_microbatches, self.units, reshard_after_forward=self.reshard_after_forward,
             unsharded_forward=self.unsharded_forward, hsdp=self.hsdp, sharded=self.sharded,
         ).counts
         return {**counts, "all_reduce": counts["all_reduce"] + TRAIN_ALL_REDUCES}
 
-    def check(self, counted: dict[str, int], mode: SyncMode, num_microbatches: int) -> dict[str, int]:
+    def check(self, counted: dict[str, int], mode: SyncChoice, num_microbatches: int) -> dict[str, int]:
         """Compare; returns the expected counts as ``comm/expected_*_count`` metrics."""
         expected = self.expected(mode, num_microbatches)
         if counted != expected:
             message = (
-                f"sync.mode={mode.value}: counted collectives {counted} differ from the expected {expected}; "
+                f"sync.mode={mode.label}: counted collectives {counted} differ from the expected {expected}; "
                 "the sync switches may be doing nothing (see docs/perf_tuning.md)"
             )
             if self.strict:

@@ -17,15 +17,16 @@ from torch import nn
 
 from ..autosync import AutoSync
 from ..config import SyncConfig
+from ..costs import Links, candidates
 from ..memory import PeakMeter, ShardedModel, resolve_budget
-from ..modes import SyncMode
+from ..modes import SyncChoice, SyncMode
 from .step import ForwardBackwardResult
 
 
 class MemoryGovernor:
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device,
-        estimator: ShardedModel, cfg: SyncConfig, candidates: tuple[SyncMode, ...],
+        estimator: ShardedModel, cfg: SyncConfig, modes: tuple[SyncMode, ...],
     ):
         self.model, self.optimizer, self.device, self.estimator, self.cfg = model, optimizer, device, estimator, cfg
         self.measurable = PeakMeter.supported(model, device)
@@ -39,12 +40,12 @@ class MemoryGovernor:
                     "engine.strategy=fsdp1 on CPU; choose sync.mode=deferred or per_microbatch"
                 )
             self.own_budget = resolve_budget(cfg.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            self.auto = AutoSync(estimator, candidates, self.own_budget)
+            self.auto = AutoSync(estimator, candidates(modes, estimator, Links()), self.own_budget)
 
     @property
-    def first_mode(self) -> SyncMode | None:
-        """The mode auto measures its first step in (None without auto)."""
-        return SyncMode.PER_MICROBATCH if self.auto is not None else None
+    def first_mode(self) -> SyncChoice | None:
+        """The configuration auto measures its first step in (None without auto)."""
+        return SyncChoice(SyncMode.PER_MICROBATCH) if self.auto is not None else None
 
     def meter_for_step(self, step: int) -> PeakMeter | None:
         """A peak meter when a true peak is due: every step on CUDA; on CPU the first and then every
@@ -70,9 +71,9 @@ class MemoryGovernor:
         return self.base_peak + held_extra, 0
 
     def after_step(
-        self, result: ForwardBackwardResult, peak: int | None, budget: int, measured: int, mode: SyncMode,
+        self, result: ForwardBackwardResult, peak: int | None, budget: int, measured: int, mode: SyncChoice,
         is_main: bool,
-    ) -> tuple[dict[str, Any], SyncMode | None]:
+    ) -> tuple[dict[str, Any], SyncChoice | None]:
         """Memory metrics of the step (``peak`` and ``budget`` agreed over ranks) and, under auto, the mode
         of the next step (None: keep it)."""
         metrics: dict[str, Any] = {
@@ -95,15 +96,15 @@ class MemoryGovernor:
         if decided and is_main:
             print(f"syncwise: {self.auto.decisions[-1]}", flush=True)
         metrics["sync/decision"] = self.auto.decisions[-1] if decided else ""
-        metrics["sync/next_mode"] = next_mode.value
+        metrics["sync/next_mode"] = next_mode.label
         return metrics, next_mode
 
     def state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"base_peak": self.base_peak}
         if self.auto is not None:
             state["auto"] = {
-                "base_peak": self.auto.base_peak, "ceiling": self.auto.ceiling, "mode": self.auto.mode.value,
-                "decisions": self.auto.decisions,
+                "base_peak": self.auto.base_peak, "ceiling": self.auto.ceiling, "mode": self.auto.mode.mode.value,
+                "units": sorted(self.auto.mode.units), "decisions": self.auto.decisions,
             }
         return state
 
@@ -112,4 +113,5 @@ class MemoryGovernor:
         if self.auto is not None and state.get("auto"):
             auto = state["auto"]
             self.auto.base_peak, self.auto.ceiling = auto["base_peak"], int(auto["ceiling"])
-            self.auto.mode, self.auto.decisions = SyncMode(auto["mode"]), list(auto["decisions"])
+            self.auto.mode = SyncChoice(SyncMode(auto["mode"]), frozenset(auto.get("units", ())))
+            self.auto.decisions = list(auto["decisions"])

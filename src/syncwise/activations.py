@@ -1,0 +1,57 @@
+"""Activation memory of one micro-batch, from a model's shapes: what ``syncwise plan`` adds to each rank's
+peak when told the sequence length (``--seq-len``, ``--micro-batch-size``, ``--activation-checkpointing``).
+
+Per decoder layer and token, what autograd keeps for backward (in the compute dtype): the two norms'
+inputs and outputs (4·h), the rotated queries and the attention output (2·heads·d), the rotated keys and
+the values (2·kv_heads·d) -- sdpa and flash-attention keep no score matrix -- and the MLP's gate, its
+activation, the up projection and their product (4·i). With activation checkpointing a layer keeps only
+its input (h) and one layer at a time is recomputed during backward. On top: the final norm (2·h), the
+logits (V per token, kept for the loss) and their gradient in backward (V per token), and the log-probs'
+fp32 work on one chunk of tokens at a time (three chunk-sized fp32 tensors: log-softmax, probabilities,
+gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .memory import DTYPE_BYTES
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    tokens: int  # per micro-batch
+    per_layer_bytes: int  # kept by one layer (its input only, with checkpointing)
+    recompute_bytes: int  # one layer's full activations, recomputed in backward (checkpointing), else 0
+    logits_bytes: int  # the logits and, in backward, their gradient
+    logprob_bytes: int  # fp32 work of one chunk
+    peak_bytes: int
+
+
+def _shape(config, name: str, default: int = 0) -> int:
+    value = getattr(config, name, None)
+    return int(value) if value is not None else default
+
+
+def estimate_activations(
+    config, seq_len: int, micro_batch_size: int = 1, checkpointing: bool = False, dtype: str = "bfloat16",
+    logprob_chunk: int = 1024,
+) -> ActivationEstimate:
+    """The activation peak of one micro-batch of ``micro_batch_size`` sequences of ``seq_len`` tokens."""
+    hidden = _shape(config, "hidden_size")
+    heads = _shape(config, "num_attention_heads")
+    kv_heads = _shape(config, "num_key_value_heads", heads)
+    head_dim = _shape(config, "head_dim", hidden // max(heads, 1))
+    inter = _shape(config, "intermediate_size", 4 * hidden)
+    layers = _shape(config, "num_hidden_layers")
+    vocab = _shape(config, "vocab_size")
+    tokens = seq_len * micro_batch_size
+    size = DTYPE_BYTES[dtype]
+    full_layer = tokens * (4 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter) * size
+    kept = tokens * hidden * size if checkpointing else full_layer
+    recompute = full_layer if checkpointing else 0
+    logits = 2 * tokens * vocab * size
+    chunk = min(tokens, logprob_chunk) if logprob_chunk > 0 else tokens
+    logprob = 3 * chunk * vocab * 4
+    peak = layers * kept + recompute + 2 * tokens * hidden * size + logits + logprob
+    return ActivationEstimate(tokens, kept, recompute, logits, logprob, peak)

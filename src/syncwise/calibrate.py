@@ -1,0 +1,105 @@
+"""Link speeds measured on this machine: a short timed sweep of all-gathers and reduce-scatters over the
+ranks of a process group, fitted to the α-β model of :class:`syncwise.costs.Links`.
+
+Each size is timed ``repeats`` times after a warm-up (the median is kept); a collective's time is
+``(g-1)·α + (g-1)/g·S/β`` for S bytes over g ranks, so a least-squares line through (S, time) gives β from
+its slope and α from its intercept. ``syncwise plan --calibrate`` uses it instead of the assumed links;
+``syncwise bench`` times the minimum collectives of a step with :func:`time_collective`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .costs import Links
+
+SIZES = tuple(4**k * 1024 for k in range(1, 9))  # 4 KiB .. 64 MiB
+
+
+@dataclass(frozen=True)
+class Sample:
+    kind: str  # all_gather | reduce_scatter
+    nbytes: int  # the full (gathered / scattered) buffer
+    seconds: float
+
+
+def time_collective(kind: str, nbytes: int, device: torch.device, repeats: int = 5,
+                    group: dist.ProcessGroup | None = None) -> float:
+    """Median seconds of one all-gather (``nbytes`` gathered) or reduce-scatter (``nbytes`` scattered)."""
+    world = dist.get_world_size(group)
+    elements = max(world, nbytes // 4 // world * world)
+    full = torch.zeros(elements, dtype=torch.float32, device=device)
+    shard = torch.zeros(elements // world, dtype=torch.float32, device=device)
+    times = []
+    for index in range(repeats + 1):  # the first is a warm-up
+        dist.barrier(group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        if kind == "all_gather":
+            dist.all_gather_single(full, shard, group=group)
+        else:
+            dist.reduce_scatter_single(output=shard, input=full, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if index:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def sweep(device: torch.device, sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> list[Sample]:
+    """Every size, both kinds, on the default group (collective: every rank calls it)."""
+    return [Sample(kind, size, time_collective(kind, size, device, repeats)) for size in sizes
+            for kind in ("all_gather", "reduce_scatter")]
+
+
+def fit(samples: list[Sample], group: int) -> Links:
+    """α and β of the ring model from a sweep over ``group`` ranks (least squares over every sample)."""
+    if group < 2:
+        raise ValueError("calibration needs at least 2 ranks")
+    xs = [(group - 1) / group * s.nbytes for s in samples]
+    ys = [s.seconds for s in samples]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
+    intercept = mean_y - slope * mean_x
+    return Links(latency_s=max(intercept, 0.0) / (group - 1), bandwidth=1.0 / slope if slope > 0 else float("inf"),
+                 measured=True)
+
+
+def calibrate_worker(payload: dict) -> None:
+    """Entry point of one rank of ``syncwise plan --calibrate``: the sweep, written by rank 0 as JSON."""
+    import json
+    from pathlib import Path
+
+    from .distributed import run_rank
+
+    def body(info) -> None:
+        samples = sweep(info.device, repeats=payload.get("repeats", 5))
+        if info.is_main:
+            Path(payload["out"]).write_text(json.dumps({"group": info.world_size,
+                                                         "samples": [s.__dict__ for s in samples]}))
+
+    run_rank(body)
+
+
+def calibrate_here(nproc: int) -> tuple[Links, list[Sample]]:
+    """Spawn ``nproc`` local ranks, sweep, fit."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from .launcher import launch_local
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "sweep.json"
+        job = launch_local(calibrate_worker, nproc, {"out": str(out)})
+        if job.exit_code != 0:
+            raise RuntimeError("the calibration sweep failed (see above)")
+        data = json.loads(out.read_text())
+    samples = [Sample(**s) for s in data["samples"]]
+    return fit(samples, data["group"]), samples
