@@ -160,8 +160,8 @@ def test_training_stops_after_consecutive_non_finite_steps(tmp_path, monkeypatch
 
     real = trainer.make_policy_loss
 
-    def nan_policy_loss(cfg):
-        inner = real(cfg)
+    def nan_policy_loss(cfg, **kwargs):
+        inner = real(cfg, **kwargs)
 
         def loss_fn(outputs, micro_batch, norm):
             result = inner(outputs, micro_batch, norm)

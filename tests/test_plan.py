@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -97,3 +99,61 @@ def test_plan_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "syncwise", "plan", "gpt-17"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "not a built-in shape" in bad.stderr
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_predicted_peak_within_10_percent_of_the_engines_measured_peak(world_size):
+    """Parameters, gradients, AdamW, activations from the shapes (with and without checkpointing) and what
+    FSDP2 has in flight: the plan's per_microbatch peak against the engine's, measured by the tracker."""
+    from dist_harness import run_distributed
+    from scenarios_plan import MICROBATCHES, measured_peaks
+
+    for row in run_distributed(measured_peaks, world_size)[0]:
+        preset, seq_len, size, checkpointing = row["shape"]
+        plan = make_plan(PlanInput(model=preset, world_size=world_size, microbatches=MICROBATCHES,
+                                   param_dtype="float32", reduce_dtype="float32", seq_len=seq_len,
+                                   micro_batch_size=size, activation_checkpointing=checkpointing),
+                         hf_config=preset_config(preset))
+        predicted = next(m for m in plan.modes if m.mode == "per_microbatch").peak_bytes
+        assert predicted == pytest.approx(row["peak"], rel=0.10), (row["shape"], predicted, row["peak"])
+
+
+def test_plan_picks_partial_when_full_deferral_does_not_fit():
+    """The worked example of docs/perf_tuning.md: Qwen3-4B on 8 devices of 16 GB, 4096 tokens, checkpointed."""
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "plan", "qwen3-4b", "--world-size", "8",
+                           "--device-memory-gib", "16", "--seq-len", "4096", "--micro-batch-size", "1",
+                           "--activation-checkpointing"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    choice = proc.stdout.split("auto would choose: ")[1].split()[0]
+    assert choice.startswith("partial("), proc.stdout
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert "NO" in rows["deferred"] and "yes" in rows[choice] and "partial(1)" in rows
+
+
+def test_partial_rows_reduce_scatter_k_plus_the_rest_every_microbatch(config_dir):
+    plan = _plan(config_dir)  # 3 units, 4 micro-batches
+    assert [m.mode for m in plan.partial] == ["partial(2)", "partial(1)"]
+    for row, k in zip(plan.partial, (2, 1), strict=True):
+        assert row.collectives["reduce_scatter"] == k + (3 - k) * 4
+    assert plan.partial[1].extra_bytes == 4 * ROOT // 2  # the root is the smallest unit: deferred first
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    (["--seq-len", "-1"], "--seq-len must be >= 0"),
+    (["--budget-fraction", "1.5"], "--budget-fraction must be in (0, 1]"),
+    (["--micro-batch-size", "0"], "--micro-batch-size >= 1"),
+    (["--calibrate", "--nproc", "1"], "--calibrate needs --nproc >= 2"),
+])
+def test_plan_flags_out_of_range_are_one_line(flag, message):
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "plan", "qwen3-4b", *flag], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_calibrate_fits_latency_and_bandwidth_and_says_so(config_dir):
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "plan", str(config_dir), "--world-size", "2",
+                           "--calibrate", "--json"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout)
+    assert plan["links_measured"] is True and plan["bandwidth_gbps"] > 0 and plan["latency_us"] >= 0

@@ -5,10 +5,10 @@ Per decoder layer and token, what autograd keeps for backward (in the compute dt
 inputs and outputs (4·h), the rotated queries and the attention output (2·heads·d), the rotated keys and
 the values (2·kv_heads·d) -- sdpa and flash-attention keep no score matrix -- and the MLP's gate, its
 activation, the up projection and their product (4·i). With activation checkpointing a layer keeps only
-its input (h) and one layer at a time is recomputed during backward. On top: the final norm (2·h), the
-logits (V per token, kept for the loss) and their gradient in backward (V per token), and the log-probs'
-fp32 work on one chunk of tokens at a time (three chunk-sized fp32 tensors: log-softmax, probabilities,
-gradient).
+its input (h). Also kept: the final norm (2·h) and the logits (V per token). The peak comes in one of two
+phases of backward: the loss's (the logits' gradient, and the log-probs' fp32 work on one chunk of tokens:
+log-softmax, probabilities, gradient) or a layer's (about its activations once more: their gradients, or,
+checkpointed, their recomputation, freed as the gradients form).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from .memory import DTYPE_BYTES
 class ActivationEstimate:
     tokens: int  # per micro-batch
     per_layer_bytes: int  # kept by one layer (its input only, with checkpointing)
-    recompute_bytes: int  # one layer's full activations, recomputed in backward (checkpointing), else 0
-    logits_bytes: int  # the logits and, in backward, their gradient
-    logprob_bytes: int  # fp32 work of one chunk
+    saved_bytes: int  # everything kept from forward for backward
+    loss_phase_bytes: int  # on top, while the loss's backward runs: logits' gradient, log-prob chunk work
+    layer_phase_bytes: int  # on top, while a layer's backward runs (with checkpointing: its recomputation)
     peak_bytes: int
 
 
@@ -49,9 +49,12 @@ def estimate_activations(
     size = DTYPE_BYTES[dtype]
     full_layer = tokens * (4 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter) * size
     kept = tokens * hidden * size if checkpointing else full_layer
-    recompute = full_layer if checkpointing else 0
-    logits = 2 * tokens * vocab * size
+    logits = tokens * vocab * size
+    saved = layers * kept + 2 * tokens * hidden * size + logits  # + the final norm, + the logits
     chunk = min(tokens, logprob_chunk) if logprob_chunk > 0 else tokens
-    logprob = 3 * chunk * vocab * 4
-    peak = layers * kept + recompute + 2 * tokens * hidden * size + logits + logprob
-    return ActivationEstimate(tokens, kept, recompute, logits, logprob, peak)
+    loss_phase = logits + 3 * chunk * vocab * 4  # the logits' gradient; log-softmax, probabilities, gradient
+    # A layer's backward holds about its activations once more: their gradients or, checkpointed, their
+    # recomputation, freed as the gradients are formed (measured against the engine: tests/test_plan.py).
+    layer_phase = full_layer
+    peak = saved + max(loss_phase, layer_phase)
+    return ActivationEstimate(tokens, kept, saved, loss_phase, layer_phase, peak)

@@ -56,7 +56,10 @@ def deferral_order(model: ShardedModel, links: Links) -> list[int]:
             return -1.0
         return links.gather_or_scatter(reduce[unit], model.shard_size) / held[unit]
 
-    return sorted(range(len(held)), key=lambda u: (-value(u), u))
+    values = [value(u) for u in range(len(held))]
+    top = max(values, default=0.0) or 1.0
+    # Equal up to rounding (e.g. no latency: every unit saves the same per byte) is a tie: root first.
+    return sorted(range(len(held)), key=lambda u: (-round(values[u] / top, 9), u))
 
 
 def partial_choice(model: ShardedModel, links: Links, count: int) -> SyncChoice:

@@ -107,13 +107,11 @@ def rank_main(fn: Callable[..., Any], *args: Any) -> int:
 
 
 def leave(code: int) -> None:
-    """End this rank's process with ``code``. A process group still open here was not closed cleanly (an
-    error, or a collective that failed): tearing it down can abort the process ("terminate called without
-    an active exception" from gloo's or NCCL's destructors), so the process then exits without it."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        sys.exit(code)
+    """End this rank's process with ``code``, without the interpreter's teardown: the rank has written
+    everything it keeps (checkpoints, logs, its report), and tearing down the C++ side of a process group --
+    after an error or a failed collective, and under load even after a clean ``destroy_process_group`` --
+    can abort the process ("terminate called without an active exception") and turn a finished job into a
+    failed one."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -173,6 +173,19 @@ def grad_bytes(module: nn.Module) -> int:
     return _storage_bytes([*reduced, *fsdp.unsynced_grads(module)])
 
 
+def pending_optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes the optimizer's state will take once created (its first ``step()``), while none exists yet:
+    AdamW keeps two moments per element, SGD with momentum one (in each parameter's dtype, on its local
+    shard). A step measured before the state exists peaks without it; later steps carry it."""
+    if optimizer is None or optimizer.state:
+        return 0
+    moments = 2 if isinstance(optimizer, torch.optim.AdamW) else (
+        1 if isinstance(optimizer, torch.optim.SGD) and optimizer.defaults.get("momentum") else 0
+    )
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return moments * sum(local_tensor(p).numel() * p.element_size() for p in params)
+
+
 def unsharded_param_bytes(module: nn.Module) -> int:
     """Bytes of FSDP2 all-gather outputs currently allocated (parameters held unsharded)."""
     return _storage_bytes(fsdp.gathered_params(module))

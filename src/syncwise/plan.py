@@ -146,6 +146,21 @@ def sharded_model_for(hf_config, shard_size: int, param_dtype: str, reduce_dtype
     return sharded_model_of([model, *decoder_layers(model)], shard_size, param_dtype, reduce_dtype)
 
 
+def in_flight_bytes(sharded: ShardedModel) -> tuple[int, int]:
+    """What FSDP2 has in flight in the two phases of backward where the peak can come (see
+    :mod:`syncwise.activations`): during the loss's backward, the root's parameters (gathered from its
+    forward to its backward) and the last layer's, gathered ahead; during a layer's backward, the root's, that
+    layer's and the next one's being gathered (param dtype), and the largest unit's gradient on its way to
+    the reduce-scatter (reduce dtype). A shard group of one gathers and scatters nothing."""
+    if sharded.shard_size <= 1:
+        return 0, 0
+    root, *layers = sharded.unit_padded_numels()
+    layer = max(layers, default=0)
+    largest_gradient = max(sharded.unit_padded_numels(trainable_only=True)) * DTYPE_BYTES[sharded.reduce_dtype]
+    param = DTYPE_BYTES[sharded.param_dtype]
+    return (root + layer) * param, (root + 2 * layer) * param + largest_gradient
+
+
 def _row(choice: SyncChoice, sharded: ShardedModel, units, inp: PlanInput, links: Links, base: int,
          budget: int) -> ModePlan:
     n, shard, hsdp = inp.microbatches, inp.world_size // inp.replicas, inp.replicas > 1
@@ -176,15 +191,20 @@ def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Pla
     sharded = sharded_model_for(hf_config, shard, inp.param_dtype, inp.reduce_dtype)
     n = inp.microbatches
     local = sharded.padded_numel() // shard
-    activations = estimate_activations(
-        hf_config, inp.seq_len, inp.micro_batch_size, inp.activation_checkpointing, inp.param_dtype, inp.logprob_chunk,
-    ) if inp.seq_len else None
-    activation_bytes = activations.peak_bytes if activations else int(inp.activation_gib * 2**30)
+    in_loss, in_layer = in_flight_bytes(sharded)
+    if inp.seq_len:
+        act = estimate_activations(hf_config, inp.seq_len, inp.micro_batch_size, inp.activation_checkpointing,
+                                   inp.param_dtype, inp.logprob_chunk)
+        activation_bytes = act.peak_bytes
+        working = act.saved_bytes + max(act.loss_phase_bytes + in_loss, act.layer_phase_bytes + in_layer)
+    else:  # activations as measured (if given), plus the most FSDP2 holds in flight with them
+        activation_bytes = int(inp.activation_gib * 2**30)
+        working = activation_bytes + in_layer if activation_bytes else 0
     base = (
         local * DTYPE_BYTES[sharded.orig_dtype]  # sharded parameters
         + sharded.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)  # sharded gradients
         + local * ADAMW_STATE_BYTES
-        + activation_bytes
+        + working  # activations and FSDP2's parameters / gradients in flight
     )
     budget = int(inp.device_memory_gib * 2**30 * inp.budget_fraction)
     plan = Plan(inp, sharded.num_params, len(sharded.unit_shapes), base, budget, activation_bytes=activation_bytes,

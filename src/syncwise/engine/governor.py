@@ -18,7 +18,7 @@ from torch import nn
 from ..autosync import AutoSync
 from ..config import SyncConfig
 from ..costs import Links, candidates
-from ..memory import PeakMeter, ShardedModel, resolve_budget
+from ..memory import PeakMeter, ShardedModel, pending_optimizer_state_bytes, resolve_budget
 from ..modes import SyncChoice, SyncMode
 from .step import ForwardBackwardResult
 
@@ -31,6 +31,7 @@ class MemoryGovernor:
         self.model, self.optimizer, self.device, self.estimator, self.cfg = model, optimizer, device, estimator, cfg
         self.measurable = PeakMeter.supported(model, device)
         self.base_peak: int | None = None  # measured peak minus the mode's held extra (per_microbatch's)
+        self._state_to_come = 0  # optimizer state not yet allocated when the metered step began
         self.auto: AutoSync | None = None
         self.own_budget = 0  # this rank's budget; auto uses the minimum over ranks
         if SyncMode(cfg.mode) is SyncMode.AUTO:
@@ -55,6 +56,8 @@ class MemoryGovernor:
         every = self.cfg.peak_every
         due = self.base_peak is None or (every > 0 and step % every == 0)
         if self.device.type == "cuda" or due:
+            # Measured before the optimizer's state exists (the first step), the peak lacks it: add it.
+            self._state_to_come = pending_optimizer_state_bytes(self.optimizer)
             return PeakMeter(self.model, self.optimizer, self.device)
         return None
 
@@ -65,7 +68,7 @@ class MemoryGovernor:
         if not self.measurable:
             return None, 0
         if meter is not None:
-            return meter.peak, 1
+            return meter.peak + self._state_to_come, 1
         baseline = self.estimator.retained_grad_bytes(SyncMode.PER_MICROBATCH, result.num_microbatches)
         held_extra = max(0, result.retained_grad_bytes - baseline) + result.unsharded_param_bytes
         return self.base_peak + held_extra, 0
