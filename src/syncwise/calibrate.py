@@ -59,13 +59,19 @@ def sweep(device: torch.device, sizes: tuple[int, ...] = SIZES, repeats: int = 5
 
 
 def fit(samples: list[Sample], group: int) -> Links:
-    """α and β of the ring model from a sweep over ``group`` ranks (least squares over every sample)."""
+    """α and β of the ring model from a sweep over ``group`` ranks: least squares on the relative error,
+    so the small (latency-bound) sizes weigh as much as the large (bandwidth-bound) ones."""
     if group < 2:
         raise ValueError("calibration needs at least 2 ranks")
     xs = [(group - 1) / group * s.nbytes for s in samples]
     ys = [s.seconds for s in samples]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
+    weights = [1.0 / max(y, 1e-12) ** 2 for y in ys]
+    total = sum(weights)
+    mean_x = sum(w * x for w, x in zip(weights, xs, strict=True)) / total
+    mean_y = sum(w * y for w, y in zip(weights, ys, strict=True)) / total
+    slope = sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(weights, xs, ys, strict=True)) / sum(
+        w * (x - mean_x) ** 2 for w, x in zip(weights, xs, strict=True)
+    )
     intercept = mean_y - slope * mean_x
     return Links(latency_s=max(intercept, 0.0) / (group - 1), bandwidth=1.0 / slope if slope > 0 else float("inf"),
                  measured=True)

@@ -113,12 +113,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .plan import PlanInput, format_plan, make_plan, plan_to_json
+    from .plan import PlanInput, format_plan, load_hf_config, make_plan, plan_to_json
 
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "json", "debug", "calibrate", "nproc")}
     try:
         inp = PlanInput(**fields)
         inp.validate()
+        hf_config = load_hf_config(inp.model)  # a wrong model name fails before any sweep
         if args.calibrate and args.nproc < 2:
             raise ValueError(f"--calibrate needs --nproc >= 2, got {args.nproc}")
         links = None
@@ -126,7 +127,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             from .calibrate import calibrate_here
 
             links, _ = calibrate_here(args.nproc)
-        plan = make_plan(inp, links=links)
+        plan = make_plan(inp, hf_config=hf_config, links=links)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"syncwise plan: {exc}", file=sys.stderr)
         return 2

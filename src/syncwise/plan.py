@@ -128,15 +128,22 @@ class Plan:
 
 
 def load_hf_config(spec: str):
-    """A built-in shape name (case-insensitive), a model directory, or a config.json path."""
+    """A built-in shape name (case-insensitive), a model preset of the engine (``qwen2-tiny``, ...), a model
+    directory, or a config.json path."""
+    from .models import PRESETS, preset_config
+
     key = spec.lower()
     if key in SHAPES:
         kwargs = dict(SHAPES[key])
         return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    if key in PRESETS:
+        return preset_config(key)
     path = Path(spec)
     if path.is_dir() or path.is_file():
         return AutoConfig.from_pretrained(path.parent if path.is_file() else path, local_files_only=True)
-    raise ValueError(f"model {spec!r}: not a built-in shape ({', '.join(SHAPES)}) nor a local path")
+    raise ValueError(
+        f"model {spec!r}: not a built-in shape ({', '.join(SHAPES)}), a preset ({', '.join(PRESETS)}) nor a local path"
+    )
 
 
 def sharded_model_for(hf_config, shard_size: int, param_dtype: str, reduce_dtype: str) -> ShardedModel:
