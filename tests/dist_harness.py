@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,3 +39,23 @@ def run_distributed(fn, world_size: int, *args: Any, timeout_s: float = COLLECTI
             cause = job.cause
             raise RankFailed("\n".join(job.lines) + ("\n" + cause.traceback if cause else ""))
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def child_pids(pid: int, *, descendants: bool = False) -> list[int]:
+    """The processes whose parent is ``pid`` (read from /proc), or with ``descendants`` all below it."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = sorted(p for p, pp in parents.items() if pp == parent)
+        found += kids
+        if descendants:
+            frontier += kids
+    return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -74,18 +75,27 @@ def nonfinite_suite(info) -> dict:
     return out
 
 
-def missing_rank(info) -> dict:
-    """Rank 1 never joins the step; rank 0's collective must fail with a clear error, not hang."""
+def missing_rank(info, rank0_done: str) -> dict:
+    """Rank 1 never joins the step; rank 0's collective must fail with a clear error, not hang.
+
+    Rank 1 stays away until rank 0 has raised (a file rank 0 writes), so the error can only come from the
+    timeout, however slow the machine -- no wall-clock bound is asserted."""
     cfg = engine_config("fsdp2", "deferred", "dist.timeout_s=4")
     engine = Engine(cfg, build_model(cfg.model), info)
     engine.train_batch(make_batch(seed=info.rank), sft_loss)  # a normal step first
-    started = time.monotonic()
-    error = None
+    error, saw_rank0_fail = None, False
+    done = Path(rank0_done)
     if info.rank == 0:
         try:
             engine.train_batch(make_batch(seed=info.rank), sft_loss)
         except CollectiveTimeout as exc:
             error = str(exc)
+        done.write_text("raised" if error else "returned")
     else:
-        time.sleep(12)  # stuck (a hung data loader, a deadlock) well past the timeout
-    return {"error": error, "seconds": time.monotonic() - started}
+        # stuck (a hung data loader, a deadlock) until rank 0 is done; bounded so a broken timeout fails
+        # the test instead of hanging it
+        deadline = time.monotonic() + 300
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        saw_rank0_fail = done.exists() and done.read_text() == "raised"
+    return {"error": error, "rank1_saw_rank0_fail": saw_rank0_fail}

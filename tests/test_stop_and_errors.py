@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_harness import child_pids
 from syncwise.metrics import read_jsonl
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -46,22 +47,6 @@ def _wait_for_steps(out: Path, steps: int, job: subprocess.Popen) -> None:
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
         assert job.poll() is None, job.communicate()
         time.sleep(0.05)
-
-
-def _descendants(pid: int) -> set[int]:
-    found, frontier = set(), {pid}
-    while frontier:
-        parent = frontier.pop()
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = Path(f"/proc/{entry}/stat").read_text()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == parent and int(entry) not in found:
-                    found.add(int(entry))
-                    frontier.add(int(entry))
-    return found
 
 
 def _alive(pids: set[int]) -> set[int]:
@@ -111,7 +96,7 @@ def test_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes(tmp_path,
     out = tmp_path / "run"
     job = _start(_train(out))
     _wait_for_steps(out, 3, job)
-    ranks = _descendants(job.pid)
+    ranks = set(child_pids(job.pid, descendants=True))
     assert len(ranks) >= 2
     signum = getattr(signal, signame)
     if target == "group":
@@ -153,7 +138,7 @@ def test_sigint_under_torchrun(tmp_path):
            *QUICK]
     job = _start(cmd)
     _wait_for_steps(out, 3, job)
-    workers = _descendants(job.pid)
+    workers = set(child_pids(job.pid, descendants=True))
     os.killpg(job.pid, signal.SIGINT)
     stdout, stderr = job.communicate(timeout=300)
     step = _assert_stopped(out, stdout, "", "SIGINT")
