@@ -36,11 +36,6 @@ class AutoSync:
     def decided(self) -> bool:
         return self.base_peak is not None
 
-    def predicted_peak(self, mode: SyncChoice, num_microbatches: int) -> int:
-        if self.base_peak is None:
-            raise RuntimeError("auto sync: no measured base peak yet")
-        return self.base_peak + self.estimator.extra_bytes(mode, num_microbatches)
-
     def decide(
         self, measured_peak: int, measured_mode: SyncChoice, num_microbatches: int, source: str = "measured"
     ) -> SyncChoice:

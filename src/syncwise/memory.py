@@ -162,11 +162,6 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def unsynced_grad_bytes(module: nn.Module) -> int:
-    """Bytes of gradient accumulated locally and not yet fully reduced."""
-    return _storage_bytes(fsdp.unsynced_grads(module))
-
-
 def grad_bytes(module: nn.Module) -> int:
     """All gradient bytes this rank holds: reduced (sharded or replicated) ``.grad`` plus unsynced ones."""
     reduced = (p.grad for p in module.parameters() if p.grad is not None)
