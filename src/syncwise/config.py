@@ -19,6 +19,7 @@ import yaml
 from .modes import MODE_NAMES, unsupported_reason
 
 STRATEGIES = ("fsdp2", "fsdp1", "ddp", "none")
+SHARDED_STRATEGIES = ("fsdp2", "fsdp1")  # parameters sharded in FSDP units
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "sgd")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -257,12 +258,12 @@ class Config:
             raise ConfigError(
                 f"sft.max_len: must be >= sft.min_len ({self.sft.min_len}), got {self.sft.max_len}"
             )
-        if self.engine.hsdp_replicas > 1 and self.engine.strategy not in ("fsdp2", "fsdp1"):
+        if self.engine.hsdp_replicas > 1 and self.engine.strategy not in SHARDED_STRATEGIES:
             raise ConfigError(
                 f"engine.hsdp_replicas={self.engine.hsdp_replicas} needs engine.strategy fsdp2 or fsdp1, "
                 f"got {self.engine.strategy!r}"
             )
-        if self.model.param_dtype != "float32" and self.engine.strategy not in ("fsdp2", "fsdp1"):
+        if self.model.param_dtype != "float32" and self.engine.strategy not in SHARDED_STRATEGIES:
             raise ConfigError(
                 f"model.param_dtype={self.model.param_dtype!r} (mixed precision) needs engine.strategy "
                 f"fsdp2 or fsdp1, got {self.engine.strategy!r}"

@@ -90,5 +90,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return wrapped or [m for m in model.modules() if isinstance(m, classes)]
 
 
+def meta_model_units(hf_config) -> tuple[nn.Module, list[nn.Module]]:
+    """The model ``hf_config`` describes, built on the meta device (no weights, no memory), and its FSDP units
+    as the engine wraps them: the root first, then one per decoder layer."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return model, [model, *decoder_layers(model)]
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -15,14 +15,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from .activations import estimate_activations
 from .autosync import AutoSync
 from .costs import Links, candidates
 from .memory import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
-from .models import decoder_layers
+from .models import meta_model_units
 from .modes import SyncChoice, SyncMode, spec, supported_modes
 from .schedule import step_traffic, unit_traffic
 
@@ -148,9 +147,8 @@ def load_hf_config(spec: str):
 
 def sharded_model_for(hf_config, shard_size: int, param_dtype: str, reduce_dtype: str) -> ShardedModel:
     """The estimator input for the engine's wrapping of this model, built on the meta device."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return sharded_model_of([model, *decoder_layers(model)], shard_size, param_dtype, reduce_dtype)
+    _, units = meta_model_units(hf_config)
+    return sharded_model_of(units, shard_size, param_dtype, reduce_dtype)
 
 
 def in_flight_bytes(sharded: ShardedModel) -> tuple[int, int]:

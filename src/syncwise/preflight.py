@@ -86,20 +86,17 @@ def check_torch(config: Config) -> None:
 def check_deferred_units(config: Config) -> None:
     """``sync.deferred_units`` names units the model has, or counts no more than it has (the model is built
     on the meta device: no weights, no memory)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from .memory import sharded_model_of
-    from .models import decoder_layers, preset_config
+    from .models import meta_model_units, preset_config
     from .units import resolve_deferred_units, unit_names
 
     if config.sync.mode != "partial":
         return
     path = config.model.path
     hf = AutoConfig.from_pretrained(path, local_files_only=True) if path else preset_config(config.model.preset)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf)
-    units = [model, *decoder_layers(model)]
+    model, units = meta_model_units(hf)
     estimator = sharded_model_of(units, max(config.dist.nproc, 1), config.model.param_dtype, config.model.reduce_dtype)
     try:
         resolve_deferred_units(config.sync.deferred_units, unit_names(model, units), estimator)

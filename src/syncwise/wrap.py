@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import fsdp_internals as fsdp
-from .config import EngineConfig, ModelConfig
+from .config import SHARDED_STRATEGIES, EngineConfig, ModelConfig
 from .distributed import rank_and_world
 from .models import decoder_layer_classes, decoder_layers
 
@@ -40,9 +40,14 @@ class WrappedModel:
         return self.mesh is not None and self.mesh.ndim == 2
 
     @property
+    def sharded(self) -> bool:
+        """FSDP (units, all-gathers and reduce-scatters) rather than DDP or a plain module."""
+        return self.strategy in SHARDED_STRATEGIES
+
+    @property
     def shard_size(self) -> int:
         """Ranks each parameter is sharded over (1 when parameters are replicated)."""
-        if self.strategy not in ("fsdp2", "fsdp1") or self.mesh is None:
+        if not self.sharded or self.mesh is None:
             return 1
         return self.mesh.size(self.mesh.ndim - 1)
 

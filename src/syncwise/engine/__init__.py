@@ -25,7 +25,7 @@ from torch import nn
 from .. import attention
 from .. import fsdp_internals as fsdp
 from ..batching import Batch
-from ..config import Config
+from ..config import SHARDED_STRATEGIES, Config
 from ..counting import CollectiveCounter
 from ..distributed import CollectiveTimeout, DistInfo, agree, build_mesh, init_distributed
 from ..losses import LossFn, is_maximum
@@ -66,7 +66,7 @@ class Engine:
         raw = model if model is not None else build_model(config.model)
         self.hf_config = getattr(raw, "config", None)  # None for a plain nn.Module
         self.packing = config.engine.packing and _packing_works(raw, self.info.is_main)
-        sharded = config.engine.strategy in ("fsdp2", "fsdp1")
+        sharded = config.engine.strategy in SHARDED_STRATEGIES
         mesh = build_mesh(self.info, config.engine.hsdp_replicas) if sharded else None
         hsdp = mesh is not None and mesh.ndim == 2
         check_mode(self.sync_mode, config.engine.strategy, hsdp)
@@ -85,7 +85,7 @@ class Engine:
         self.audit = StepAudit(
             unit_traffic(self.memory_model, hsdp), config.engine.reshard_after_forward, config.sync.unsharded_forward,
             hsdp, sharded=self.wrapped.shard_size > 1, strict=config.sync.strict,
-        ) if self.wrapped.strategy in ("fsdp2", "fsdp1") else None
+        ) if self.wrapped.sharded else None
         self.governor = MemoryGovernor(
             self.model, self.optimizer, self.info.device, self.memory_model, config.sync,
             supported_modes(self.wrapped.strategy, hsdp),
@@ -173,10 +173,9 @@ class Engine:
     # ----------------------------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients (one all-reduce over the shard group for FSDP)."""
-        sharded = self.wrapped.strategy in ("fsdp2", "fsdp1")
         mesh = self.wrapped.mesh
-        group = mesh.get_group("shard") if sharded and mesh is not None else None
-        return global_grad_norm(self.model, group, sharded, self.info.device, self.config.dist.timeout_s)
+        group = mesh.get_group("shard") if self.wrapped.sharded and mesh is not None else None
+        return global_grad_norm(self.model, group, self.wrapped.sharded, self.info.device, self.config.dist.timeout_s)
 
     def optimizer_step(self) -> float:
         """Clip to ``optim.grad_clip``, step, and zero the gradients. Returns the pre-clip grad norm.
