@@ -95,6 +95,7 @@ def normalisation_suite(info) -> dict:
 
 
 PACKING_KINDS = ["sft", "ppo", "gspo", "pg", "cispo"]
+ROLLOUT_IS_CASES = [(level, agg) for level in ("token", "sequence") for agg in ("token-mean", "seq-mean-token-mean")]
 
 
 def _rl_loss(kind: str, agg: str):
@@ -110,6 +111,9 @@ def packing_suite(info) -> dict:
     out: dict = {}
     batch = skewed_batch(info.rank, SIZES[info.rank])
     batch["ref_log_probs"] = batch["old_log_probs"] + 0.05
+    noise = torch.Generator().manual_seed(7 + info.rank)
+    batch["rollout_log_probs"] = batch["old_log_probs"] + 0.3 * torch.randn(batch["old_log_probs"].shape,
+                                                                            generator=noise)
     for kind in PACKING_KINDS:
         for agg in AGG_MODES:
             for packing in ("true", "false"):
@@ -119,6 +123,14 @@ def packing_suite(info) -> dict:
                 result = engine.forward_backward_batch(batch, _rl_loss(kind, agg))
                 out[(kind, agg, packing)] = {"grads": full_grads(engine), "loss": result.metrics["loss"],
                                              "log_probs": result.outputs.get("log_probs")}
+    for level, agg in ROLLOUT_IS_CASES:  # the sampler's log-probs pack like the old ones (per target)
+        for packing in ("true", "false"):
+            cfg = engine_config("fsdp2", "deferred", f"engine.packing={packing}",
+                                "engine.max_tokens_per_micro_batch=40")
+            engine = Engine(cfg, build_model(cfg.model), info)
+            loss_fn = make_policy_loss(PolicyLossConfig(kind="ppo", agg=agg, rollout_is=level, rollout_is_cap=1.5))
+            result = engine.forward_backward_batch(batch, loss_fn)
+            out[("is", level, agg, packing)] = {"grads": full_grads(engine), "metrics": result.metrics}
     for packing in ("true", "false"):
         cfg = engine_config("fsdp2", "deferred", f"engine.packing={packing}", "engine.max_tokens_per_micro_batch=40")
         engine = Engine(cfg, build_model(cfg.model), info)

@@ -60,7 +60,7 @@ def test_split_balanced_restores_order_exactly():
         assert mb.data["input_ids"].shape[1] == int(lengths[mb.indices].max())
     # A per-sample output (its first token = sample id) comes back in the original order.
     chunks = [mb.data["input_ids"][:, 1:].float() for mb in micro]
-    restored = restore_order(chunks, micro, width=batch["input_ids"].shape[1] - 1)
+    restored = restore_order(chunks, micro, seq_len=batch["input_ids"].shape[1])
     assert torch.equal(restored, batch["input_ids"][:, 1:].float())
 
 
@@ -69,7 +69,7 @@ def test_split_gives_empty_microbatches_when_samples_run_out():
     micro = split_batch(batch, 4)
     assert [mb.indices.tolist() for mb in micro] == [[0], [1], [], []]
     assert micro[2].data is None and micro[3].data is None
-    restored = restore_order([mb.data["input_ids"] for mb in micro[:2]], micro, width=5)
+    restored = restore_order([mb.data["input_ids"] for mb in micro[:2]], micro, seq_len=5)
     assert torch.equal(restored, batch["input_ids"])
 
 

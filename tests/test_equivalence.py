@@ -4,9 +4,9 @@ exactly the collectives the formula predicts. One process group runs every case 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dist_harness import run_distributed
+from numerics import FP32_RTOL, assert_all_close
 from scenarios import EQUIVALENCE_CASES, equivalence_suite_with_reference
 from syncwise.schedule import expected_collectives
 
@@ -20,21 +20,18 @@ def results():
     return run_distributed(equivalence_suite_with_reference, 2, CASES)[0]
 
 
-def _assert_close(a: dict, b: dict, atol: float, what: str) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        diff = (a[name].float() - b[name].float()).abs().max().item()
-        assert torch.allclose(a[name].float(), b[name].float(), atol=atol, rtol=0), f"{what} {name}: {diff}"
+def _assert_close(a: dict, b: dict, what: str) -> None:
+    assert_all_close(a, b, FP32_RTOL, what)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_deferred_gradients_match_per_microbatch(results, case):
-    _assert_close(results[(case, "per_microbatch")]["grads"], results[(case, "deferred")]["grads"], 1e-6, case)
+    _assert_close(results[(case, "per_microbatch")]["grads"], results[(case, "deferred")]["grads"], case)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_params_after_sgd_step_match(results, case):
-    _assert_close(results[(case, "per_microbatch")]["params"], results[(case, "deferred")]["params"], 1e-6, case)
+    _assert_close(results[(case, "per_microbatch")]["params"], results[(case, "deferred")]["params"], case)
 
 
 @pytest.mark.parametrize("case", ["fsdp2", "fsdp1", "ddp"])
@@ -42,7 +39,7 @@ def test_gradients_equal_single_process_full_batch(results, case):
     """The accumulated, rank-averaged gradient is the gradient of the full global batch's loss."""
     reference = results["reference"]
     grads = results[(case, "deferred")]["grads"]
-    _assert_close({k: grads[k] for k in reference}, reference, 1e-6, f"{case} vs full batch")
+    _assert_close({k: grads[k] for k in reference}, reference, f"{case} vs full batch")
 
 
 def test_unused_parameter_gets_no_gradient_in_either_mode(results):

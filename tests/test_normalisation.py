@@ -5,9 +5,9 @@ fixed-size and token-budget micro-batching, both sync modes, on 2 gloo ranks hol
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dist_harness import run_distributed
+from numerics import FP32_RTOL, assert_close
 from scenarios import _clean
 from scenarios_batching import CASES, normalisation_suite
 
@@ -17,11 +17,10 @@ def results():
     return run_distributed(normalisation_suite, 2)[0]
 
 
-def _assert_matches(grads: dict, reference: dict, atol: float = 2e-6) -> None:
+def _assert_matches(grads: dict, reference: dict) -> None:
     assert set(grads) == set(reference)
     for name, ref in reference.items():
-        got = grads[_clean(name)]
-        assert torch.allclose(got, ref, atol=atol, rtol=1e-4), f"{name}: {(got - ref).abs().max().item()}"
+        assert_close(grads[_clean(name)], ref, FP32_RTOL, name)
 
 
 @pytest.mark.parametrize(("kind", "agg", "budget", "mode"), CASES)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
+from numerics import FP32_RTOL, assert_close
 from scenarios import _clean
-from scenarios_batching import PACKING_KINDS, SIZES, packing_suite, skewed_batch
+from scenarios_batching import PACKING_KINDS, ROLLOUT_IS_CASES, SIZES, packing_suite, skewed_batch
 from syncwise.config import AGG_MODES, ModelConfig
 from syncwise.models import build_model
 from syncwise.packing import pack, packable, packs_correctly, unpack
@@ -54,7 +55,7 @@ def test_packed_logits_of_each_sequence_equal_its_unpacked_logits(preset):
         padded = unpack(logits, packing)
         for i, seq in enumerate(seqs):
             alone = model(input_ids=seq[None], use_cache=False).logits[0]
-            assert torch.allclose(padded[i, : len(seq)], alone, atol=1e-5), i
+            assert_close(padded[i, : len(seq)], alone, what=f"sequence {i}")
     assert packs_correctly(type(model), model.config.to_json_string(), "sdpa") is None
 
 
@@ -82,10 +83,9 @@ def results():
     return run_distributed(packing_suite, 2)
 
 
-def _close(a: dict, b: dict, atol: float = 1e-6) -> None:
+def _close(a: dict, b: dict) -> None:
     for name in a:
-        diff = (a[name] - b[name]).abs().max().item()
-        assert torch.allclose(a[name], b[name], atol=atol, rtol=1e-5), f"{_clean(name)}: {diff}"
+        assert_close(a[name], b[name], what=_clean(name))
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
@@ -93,7 +93,7 @@ def _close(a: dict, b: dict, atol: float = 1e-6) -> None:
 def test_packed_gradients_equal_the_padded_path(results, kind, agg):
     packed, padded = results[0][(kind, agg, "true")], results[0][(kind, agg, "false")]
     _close(packed["grads"], padded["grads"])
-    assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-6)
+    assert packed["loss"] == pytest.approx(padded["loss"], rel=FP32_RTOL)  # ~20: one fp32 ulp is 1.9e-6
 
 
 def test_per_sample_log_probs_come_back_in_order(results):
@@ -106,7 +106,7 @@ def test_per_sample_log_probs_come_back_in_order(results):
                                (r[("ppo", "token-mean", "true")]["log_probs"],
                                 r[("ppo", "token-mean", "false")]["log_probs"])):
             assert packed.shape == padded.shape
-            assert torch.allclose(packed[valid], padded[valid], atol=1e-5)
+            assert_close(packed[valid], padded[valid], what="log-probs")
             assert (packed[~valid] == 0).all()
 
 
@@ -142,3 +142,13 @@ def test_a_sequence_longer_than_the_model_allows_is_named():
     with pytest.raises(BatchError, match="batch: sample 1 has 600 tokens, more than the model's "
                                          "max_position_embeddings=512"):
         engine.train_batch({"input_ids": ids * mask, "attention_mask": mask}, sft_loss)
+
+
+@pytest.mark.parametrize(("level", "agg"), ROLLOUT_IS_CASES)
+def test_rollout_importance_correction_packed_equals_padded(results, level, agg):
+    packed, padded = results[0][("is", level, agg, "true")], results[0][("is", level, agg, "false")]
+    _close(packed["grads"], padded["grads"])
+    for key in ("loss", "rollout/is_weight_mean", "rollout/is_capped_fraction", "rollout/is_weight_max"):
+        assert packed["metrics"][key] == pytest.approx(padded["metrics"][key], rel=FP32_RTOL), key
+    assert 0 < packed["metrics"]["rollout/is_capped_fraction"] < 1  # the synthetic mismatch hits the cap
+    assert packed["metrics"]["rollout/is_weight_max"] == pytest.approx(1.5)

@@ -17,6 +17,7 @@ from syncwise.rl.losses import (
     make_policy_loss,
     make_value_loss,
     policy_token_losses,
+    rollout_is_weights,
 )
 
 NORM = Normalizer(tokens=5.0, sequences=2.0, dp_size=1, max_target_len=3.0)
@@ -174,11 +175,146 @@ def test_cispo_bounds_the_weight_from_above_only():
     assert clipped == [0.0, 1.0]
 
 
-def test_k3_log_ratio_is_clamped_before_exp():
-    logp, ref = torch.tensor([0.0]), torch.tensor([-50.0])  # log r = ±50: e^{50} for the reverse order
-    assert kl_penalty(logp, ref, "k3", clamp=10.0).item() == pytest.approx(math.exp(-10) + 10 - 1)
-    assert kl_penalty(ref, logp, "k3", clamp=10.0).item() == pytest.approx(math.exp(10) - 10 - 1)
-    assert kl_penalty(ref, logp, "k3").item() == pytest.approx(math.exp(50) - 50 - 1, rel=1e-5)  # unclamped
+def _reference_low_var_kl(log_prob: float, ref_log_prob: float) -> float:
+    """verl 0.9.1 core_algos.kl_penalty("low_var_kl"), written out: kl = ref - logp clamped to ±20,
+    k3 = e^kl - kl - 1 clamped to [-10, 10]."""
+    kl = min(max(ref_log_prob - log_prob, -20.0), 20.0)
+    return min(max(math.exp(kl) - kl - 1.0, -10.0), 10.0)
+
+
+@pytest.mark.parametrize("d", [-50.0, -12.0, -3.0, -2.5, -1.0, -0.1, 0.0, 0.3, 2.0, 12.0, 50.0])
+def test_k3_equals_the_reference_with_both_clamps(d):
+    """d = log π - log π_ref: value as the reference; gradient zero where the value bound holds it at 10."""
+    logp = torch.tensor([d], dtype=torch.float64, requires_grad=True)
+    k3 = kl_penalty(logp, torch.zeros(1, dtype=torch.float64), "k3")
+    assert k3.item() == pytest.approx(_reference_low_var_kl(d, 0.0), rel=1e-12)
+    k3.sum().backward()
+    bounded = math.exp(-max(d, -20.0)) + max(d, -20.0) - 1.0 >= 10.0
+    expected_grad = 0.0 if bounded else 1.0 - math.exp(-d)
+    assert logp.grad.item() == pytest.approx(expected_grad, rel=1e-12, abs=1e-15)
+
+
+def test_k3_at_the_issue_points_and_without_the_value_bound():
+    assert kl_penalty(torch.tensor([-3.0]), torch.zeros(1), "k3").item() == 10.0  # was 16.09
+    assert kl_penalty(torch.tensor([-12.0]), torch.zeros(1), "k3").item() == 10.0  # was 22015
+    # clamp=0: no value bound, the log-ratio still bounded at ±20 before exp
+    assert kl_penalty(torch.tensor([-50.0]), torch.zeros(1), "k3", clamp=0).item() == pytest.approx(
+        math.exp(20) - 20 - 1, rel=1e-6)
+
+
+def test_ppo_log_ratio_is_bounded_before_exp():
+    """log π - log π_old = 100 (exp overflows fp32): the ratio is e^20 like the reference's, loss finite."""
+    logp = torch.tensor([[100.0, -100.0]], requires_grad=True)
+    loss, _ = policy_token_losses(logp, torch.zeros(1, 2), torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2),
+                                  PolicyLossConfig(kind="ppo"))
+    assert torch.isfinite(loss).all()
+    assert loss[0, 0].item() == pytest.approx(math.exp(20), rel=1e-5)
+    loss.sum().backward()
+    assert logp.grad[0, 0].item() == 0.0  # beyond the bound: no gradient, as the reference's clamp gives
+
+
+def test_gspo_sequence_log_ratio_is_capped_at_10():
+    loss, _ = _ratio_case([math.exp(15.0), math.exp(13.0)], [-1.0, -1.0], kind="gspo")
+    assert loss == pytest.approx([math.exp(10.0)] * 2, rel=1e-5)
+
+
+AWKWARD = [0.1, 0.3, 0.7, 1 / 3, 2 / 3, 0.9, 1e-3, 123.456, -0.7, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_group_with_equal_rewards_gets_exactly_zero_advantage(dtype):
+    for size in range(2, 65):
+        for value in AWKWARD:
+            rewards = torch.full((3 * size,), value, dtype=dtype)
+            rewards[size : 2 * size] = torch.arange(size, dtype=dtype)  # one group with signal between them
+            for adv in (grpo_advantages(rewards, size), grpo_advantages(rewards, size, norm_by_std=False),
+                        rloo_advantages(rewards, size)):
+                assert adv.dtype == torch.float32
+                assert (adv[:size] == 0).all() and (adv[2 * size :] == 0).all(), (size, value)
+                assert (adv[size : 2 * size] != 0).any()
+
+
+def test_a_group_of_one_gets_zero_and_train_refuses_it():
+    from syncwise.config import ConfigError, load_config
+
+    assert grpo_advantages(torch.tensor([0.3, 0.9]), 1).tolist() == [0.0, 0.0]  # its own mean
+    with pytest.raises(ConfigError, match="rl.samples_per_prompt=1: .*group of one has advantage 0"):
+        load_config(None, ["rl.samples_per_prompt=1"])
+
+
+def _is_batch(old: list[float], sampler: list[float]) -> tuple[dict, SimpleNamespace]:
+    """One sequence of len(old) + 1 tokens, every target a response token, current = old (ratio 1)."""
+    outputs = _outputs_for(old)
+    batch = {
+        "input_ids": torch.tensor([[0] + [1] * len(old)]),
+        "old_log_probs": torch.tensor([old]),
+        "rollout_log_probs": torch.tensor([sampler]),
+        "advantages": torch.tensor([1.0]),
+    }
+    return batch, outputs
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_is_weights_are_one_when_sampler_and_trainer_agree(level):
+    old = [math.log(0.5), math.log(0.25), math.log(0.1)]
+    batch, outputs = _is_batch(old, old)
+    norm = Normalizer(tokens=3.0, sequences=1.0, dp_size=1)
+    plain = make_policy_loss(PolicyLossConfig(kind="ppo"))(outputs, batch, norm)
+    corrected = make_policy_loss(PolicyLossConfig(kind="ppo", rollout_is=level))(outputs, batch, norm)
+    assert corrected.loss.item() == pytest.approx(plain.loss.item(), rel=1e-6)
+    assert corrected.metrics["rollout/is_weight_mean"].item() == pytest.approx(1.0, rel=1e-6)
+    assert corrected.metrics["rollout/is_weight_max"].item() == pytest.approx(1.0, rel=1e-6)
+    assert corrected.metrics["rollout/is_capped_fraction"].item() == 0.0
+
+
+def test_rollout_is_on_a_synthetic_mismatch_by_hand():
+    """old - sampler = (0.5, -0.4, 1.2): token weights e^0.5, e^-0.4, 2 (capped); sequence weight
+    e^{1.3} capped at 2 for every token. With ratio 1 and A = 1 each token's PPO loss is -1 and its
+    gradient w.r.t. its log-prob -w, so the token-mean loss is -Σw/3 and d/d logp_j = -w_j/3."""
+    old = [math.log(0.5), math.log(0.25), math.log(0.1)]
+    sampler = [old[0] - 0.5, old[1] + 0.4, old[2] - 1.2]
+    batch, _ = _is_batch(old, sampler)
+    norm = Normalizer(tokens=3.0, sequences=1.0, dp_size=1)
+    logp = torch.tensor([old], requires_grad=True)
+    for level, weights, capped in (("token", [math.exp(0.5), math.exp(-0.4), 2.0], 1 / 3),
+                                   ("sequence", [2.0, 2.0, 2.0], 1.0)):
+        cfg = PolicyLossConfig(kind="ppo", rollout_is=level, rollout_is_cap=2.0)
+        logp.grad = None
+        token_loss, _ = policy_token_losses(logp, batch["old_log_probs"], torch.ones(1, 3), torch.ones(1, 3), cfg)
+        w, c = rollout_is_weights(batch["old_log_probs"], batch["rollout_log_probs"], torch.ones(1, 3), level, 2.0)
+        assert w[0].tolist() == pytest.approx(weights, rel=1e-6)
+        (token_loss * w).mean().backward()
+        assert logp.grad[0].tolist() == pytest.approx([-x / 3 for x in weights], rel=1e-6)
+        # and through the whole loss function, from logits
+        logits = _outputs_for(old).logits.requires_grad_()
+        result = make_policy_loss(cfg)(SimpleNamespace(logits=logits), batch, norm)
+        assert result.loss.item() == pytest.approx(-sum(weights) / 3, rel=1e-5)
+        assert result.metrics["rollout/is_weight_mean"].item() == pytest.approx(sum(weights) / 3, rel=1e-6)
+        assert result.metrics["rollout/is_weight_max"].item() == pytest.approx(max(weights), rel=1e-6)
+        assert result.metrics["rollout/is_capped_fraction"].item() == pytest.approx(capped, rel=1e-6)
+        result.loss.backward()
+        # d loss / d logit of target token 1 at position j = -w_j/3 * (1 - p_j)
+        probs = [math.exp(x) for x in old]
+        got = logits.grad[0, :3, 1].tolist()
+        assert got == pytest.approx([-w_j / 3 * (1 - p) for w_j, p in zip(weights, probs, strict=True)], rel=1e-5)
+
+
+def test_rollout_is_without_the_sampler_log_probs_names_the_key():
+    from syncwise.batching import BatchError
+
+    batch, outputs = _is_batch([math.log(0.5)], [math.log(0.5)])
+    del batch["rollout_log_probs"]
+    with pytest.raises(BatchError, match=r"batch\['rollout_log_probs'\]: rl.loss.rollout_is=token"):
+        make_policy_loss(PolicyLossConfig(rollout_is="token"))(outputs, batch, Normalizer(1.0, 1.0, 1))
+
+
+def test_ppo_kl_is_the_mean_of_old_minus_new():
+    old = [math.log(0.5), math.log(0.25)]
+    batch, outputs = _is_batch(old, old)
+    batch["old_log_probs"] = torch.tensor([[old[0] + 0.3, old[1] - 0.1]])
+    result = make_policy_loss(PolicyLossConfig())(outputs, batch, Normalizer(2.0, 1.0, 1))
+    assert result.metrics["actor/ppo_kl"].item() == pytest.approx((0.3 - 0.1) / 2, rel=1e-5)
+    assert result.metrics["actor/approx_kl"].item() == pytest.approx((0.09 + 0.01) / 2 / 2, rel=1e-5)
 
 
 def test_policy_loss_uses_the_sampling_temperature_and_reports_the_ratio():

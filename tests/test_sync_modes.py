@@ -5,9 +5,9 @@ held bytes equal the estimator (measured by FSDPMemTracker), state restored afte
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dist_harness import run_distributed
+from numerics import BF16_RTOL, FP32_RTOL, assert_close
 from scenarios_modes import FSDP2_MODES, HSDP_MODES, NUM_MICROBATCHES, hsdp_suite, modes_suite
 from syncwise.schedule import expected_collectives
 
@@ -24,23 +24,23 @@ def w4():
     return run_distributed(hsdp_suite, 4)[0]
 
 
-def _close(a: dict, b: dict, atol: float) -> None:
+def _close(a: dict, b: dict, rtol: float = FP32_RTOL) -> None:
     for name in a:
-        assert torch.allclose(a[name].float(), b[name].float(), atol=atol, rtol=0), name
+        assert_close(a[name], b[name], rtol, name)
 
 
 @pytest.mark.parametrize("name", list(FSDP2_MODES))
 def test_fsdp2_mode_gradients_and_update_match_per_microbatch(w2, name):
     reference = w2[("step", "per_microbatch_bf16" if name.endswith("bf16") else "per_microbatch")]
-    atol = 1e-5 if name.endswith("bf16") else 1e-6
-    _close(w2[("step", name)]["grads"], reference["grads"], atol)
-    _close(w2[("step", name)]["params"], reference["params"], atol)
+    rtol = BF16_RTOL if name.endswith("bf16") else FP32_RTOL
+    _close(w2[("step", name)]["grads"], reference["grads"], rtol)
+    _close(w2[("step", name)]["params"], reference["params"], rtol)
 
 
 @pytest.mark.parametrize("mode", HSDP_MODES)
 def test_hsdp_mode_gradients_and_update_match_per_microbatch(w4, mode):
-    _close(w4[("step", mode)]["grads"], w4[("step", "per_microbatch")]["grads"], 1e-6)
-    _close(w4[("step", mode)]["params"], w4[("step", "per_microbatch")]["params"], 1e-6)
+    _close(w4[("step", mode)]["grads"], w4[("step", "per_microbatch")]["grads"])
+    _close(w4[("step", mode)]["params"], w4[("step", "per_microbatch")]["params"])
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_state_restored_after_exception_in_every_mode(w2, w4):
         assert case["error"] == "injected failure in micro-batch 2"
         assert case["flags_restored"], "sync and reshard flags are back"
         assert case["max_param_diff"] < 1e-6
-        assert case["faulty_metrics"]["loss"] == pytest.approx(case["clean_metrics"]["loss"], abs=1e-6)
+        assert case["faulty_metrics"]["loss"] == pytest.approx(case["clean_metrics"]["loss"], rel=FP32_RTOL)
 
 
 def test_auto_picks_by_budget(w2):

@@ -23,6 +23,15 @@ class MicroBatch:
     indices: torch.Tensor  # positions of its samples in the original batch
     data: Batch | None  # None: an empty micro-batch (this rank has fewer samples than micro-batches)
     packing: Packing | None = None  # set when ``data`` is packed into one row (see syncwise.packing)
+    offset: int = 0  # leading columns of the batch trimmed away (left padding no sample of it uses)
+
+    @property
+    def width(self) -> int:
+        """Token columns of the (trimmed) padded micro-batch: per-token outputs have this many, per-target
+        ones one fewer (packed outputs are unpacked to this layout)."""
+        if self.packing is not None:
+            return self.packing.keep.shape[1]
+        return self.data["input_ids"].shape[1] if self.data is not None else 0
 
 
 def batch_size_of(batch: Batch) -> int:
@@ -105,7 +114,7 @@ def capped_bins(lengths: list[int], budget: int, packed: bool) -> list[list[int]
     else:
         position = 0
         while position < len(order):
-            rows = max(1, budget // lengths[order[position]])
+            rows = max(1, budget // max(lengths[order[position]], 1))  # an all-padding row costs a column
             bins.append(order[position : position + rows])
             position += rows
     return [sorted(b) for b in bins]
@@ -193,27 +202,31 @@ def imbalance(weights: list[float], partitions: list[list[int]]) -> float:
     return max(sums) / min(sums) if sums and min(sums) > 0 else float("inf")
 
 
-def _trim(data: Batch) -> Batch:
-    """Drop trailing columns no sample uses (right padding), so a micro-batch is as wide as its longest.
+def _trim(data: Batch) -> tuple[Batch, int]:
+    """Drop the columns no sample uses, right padding and left padding, so a micro-batch is as wide as its
+    longest sequence; returns the trimmed micro-batch and how many leading columns went.
 
-    Per-token tensors ([B, T]) keep ``width`` columns, per-target ones ([B, T-1]: old log-probs,
-    advantages, ...) ``width - 1``; anything else is left alone."""
+    Per-token tensors ([B, T]) keep columns ``[first, last]``, per-target ones ([B, T-1]: old log-probs,
+    advantages, ...) the targets between them ``[first, last)``; anything else is left alone."""
     mask = data.get("attention_mask")
     if mask is None or mask.shape[1] == 0:
-        return data
+        return data, 0
     full = mask.shape[1]
     used = mask.any(dim=0).nonzero()
-    width = max(int(used.max()) + 1 if used.numel() else 1, 2)
-    if width >= full:
-        return data
+    first, last = (int(used.min()), int(used.max())) if used.numel() else (0, 0)
+    last = max(last, first + 1)  # at least one target column
+    if last >= full:
+        first, last = max(0, min(first, full - 2)), full - 1
+    if first == 0 and last == full - 1:
+        return data, 0
     trimmed = {}
     for key, value in data.items():
         if value.dim() >= 2 and value.shape[1] == full:
-            value = value[:, :width]
+            value = value[:, first : last + 1]
         elif value.dim() >= 2 and value.shape[1] == full - 1:
-            value = value[:, : width - 1]
+            value = value[:, first:last]
         trimmed[key] = value
-    return trimmed
+    return trimmed, first
 
 
 def split_batch(
@@ -242,27 +255,38 @@ def split_batch(
     out = []
     for part in parts:
         indices = torch.tensor(part, dtype=torch.long)
-        data = _trim({k: v[indices] for k, v in batch.items()}) if part else None
-        out.append(MicroBatch(indices, data))
+        if part:
+            data, offset = _trim({k: v[indices] for k, v in batch.items()})
+            out.append(MicroBatch(indices, data, offset=offset))
+        else:
+            out.append(MicroBatch(indices, None))
     return out
 
 
-def restore_order(
-    chunks: list[torch.Tensor], micro_batches: list[MicroBatch], width: int | None = None
-) -> torch.Tensor:
+def restore_order(chunks: list[torch.Tensor], micro_batches: list[MicroBatch], seq_len: int) -> torch.Tensor:
     """Concatenate per-micro-batch outputs (one per non-empty micro-batch, in order) and undo the split.
 
-    Dimension 1 may differ between chunks (micro-batches trimmed to their own longest sequence): each is
-    right-padded with zeros to ``width`` (default: the widest chunk).
-    """
+    A per-sample output ([b]) is concatenated as it is. A per-token ([b, w]) or per-target ([b, w-1]) output
+    of a micro-batch trimmed to ``w`` columns goes back to its columns of the batch ([B, seq_len] or
+    [B, seq_len - 1]; zeros where the micro-batch had no columns)."""
     filled = [mb for mb in micro_batches if mb.data is not None]
     if not chunks or len(chunks) != len(filled):
         raise ValueError(f"restore_order: {len(chunks)} chunks for {len(filled)} non-empty micro-batches")
     if chunks[0].dim() > 1:
-        width = width or max(c.shape[1] for c in chunks)
-        chunks = [F.pad(c, (0, 0) * (c.dim() - 2) + (0, width - c.shape[1])) for c in chunks]
+        chunks = [_to_batch_columns(c, mb, seq_len) for c, mb in zip(chunks, filled, strict=True)]
     merged = torch.cat(chunks)
     order = torch.cat([mb.indices for mb in filled])
     restored = torch.empty_like(merged)
     restored[order] = merged
     return restored
+
+
+def _to_batch_columns(value: torch.Tensor, mb: MicroBatch, seq_len: int) -> torch.Tensor:
+    if value.shape[1] == mb.width:
+        total = seq_len
+    elif value.shape[1] == mb.width - 1:
+        total = seq_len - 1
+    else:
+        raise ValueError(f"restore_order: an output of shape {tuple(value.shape)} is neither per token "
+                         f"({mb.width} columns) nor per target ({mb.width - 1}) for its micro-batch")
+    return F.pad(value, (0, 0) * (value.dim() - 2) + (mb.offset, total - mb.offset - value.shape[1]))

@@ -26,6 +26,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 POLICY_LOSSES = ("ppo", "gspo", "pg", "cispo")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+ROLLOUT_IS_LEVELS = ("none", "token", "sequence")
 
 
 class ConfigError(ValueError):
@@ -135,12 +136,18 @@ class PolicyLossConfig:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial model
     kl_estimator: str = "k3"
-    kl_clamp: float = 10.0  # k3: the log-ratio bounded to ±kl_clamp before exp (0: off)
+    kl_clamp: float = 10.0  # k3: its value bounded to ±kl_clamp, zero gradient beyond, as verl (0: off)
+    # Rollout importance correction: each token's policy loss weighted by exp(old - sampler log-prob),
+    # truncated at rollout_is_cap and detached; per token, or one weight per sequence (its summed log-ratio).
+    rollout_is: str = "none"
+    rollout_is_cap: float = 2.0
 
     def validate(self, prefix: str = "rl.loss.") -> PolicyLossConfig:
         _choice(f"{prefix}kind", self.kind, POLICY_LOSSES)
         _choice(f"{prefix}agg", self.agg, AGG_MODES)
         _choice(f"{prefix}kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice(f"{prefix}rollout_is", self.rollout_is, ROLLOUT_IS_LEVELS)
+        _positive(f"{prefix}rollout_is_cap", self.rollout_is_cap)
         if self.dual_clip and self.dual_clip <= 1.0:
             raise ConfigError(f"{prefix}dual_clip: must be > 1 (or 0 to disable), got {self.dual_clip}")
         for name in ("clip_low", "clip_high", "norm_constant", "entropy_coef", "kl_coef", "kl_clamp"):
@@ -217,8 +224,11 @@ class Config:
                 f"rl.mini_batches={self.rl.mini_batches} is more than the {samples} samples each rank has per step "
                 f"(rl.prompts_per_rank x rl.samples_per_prompt)"
             )
-        if self.rl.advantage == "rloo" and self.rl.samples_per_prompt < 2:
-            raise ConfigError("rl.advantage=rloo needs rl.samples_per_prompt >= 2")
+        if self.rl.samples_per_prompt < 2:  # a group of one is its own baseline: advantage 0, nothing to learn
+            raise ConfigError(
+                f"rl.samples_per_prompt=1: rl.advantage={self.rl.advantage} compares samples of one prompt, and a "
+                f"group of one has advantage 0 (no gradient, ever); use rl.samples_per_prompt >= 2"
+            )
         if self.train.checkpoint_every < 0:
             raise ConfigError(f"train.checkpoint_every: must be >= 0, got {self.train.checkpoint_every}")
         _positive("engine.micro_batch_size", self.engine.micro_batch_size)

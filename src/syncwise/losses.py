@@ -55,13 +55,17 @@ def is_maximum(metric: str) -> bool:
 
 
 def target_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Which next-token targets count, shape [B, T-1]: ``loss_mask`` (else ``attention_mask``) shifted."""
-    mask = batch.get("loss_mask")
+    """Which next-token targets count, shape [B, T-1]: ``loss_mask`` (else ``attention_mask``) of the
+    predicted token, where the predicting token is real too -- so a left-padded row never trains
+    "padding -> first token" (the same targets a packed row keeps)."""
+    attention = batch.get("attention_mask")
+    mask = batch.get("loss_mask", attention)
     if mask is None:
-        mask = batch.get("attention_mask")
-    if mask is None:
-        mask = torch.ones_like(batch["input_ids"])
-    return mask[:, 1:].to(torch.float32)
+        return torch.ones_like(batch["input_ids"][:, 1:], dtype=torch.float32)
+    targets = mask[:, 1:].to(torch.float32)
+    if attention is not None:
+        targets = targets * (attention[:, :-1] * attention[:, 1:]).to(torch.float32)
+    return targets
 
 
 # Tokens whose vocabulary-wide fp32 log-softmax exists at once (engine.logprob_chunk_size; 0: all).

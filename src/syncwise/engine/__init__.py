@@ -86,9 +86,9 @@ class Engine:
             unit_traffic(self.memory_model, hsdp), config.engine.reshard_after_forward, config.sync.unsharded_forward,
             hsdp, sharded=self.wrapped.shard_size > 1, strict=config.sync.strict,
         ) if self.wrapped.sharded else None
+        self.supported_modes = supported_modes(self.wrapped.strategy, hsdp)
         self.governor = MemoryGovernor(
-            self.model, self.optimizer, self.info.device, self.memory_model, config.sync,
-            supported_modes(self.wrapped.strategy, hsdp),
+            self.model, self.optimizer, self.info.device, self.memory_model, config.sync, self.supported_modes,
         )
         # What the next step runs: a concrete mode (and, for partial, its units).
         self.active_mode: SyncChoice = self.governor.first_mode or self._configured_choice()
@@ -311,8 +311,19 @@ class Engine:
         self.skipped_steps = int(state["skipped_steps"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self.active_mode = SyncChoice(SyncMode(state["active_mode"]), frozenset(state.get("active_units", ())))
-        self.governor.load_state(state)
+        # The configured sync.mode wins: auto's saved decision is restored only while the config still says
+        # auto, and only where this run can execute it (the strategy or the model may have changed since).
+        saved = SyncChoice(SyncMode(state["active_mode"]), frozenset(state.get("active_units", ())))
+        if self.sync_mode is not SyncMode.AUTO:
+            self.governor.base_peak = state.get("base_peak")  # measured without any mode's extra: still true
+            return
+        units = set(unit_names(self.model, self.wrapped.units))
+        if saved.mode in self.supported_modes and saved.units <= units:
+            self.active_mode = saved
+            self.governor.load_state(state)
+        elif self.info.is_main:
+            print(f"syncwise: the checkpoint's sync mode {saved.label} cannot run here "
+                  f"(engine.strategy={self.config.engine.strategy}); sync.mode=auto decides again", flush=True)
 
 
 def _packing_works(model: nn.Module, say: bool) -> bool:

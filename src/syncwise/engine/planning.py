@@ -34,7 +34,7 @@ class BatchPlan:
 
     micro_batches: list[MicroBatch]  # heaviest first (micro-batch i is the i-th heaviest on every rank)
     normalizer: Normalizer
-    target_width: int  # columns of per-target outputs (log-probs) in the original batch
+    seq_len: int  # columns of the original batch (per-target outputs such as log-probs have one fewer)
     real_tokens: int = 0  # tokens of this rank's samples
     computed_tokens: int = 0  # positions its micro-batches compute (real tokens when packed)
     workloads: list[float] = field(default_factory=list)  # estimated compute of each micro-batch
@@ -112,15 +112,15 @@ def plan_batch(
         packs = packing and packing_pays(lengths, cfg.workload_linear_coef, varlen_attention)
         if packing and not packs and cfg.max_tokens_per_micro_batch > 0:  # padded, it must keep within the cap
             packs = token_cost(lengths, packed=False) > cfg.max_tokens_per_micro_batch
-        computed += token_cost(lengths, packs)
+        computed += token_cost(lengths, packed=True) if packs else mb.data["input_ids"].numel()
         if packs:
-            micro_batches[position] = MicroBatch(mb.indices, *pack(mb.data))
+            micro_batches[position] = MicroBatch(mb.indices, *pack(mb.data), offset=mb.offset)
     norm = Normalizer(
         tokens=float(totals[0]), sequences=float(totals[1]), dp_size=dp_size,
         max_target_len=float(per_rank[:, 1].max()),
     )
     return BatchPlan(
-        micro_batches, norm, target_width=batch["input_ids"].shape[1] - 1,
+        micro_batches, norm, seq_len=batch["input_ids"].shape[1],
         real_tokens=int(sequence_lengths(batch).sum()), computed_tokens=computed, workloads=loads,
     )
 

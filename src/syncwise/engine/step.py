@@ -19,6 +19,19 @@ from ..packing import unpack
 from ..sync import SwitchesFor, apply_switches
 from .planning import BatchPlan
 
+
+def positions_of(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its sequence (as ``generate`` numbers them): left padding does not shift
+    a row, so learned absolute positions (GPT-2) see each sequence as they would alone."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    """A Hugging Face model (under DDP / FSDP1, the wrapped one): it takes ``position_ids``."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return hasattr(config, "to_json_string")
+
+
 SwitchesOf = Callable[[int, int], SwitchesFor]  # (micro-batch index, count) -> switches per unit
 
 
@@ -52,6 +65,8 @@ def forward_microbatch(
         inputs = {"position_ids": positions, **sequence_bounds(positions)}
     else:
         inputs = {"attention_mask": data.get("attention_mask")}
+        if inputs["attention_mask"] is not None and _is_hf_model(model):
+            inputs["position_ids"] = positions_of(inputs["attention_mask"])
     model_out = model(input_ids=data["input_ids"], use_cache=False, **inputs)
     result = loss_fn(model_out, data, norm) if loss_fn is not None else LossOutput(torch.zeros((), device=device))
     if with_log_probs:
@@ -85,7 +100,7 @@ class _Collector:
             | {"batch/real_tokens": float(plan.real_tokens), "batch/computed_tokens": float(plan.computed_tokens)},
             workloads=plan.workloads,
             outputs={
-                k: restore_order(parts, plan.micro_batches, plan.target_width) for k, parts in self.chunks.items()
+                k: restore_order(parts, plan.micro_batches, plan.seq_len) for k, parts in self.chunks.items()
             },
             num_microbatches=len(plan.micro_batches),
             workload_imbalance=_imbalance(plan.workloads),

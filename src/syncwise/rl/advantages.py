@@ -6,33 +6,45 @@ import torch
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Rewards as [groups, group_size] in float64: group statistics of fp32 rewards are then exact sums."""
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(
             f"rewards: expected a 1-D tensor whose length ({rewards.numel()}) is a multiple of the group "
             f"size ({group_size})"
         )
-    return rewards.float().view(-1, group_size)
+    return rewards.double().view(-1, group_size)
+
+
+def _centred(groups: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
+    """``groups - baseline``, exactly 0 in a group whose rewards are all equal: rounding in the mean
+    (fp32 0.7 x 8 has mean 0.69999993) must not turn a group without signal into a systematic push."""
+    uniform = (groups == groups[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(uniform, torch.zeros_like(groups), groups - baseline)
 
 
 def grpo_advantages(
     rewards: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
-    """Per-sample advantages for consecutive groups of ``group_size`` samples of one prompt each:
-    ``(r - mean_group) / (std_group + eps)`` (GRPO), or without the std division (Dr.GRPO)."""
+    """Per-sample advantages (fp32) for consecutive groups of ``group_size`` samples of one prompt each:
+    ``(r - mean_group) / (std_group + eps)`` (GRPO), or without the std division (Dr.GRPO).
+
+    Statistics in float64, and a group whose rewards are all equal gets exactly 0 (the reference engine
+    gives 0.056 for eight rewards of 0.7). A group of one is its own mean: advantage 0, nothing to learn
+    (``syncwise train`` refuses ``rl.samples_per_prompt=1``)."""
     groups = _groups(rewards, group_size)
-    centered = groups - groups.mean(dim=1, keepdim=True)
+    centered = _centred(groups, groups.mean(dim=1, keepdim=True))
     if norm_by_std and group_size > 1:
         centered = centered / (groups.std(dim=1, keepdim=True) + eps)
-    return centered.reshape(-1)
+    return centered.reshape(-1).float()
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Leave-one-out baseline: ``r_i - mean_{j != i} r_j``."""
+    """Leave-one-out baseline: ``r_i - mean_{j != i} r_j`` (float64 statistics; 0 for a uniform group)."""
     if group_size < 2:
         raise ValueError("rloo_advantages: needs group_size >= 2")
     groups = _groups(rewards, group_size)
     others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-    return (groups - others).reshape(-1)
+    return _centred(groups, others).reshape(-1).float()
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

@@ -8,16 +8,19 @@ micro-batch's share of the full-batch loss (see :mod:`syncwise.losses`). Batch k
 - ``old_log_probs``: log-probs of the policy that sampled (missing: on-policy, the current ones detached)
 - ``advantages``: [B] (one per sequence) or [B, T-1]
 - ``ref_log_probs``: for the KL penalty
+- ``rollout_log_probs``: the sampler's log-probs, for the rollout importance correction (``rl.loss.rollout_is``)
 - value loss: ``returns`` and ``values`` (old values); the critic's ``outputs.logits[..., 0]`` are values
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..batching import BatchError
 from ..config import KL_ESTIMATORS, PolicyLossConfig
 from ..losses import (
     LossFn,
@@ -33,24 +36,51 @@ from ..losses import (
 )
 
 __all__ = ["PolicyLossConfig", "ValueLossConfig", "kl_penalty", "make_policy_loss", "make_value_loss",
-           "policy_token_losses"]
+           "policy_token_losses", "rollout_is_weights"]
+
+# verl's bounds (core_algos): a log-ratio beyond ±20 is treated as ±20 before any exponential; GSPO's
+# sequence log-ratio is capped at 10.
+LOG_RATIO_BOUND = 20.0
+GSPO_LOG_RATIO_MAX = 10.0
+
 
 def kl_penalty(
-    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str, clamp: float = 0.0
+    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str, clamp: float = 10.0
 ) -> torch.Tensor:
-    """Per-token KL(π || π_ref) estimates: k1 = log r, k2 = ½ (log r)², k3 = e^{-log r} + log r - 1
-    (r = π / π_ref; k3 is the low-variance, always non-negative estimator). ``clamp`` > 0 bounds k3's
-    log-ratio to ±clamp before the exponential (as verl does), so a far-off token cannot overflow it."""
+    """Per-token KL(π || π_ref) estimates, with d = log π - log π_ref: k1 = d, k2 = ½ d²,
+    k3 = e^{-d} + d - 1 (the low-variance, always non-negative estimator).
+
+    k3 exactly as verl's ``low_var_kl``: d is bounded to ±20 before the exponential, then the k3 *value* to
+    [-``clamp``, ``clamp``] (default 10; 0: no value bound), so a far-off token contributes at most
+    ``clamp`` and no gradient -- rather than e^{|d|}. k1 and k2 are not bounded (nor are they in verl)."""
     log_ratio = log_probs - ref_log_probs
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
     if estimator == "k3":
-        if clamp > 0:
-            log_ratio = log_ratio.clamp(-clamp, clamp)
-        return torch.exp(-log_ratio) + log_ratio - 1.0
+        log_ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        k3 = torch.exp(-log_ratio) + log_ratio - 1.0
+        return k3.clamp(-clamp, clamp) if clamp > 0 else k3
     raise ValueError(f"kl estimator {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+
+
+def rollout_is_weights(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, level: str, cap: float,
+    sequences: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token importance weights, per-token capped indicator) correcting for a sampler that differs from
+    the trainer (verl's rollout correction, TRL's vLLM importance sampling): exp(old - sampler) per token
+    (``token``) or exp(Σ_seq (old - sampler)) for every token of a sequence (``sequence``), truncated at
+    ``cap``; detached. The log-weight is bounded at log(cap) before the exponential, so nothing overflows."""
+    log_ratio = (old_log_probs - rollout_log_probs).detach() * mask
+    if level == "sequence":
+        sums, _ = sequence_sums(log_ratio, mask, sequences)
+        log_ratio = per_position(sums, log_ratio, sequences)
+    elif level != "token":
+        raise ValueError(f"rollout_is: {level!r} is not one of token, sequence")
+    log_cap = math.log(cap)
+    return torch.exp(log_ratio.clamp(max=log_cap)), (log_ratio > log_cap).float()
 
 
 def _per_token(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -64,7 +94,8 @@ def policy_token_losses(
     """(per-token policy-gradient loss, per-token clipped indicator) for ``cfg.kind``. ``sequences``: which
     sequence each position belongs to in a packed row (GSPO's ratio is per sequence)."""
     low, high = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
-    log_ratio = log_probs - old_log_probs
+    # Bounded before exp as the reference does: one token far off the old policy cannot make the ratio inf.
+    log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     if cfg.kind == "pg":
         return -advantages * log_probs, torch.zeros_like(log_probs)
     if cfg.kind == "cispo":
@@ -77,7 +108,7 @@ def policy_token_losses(
         # Sequence-level ratio exp(mean log-ratio); its value per token, gradient through each token.
         sums, counts = sequence_sums(log_ratio, mask, sequences)
         seq_log_ratio = per_position(sums / counts.clamp(min=1), log_ratio, sequences)
-        ratio = torch.exp(seq_log_ratio.detach() + log_probs - log_probs.detach())
+        ratio = torch.exp((seq_log_ratio.detach() + log_probs - log_probs.detach()).clamp(max=GSPO_LOG_RATIO_MAX))
     else:
         ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -95,8 +126,12 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
     """The actor's loss: policy gradient (``cfg.kind``), minus an entropy bonus, plus a KL penalty.
 
     Log-probs and entropy are those of softmax(logits / ``temperature``): the distribution the rollout
-    sampled from (``rl.temperature``), as the old and reference log-probs are. Reports the importance
-    ratio (mean, and per token in ``outputs["ratio"]`` for its max), the clipped fraction and approx KL."""
+    sampled from (``rl.temperature``), as the old and reference log-probs are. With ``cfg.rollout_is``, each
+    token's policy loss is weighted by :func:`rollout_is_weights` (batch key ``rollout_log_probs``).
+
+    Metrics: the importance ratio's mean and max, the clipped fraction, ``actor/approx_kl`` (k2: mean of
+    ½ (new - old)² over response tokens), ``actor/ppo_kl`` (k1: mean of old - new, what verl reports under
+    that name), and with the correction ``rollout/is_weight_mean``, ``_max``, ``rollout/is_capped_fraction``."""
     cfg = (cfg or PolicyLossConfig()).validate()
 
     def loss_fn(outputs: Any, micro_batch: dict[str, torch.Tensor], norm: Normalizer) -> LossOutput:
@@ -111,13 +146,25 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
         advantages = _per_token(micro_batch["advantages"], log_probs)
         sequences = target_sequences(micro_batch)
         token_loss, is_clipped = policy_token_losses(log_probs, old, advantages, mask, cfg, sequences)
+        metrics: dict[str, torch.Tensor] = {}
+        if cfg.rollout_is != "none":
+            sampler = micro_batch.get("rollout_log_probs")
+            if sampler is None:
+                raise BatchError(f"batch['rollout_log_probs']: rl.loss.rollout_is={cfg.rollout_is} needs the "
+                                 f"sampler's per-target log-probs [B, T-1]")
+            weights, capped = rollout_is_weights(old, sampler.float(), mask, cfg.rollout_is, cfg.rollout_is_cap,
+                                                 sequences)
+            token_loss = token_loss * weights
+            metrics["rollout/is_weight_mean"] = aggregate(weights, mask, "token-mean", norm)
+            metrics["rollout/is_weight_max"] = (weights * mask).max() if mask.numel() else mask.new_zeros(())
+            metrics["rollout/is_capped_fraction"] = aggregate(capped, mask, "token-mean", norm)
 
         def agg(values: torch.Tensor) -> torch.Tensor:
             return aggregate(values, mask, cfg.agg, norm, cfg.norm_constant, sequences)
 
         pg = agg(token_loss)
         total = pg
-        metrics: dict[str, torch.Tensor] = {"actor/pg_loss": pg.detach()}
+        metrics["actor/pg_loss"] = pg.detach()
         if cfg.entropy_coef:
             entropy = agg(token_ent)
             total = total - cfg.entropy_coef * entropy
@@ -128,9 +175,10 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
             metrics["actor/kl_loss"] = kl.detach()
         with torch.no_grad():
             log_ratio = log_probs - old
-            ratio = torch.exp(log_ratio) * mask
+            ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)) * mask
             metrics["actor/clip_fraction"] = aggregate(is_clipped, mask, "token-mean", norm)
-            metrics["actor/approx_kl"] = aggregate(0.5 * log_ratio**2, mask, "token-mean", norm)
+            metrics["actor/approx_kl"] = aggregate(0.5 * log_ratio**2, mask, "token-mean", norm)  # k2
+            metrics["actor/ppo_kl"] = aggregate(-log_ratio, mask, "token-mean", norm)  # k1, verl's actor/ppo_kl
             metrics["actor/ratio_mean"] = aggregate(ratio, mask, "token-mean", norm)
             metrics["actor/ratio_max"] = ratio.max() if ratio.numel() else ratio.new_zeros(())  # a maximum
         metrics["loss"] = total.detach()

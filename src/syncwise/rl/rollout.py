@@ -8,6 +8,7 @@ response up to and including its end-of-sequence token, with ``loss_mask`` on th
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -82,11 +83,15 @@ class Rollout:
 def _score(source: PromptSource, row: dict[str, Any], response: str) -> float:
     """The reward of one response; a reward function that fails says so, with the prompt it failed on."""
     try:
-        return float(source.reward_fn(row["prompt"], response, row))
+        reward = float(source.reward_fn(row["prompt"], response, row))
     except Exception as exc:  # user code: any exception
         raise ValueError(
             f"rl.reward_fn: raised {type(exc).__name__}: {exc} (prompt {row['prompt']!r}, response {response!r})"
         ) from exc
+    if not math.isfinite(reward):
+        raise ValueError(f"rl.reward_fn: returned {reward} (prompt {row['prompt']!r}, response {response!r}); "
+                         f"a reward must be a finite number")
+    return reward
 
 
 def _until_eos(ids: torch.Tensor, eos_id: int) -> torch.Tensor:

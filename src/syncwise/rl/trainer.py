@@ -159,6 +159,8 @@ class GRPOTrainer:
         self.rollout.sync_weights()
         batch, sampled = self.rollout.generate(rows, self.source)
         batch["advantages"] = advantages_for(sampled["rewards"], self.config)
+        if rl.loss.rollout_is != "none":
+            batch["rollout_log_probs"] = sampled["log_probs"]
         temperature = rl.temperature
         if self.reference is not None:
             batch["ref_log_probs"] = self.reference.forward_batch(batch, temperature=temperature).outputs["log_probs"]
