@@ -246,6 +246,19 @@ def engine_suite(info) -> dict:
         out["bad_input_error"] = None
     except BatchError as exc:
         out["bad_input_error"] = str(exc)
+    # Keys a loss reads: missing on rank 1, laid out per token instead of per target on rank 0 -- a BatchError
+    # on every rank before any collective, not a KeyError on one rank and a broken connection on the other.
+    from syncwise.rl.losses import make_policy_loss
+
+    rl_batch = {**good, "advantages": torch.ones(good["input_ids"].shape[0])}
+    for case, bad in (("missing_key", {k: v for k, v in rl_batch.items() if k != "advantages"}),
+                      ("wrong_layout", {**rl_batch, "old_log_probs": torch.zeros(good["input_ids"].shape)})):
+        rank_with_it = 1 if case == "missing_key" else 0
+        try:
+            engine.train_batch(bad if info.rank == rank_with_it else rl_batch, make_policy_loss())
+            out[case] = None
+        except BatchError as exc:
+            out[case] = str(exc)
     uneven = make_batch(seed=60, size=6 if info.rank == 0 else 2)
     out["uneven"] = engine.train_batch(uneven, sft_loss)  # rank 1 runs 3 micro-batches, one empty
     out["after_errors"] = engine.train_batch(good, sft_loss)

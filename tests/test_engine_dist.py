@@ -67,6 +67,14 @@ def test_bad_input_on_one_rank_raises_on_every_rank(ranks):
     assert "invalid on 1 other rank" in ranks[0]["bad_input_error"]
 
 
+def test_a_key_the_loss_reads_is_checked_on_every_rank_before_any_collective(ranks):
+    assert ranks[1]["missing_key"] == ("batch['advantages']: missing; the policy loss (rl.loss.kind=ppo) needs it "
+                                       "([B] or [B, T-1])")
+    assert "invalid on 1 other rank" in ranks[0]["missing_key"]
+    assert ranks[0]["wrong_layout"] == "batch['old_log_probs']: shape (6, 16) is not [B, T-1] (input_ids is (6, 16))"
+    assert "invalid on 1 other rank" in ranks[1]["wrong_layout"]
+
+
 def test_uneven_sample_counts_run_the_same_microbatches(ranks):
     """6 samples vs 2 (micro_batch_size 2): both ranks run 3 micro-batches, no hang, collectives match."""
     for r in ranks:

@@ -84,6 +84,24 @@ def test_resumed_run_reproduces_the_uninterrupted_parameters_exactly(runs):
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in reference]
 
 
+@pytest.mark.parametrize(("strategy", "mode"), [("fsdp2", "per_microbatch"), ("fsdp1", "per_microbatch"),
+                                                ("fsdp1", "deferred")])
+def test_resume_runs_the_configured_sync_mode_and_fsdp1_exports(runs, tmp_path, strategy, mode):
+    """The checkpoint of an auto run (which chose deferred_unsharded) resumed with an explicit sync.mode, on
+    FSDP2 and on FSDP1 (which cannot run deferred_unsharded): the configured mode runs, and FSDP1's export
+    at the end of the job loads."""
+    from transformers import AutoModelForCausalLM
+
+    auto_rows = read_jsonl(runs["root"] / "split" / "metrics.jsonl")
+    assert auto_rows[2]["sync/mode"] == "deferred_unsharded"
+    checkpoint = runs["root"] / "split" / "checkpoints" / "step_000003"
+    _train(tmp_path, "train.steps=4", f"train.resume={checkpoint}", f"engine.strategy={strategy}",
+           f"sync.mode={mode}")
+    assert [r["sync/mode"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [mode]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
 def test_two_rank_checkpoint_loads_on_one_rank(runs):
     """DCP reshards: the 2-rank step-3 checkpoint, loaded by a 1-rank job, holds the same parameters."""
     assert "fsdp2 on 1 rank(s)" in runs["one_rank"].stdout

@@ -251,7 +251,10 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path) -> Path | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Offloading gathers the full weights to rank 0's host memory; on a CPU run they are there already, and
+    # FSDP1's offload path segfaults on CPU (torch 2.13, in _full_post_state_dict_hook).
+    offload = engine.info.device.type != "cpu"
+    full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
     rank, _ = rank_and_world()
     out = Path(out_dir)
     if rank == 0:

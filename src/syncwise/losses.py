@@ -48,6 +48,44 @@ class LossOutput:
 
 LossFn = Callable[[Any, dict[str, torch.Tensor], Normalizer], LossOutput]
 
+LAYOUT_SHAPES = {"sample": "[B]", "token": "[B, T]", "target": "[B, T-1]"}
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """A batch tensor a loss function reads: the layouts it may have (``sample`` [B], ``token`` [B, T],
+    ``target`` [B, T-1]; see :func:`syncwise.packing.layout`) and whether the batch must have it."""
+
+    layouts: tuple[str, ...]
+    required: bool = True
+    why: str = ""  # what needs it, for the error
+
+
+def reads(loss_fn: LossFn, **keys: BatchKey) -> LossFn:
+    """Declare the batch keys ``loss_fn`` reads, so the engine checks them with the rest of the batch on
+    every rank, before any collective: a key missing on one rank is then a ``BatchError`` on all of them,
+    not a ``KeyError`` on one and a hang (or a broken connection) on the others."""
+    loss_fn.batch_keys = keys  # type: ignore[attr-defined]
+    return loss_fn
+
+
+def check_batch_keys(batch: dict[str, torch.Tensor], loss_fn: LossFn | None) -> None:
+    """Raise ``BatchError`` naming the first key ``loss_fn`` declares that ``batch`` lacks or lays out wrong."""
+    from .batching import BatchError
+    from .packing import layout
+
+    rows, width = batch["input_ids"].shape
+    for key, spec in (getattr(loss_fn, "batch_keys", None) or {}).items():
+        value = batch.get(key)
+        shapes = " or ".join(LAYOUT_SHAPES[name] for name in spec.layouts)
+        if value is None:
+            if spec.required:
+                raise BatchError(f"batch[{key!r}]: missing; {spec.why or 'the loss'} needs it ({shapes})")
+            continue
+        if layout(value, rows, width) not in spec.layouts:
+            raise BatchError(f"batch[{key!r}]: shape {tuple(value.shape)} is not {shapes} "
+                             f"(input_ids is {tuple(batch['input_ids'].shape)})")
+
 
 def is_maximum(metric: str) -> bool:
     """Whether a loss metric is reduced by maximum (its name ends in ``_max``) rather than summed."""

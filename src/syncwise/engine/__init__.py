@@ -97,7 +97,7 @@ class Engine:
     # ----------------------------------------------------------------------------------------------
     # passes over a batch
     # ----------------------------------------------------------------------------------------------
-    def _plan(self, batch: Batch, require_tokens: bool) -> BatchPlan:
+    def _plan(self, batch: Batch, require_tokens: bool, loss_fn: LossFn | None = None) -> BatchPlan:
         batch = {k: v.to(self.info.device) for k, v in batch.items()} if _is_batch(batch) else batch
         hf = self.hf_config
         return plan_batch(
@@ -105,6 +105,7 @@ class Engine:
             timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, packing=self.packing,
             varlen_attention=str(getattr(hf, "_attn_implementation", "")).startswith(("flash", attention.NAME)),
             vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
+            loss_fn=loss_fn,
         )
 
     def forward_backward_batch(
@@ -124,7 +125,7 @@ class Engine:
             raise ValueError("forward_backward_batch: a loss_fn is needed unless forward_only=True")
         if not self.trainable:
             raise ValueError("this engine was built with trainable=False: forward_only passes only")
-        plan = self._plan(batch, require_tokens=True)
+        plan = self._plan(batch, require_tokens=True, loss_fn=loss_fn)
         try:
             return accumulate(
                 self.model, plan, loss_fn, self._switches_of(self.active_mode), device=self.info.device,
@@ -142,7 +143,7 @@ class Engine:
         """Forward-only pass (log-probs, evaluation): ``log_probs`` [B, T-1] of softmax(logits /
         ``temperature``) always in the outputs, plus what ``loss_fn`` returns. Never touches gradients or
         sync state, also when it fails."""
-        plan = self._plan(batch, require_tokens=False)
+        plan = self._plan(batch, require_tokens=False, loss_fn=loss_fn)
         return forward_only(
             self.model, plan, loss_fn, device=self.info.device, timeout_s=self.config.dist.timeout_s,
             chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature,

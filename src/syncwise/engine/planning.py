@@ -24,7 +24,7 @@ from ..batching import (
 )
 from ..config import EngineConfig
 from ..distributed import agree
-from ..losses import Normalizer, target_mask
+from ..losses import LossFn, Normalizer, check_batch_keys, target_mask
 from ..packing import pack, packable, packing_pays
 
 
@@ -71,15 +71,18 @@ def plan_batch(
     varlen_attention: bool = False,
     vocab_size: int | None = None,
     max_positions: int | None = None,
+    loss_fn: LossFn | None = None,
 ) -> BatchPlan:
     """Validate ``batch``, agree with every rank (one all-reduce), split it into micro-batches, heaviest
     first. With ``packing``, each micro-batch is packed into one row where that computes less than padding
-    it (:func:`~syncwise.packing.packing_pays`): micro-batches without padding stay as they are."""
+    it (:func:`~syncwise.packing.packing_pays`): micro-batches without padding stay as they are. The keys
+    ``loss_fn`` declares (:func:`~syncwise.losses.reads`) are checked with the rest, before the all-reduce."""
     error: BatchError | None = None
     sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]
     try:
         needed = microbatches_needed(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, packing)
         check_model_limits(batch, vocab_size, max_positions)
+        check_batch_keys(batch, loss_fn)
         if packing and (reason := packable(batch)):
             raise BatchError(reason)
         per_sequence = target_mask(batch).sum(dim=1)

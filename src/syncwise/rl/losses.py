@@ -23,11 +23,13 @@ import torch
 from ..batching import BatchError
 from ..config import KL_ESTIMATORS, PolicyLossConfig
 from ..losses import (
+    BatchKey,
     LossFn,
     LossOutput,
     Normalizer,
     aggregate,
     per_position,
+    reads,
     sequence_sums,
     target_mask,
     target_sequences,
@@ -184,7 +186,14 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
         metrics["loss"] = total.detach()
         return LossOutput(loss=total * norm.dp_size, metrics=metrics, outputs={"log_probs": log_probs.detach()})
 
-    return loss_fn
+    why = f"the policy loss (rl.loss.kind={cfg.kind})"
+    keys = {"advantages": BatchKey(("sample", "target"), why=why),
+            "old_log_probs": BatchKey(("target",), required=False)}
+    if cfg.kl_coef:
+        keys["ref_log_probs"] = BatchKey(("target",), why=f"the KL penalty (rl.loss.kl_coef={cfg.kl_coef})")
+    if cfg.rollout_is != "none":
+        keys["rollout_log_probs"] = BatchKey(("target",), why=f"rl.loss.rollout_is={cfg.rollout_is}")
+    return reads(loss_fn, **keys)
 
 
 @dataclass
@@ -216,4 +225,7 @@ def make_value_loss(cfg: ValueLossConfig | None = None) -> LossFn:
                    "critic/vf_clip_fraction": aggregate(clipped, mask, "token-mean", norm).detach()}
         return LossOutput(loss=share * norm.dp_size, metrics=metrics, outputs={"values": values.detach()})
 
-    return loss_fn
+    keys = {"returns": BatchKey(("target",), why="the value loss")}
+    if cfg.clip:
+        keys["values"] = BatchKey(("target",), why=f"the value loss's clipping (clip={cfg.clip})")
+    return reads(loss_fn, **keys)
