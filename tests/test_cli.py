@@ -43,3 +43,17 @@ def test_config_error_exits_2_before_spawning(tmp_path):
     assert proc.returncode == 2
     assert "config error: engine.strategy: 'fsdp3' is not one of fsdp2, fsdp1, ddp, none" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_quick_is_the_small_version_of_either_workload():
+    from syncwise.bench import BenchSpec
+    from syncwise.bench_rl import RLBenchSpec
+    from syncwise.cli import bench_job, build_parser
+
+    _, rl_quick = bench_job(build_parser().parse_args(["bench", "--workload", "rl", "--quick"]))
+    assert rl_quick == RLBenchSpec.quick("runs/bench_rl") and rl_quick != RLBenchSpec()
+    assert rl_quick.presets == ["qwen2-tiny"] and rl_quick.sequences < RLBenchSpec().sequences
+    _, rl_custom = bench_job(build_parser().parse_args(["bench", "--workload", "rl", "--quick", "--repeats", "4"]))
+    assert rl_custom.repeats == 4 and rl_custom.presets == ["qwen2-tiny"]
+    _, modes_quick = bench_job(build_parser().parse_args(["bench", "--quick"]))
+    assert modes_quick == BenchSpec.quick("runs/bench")

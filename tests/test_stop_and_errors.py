@@ -128,6 +128,67 @@ def test_background_job_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
     _assert_stopped(out, stdout, stderr, "SIGTERM")
 
 
+def _wait_for_ranks(job: subprocess.Popen, count: int = 2) -> set[int]:
+    """Until the launcher has spawned ``count`` ranks (an event: they are still importing torch then)."""
+    while True:
+        ranks = set()
+        for pid in child_pids(job.pid, descendants=True):
+            try:
+                if "pipe_handle" in Path(f"/proc/{pid}/cmdline").read_text():
+                    ranks.add(pid)
+            except OSError:
+                continue
+        if len(ranks) >= count:
+            return ranks
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize(("signame", "target"), [("SIGINT", "group"), ("SIGTERM", "launcher")])
+def test_signal_while_ranks_still_import_is_a_clean_stop(tmp_path, signame, target):
+    """Ctrl-C (or SIGTERM) the moment the ranks exist, before they could install a handler: the launcher
+    started them with the signals blocked, so it waits for them and becomes a stop request -- the first step
+    boundary checkpoints, exit 130 / 143, one line, no KeyboardInterrupt traceback, no "rank died"."""
+    out = tmp_path / "run"
+    job = _start(_train(out))
+    ranks = _wait_for_ranks(job)
+    signum = getattr(signal, signame)
+    os.killpg(job.pid, signum) if target == "group" else os.kill(job.pid, signum)
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 128 + signum, stderr[-3000:]
+    _assert_stopped(out, stdout, stderr, signame)
+    assert "died" not in stderr and "KeyboardInterrupt" not in stderr
+    _assert_all_gone(ranks)
+
+
+def test_second_ctrl_c_kills_the_ranks_and_says_so(tmp_path):
+    out = tmp_path / "run"
+    job = _start(_train(out))
+    _wait_for_steps(out, 2, job)
+    ranks = set(child_pids(job.pid, descendants=True))
+    os.killpg(job.pid, signal.SIGINT)
+    os.killpg(job.pid, signal.SIGINT)
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "died" not in stderr
+    # Either the ranks were killed first, or they had already stopped at the step boundary:
+    assert ("syncwise: stopped by a second SIGINT: ranks killed before a step boundary" in stderr
+            or "syncwise: stopped by SIGINT after step" in stdout), (stdout, stderr)
+    _assert_all_gone(ranks)
+
+
+def test_bench_stops_on_sigterm(tmp_path):
+    job = _start([sys.executable, "-m", "syncwise", "bench", "--presets", "qwen2-test", "--microbatches", "2",
+                  "--warmup", "1", "--repeats", "100000", "--seq-len", "16", "--out", str(tmp_path)])
+    ranks = _wait_for_ranks(job)
+    os.kill(job.pid, signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 143, stderr[-3000:]
+    assert "syncwise: bench stopped by SIGTERM in round" in stdout and "no results written" in stdout
+    assert "Traceback" not in stderr
+    _assert_all_gone(ranks)
+
+
 def test_sigint_under_torchrun(tmp_path):
     """torchrun forwards the signal to its workers: they stop at the same step boundary, checkpoint it,
     rank 0 prints the line once and both exit 130; torchrun then reports the signal itself (its own

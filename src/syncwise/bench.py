@@ -17,6 +17,7 @@ PNG plots.
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +35,7 @@ from .engine import Engine
 from .losses import sft_loss
 from .models import PRESETS, build_model, count_parameters, decoder_layers
 from .modes import MODES, SyncMode
+from .signals import JobStopped, agreed_stop
 
 # Every whole-model mode plain FSDP2 runs (the table's order), and auto; partial on request (--modes).
 ENGINE_MODES = tuple(
@@ -116,13 +118,18 @@ def _engine(preset: str, mode: str, info: DistInfo) -> Engine:
     return Engine(cfg, build_model(cfg.model), info)
 
 
-def time_interleaved(entries: list[dict[str, Any]], warmup: int, repeats: int) -> None:
+def time_interleaved(entries: list[dict[str, Any]], warmup: int, repeats: int, info: DistInfo) -> None:
     """One step of every entry per round, in an order rotated each round (machine drift hits all alike);
     each entry's ``times`` gets its timed steps, ``metrics`` its engine's last metrics and
-    ``first_metrics`` its first step's (the one whose memory peak the engine measures)."""
-    for round_index in range(warmup + repeats):
+    ``first_metrics`` its first step's (the one whose memory peak the engine measures). Ctrl-C / SIGTERM
+    stop it before the next step (agreed by every rank, outside the timed part): :class:`JobStopped`."""
+    rounds = warmup + repeats
+    for round_index in range(rounds):
         shift = round_index % len(entries)
         for entry in entries[shift:] + entries[:shift]:
+            if signum := agreed_stop(info.device, 600.0):
+                raise JobStopped(signum, f"syncwise: bench stopped by {signal.Signals(signum).name} in round "
+                                         f"{round_index + 1} of {rounds}; no results written")
             dist.barrier()
             start = time.perf_counter()
             runner = entry["runner"]
@@ -154,7 +161,7 @@ def run_bench(info: DistInfo, spec: BenchSpec) -> list[dict[str, Any]]:
                 batch = _batch(n, spec.seq_len, _vocab(preset), info.rank)
                 entries.append({"preset": preset, "params": params, "microbatches": n, "config": name,
                                 "runner": runner, "batch": batch, "times": [], "metrics": {}})
-        time_interleaved(entries, spec.warmup, spec.repeats)
+        time_interleaved(entries, spec.warmup, spec.repeats, info)
         engine = next((e["runner"] for e in entries if isinstance(e["runner"], Engine)), None)
         minimum = minimum_collectives_s(engine, info) if engine is not None else None
         for entry in entries:

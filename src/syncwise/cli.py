@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from .config import ConfigError, config_to_dict, load_config
 from .distributed import launched_by_torchrun
@@ -52,6 +53,26 @@ def _launch(worker, nproc: int, payload: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # the ranks inherit it
+    if args.command == "plan":
+        return _run_plan(args)
+    if args.command == "train":
+        from .rl.trainer import train_worker
+
+        return _run_job(train_worker, args, "train", default_config="grpo.yaml")
+    if args.command == "sft":
+        from .sft import sft_worker
+
+        return _run_job(sft_worker, args, "sft")
+    if args.command == "bench":
+        return _run_bench(args)
+    return 1  # pragma: no cover - argparse rejects unknown commands
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="syncwise", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="print the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,22 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="measure latency and bandwidth with a sweep of collectives on --nproc local ranks")
     plan.add_argument("--nproc", type=int, default=2, help="local ranks for --calibrate")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    args = parser.parse_args(argv)
-    if args.debug:
-        os.environ[DEBUG_ENV] = "1"  # the ranks inherit it
-    if args.command == "plan":
-        return _run_plan(args)
-    if args.command == "train":
-        from .rl.trainer import train_worker
-
-        return _run_job(train_worker, args, "train", default_config="grpo.yaml")
-    if args.command == "sft":
-        from .sft import sft_worker
-
-        return _run_job(sft_worker, args, "sft")
-    if args.command == "bench":
-        return _run_bench(args)
-    return 1  # pragma: no cover - argparse rejects unknown commands
+    return parser
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -138,11 +144,19 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     import dataclasses
 
+    worker, spec = bench_job(args)
+    return _launch(worker, args.nproc, dataclasses.asdict(spec))
+
+
+def bench_job(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The bench worker and its spec for the parsed ``syncwise bench`` arguments (``--quick``: the small
+    version of either workload; explicit options override it)."""
     from .bench import BenchSpec, bench_worker
     from .bench_rl import RLBenchSpec, bench_rl_worker
 
     if args.workload == "rl":
-        spec = RLBenchSpec(out_dir=args.out if args.out != "runs/bench" else "runs/bench_rl")
+        out = args.out if args.out != "runs/bench" else "runs/bench_rl"
+        spec = RLBenchSpec.quick(out) if args.quick else RLBenchSpec(out_dir=out)
         names, worker = ("presets", "repeats", "warmup", "sequences"), bench_rl_worker
     else:
         spec = BenchSpec.quick(args.out) if args.quick else BenchSpec(out_dir=args.out)
@@ -152,7 +166,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None:
             setattr(spec, name, value)
-    return _launch(worker, args.nproc, dataclasses.asdict(spec))
+    return worker, spec
 
 
 if __name__ == "__main__":

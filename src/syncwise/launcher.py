@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .signals import STOP_SIGNALS, JobStopped, StopRequest
+from .signals import IGNORED_ENV, STOP_SIGNALS, JobStopped, StopRequest, ignored_at_start
 
 REPORT_DIR_ENV = "SYNCWISE_REPORT_DIR"
 DEBUG_ENV = "SYNCWISE_DEBUG"
@@ -83,6 +83,7 @@ def rank_main(fn: Callable[..., Any], *args: Any) -> int:
     from tqdm import tqdm
 
     StopRequest.install()
+    _adopt_earlier_stop()
     # tqdm's default lock is a multiprocessing semaphore, which a rank that ends with ``os._exit`` would
     # leave behind (the resource tracker then warns at exit); one rank's bars need only a thread lock.
     tqdm.set_lock(threading.RLock())
@@ -117,6 +118,18 @@ def leave(code: int) -> None:
     os._exit(code)
 
 
+STOP_FILE = "stop"  # in the report folder: the signal the launcher received (written before it forwards it)
+
+
+def _adopt_earlier_stop() -> None:
+    """A signal the local launcher received while this rank still ignored it (it was importing) is a stop
+    request all the same. Read after the handlers are installed: any signal forwarded later is caught."""
+    folder = os.environ.get(REPORT_DIR_ENV)
+    stop = Path(folder) / STOP_FILE if folder else None
+    if stop is not None and stop.exists():
+        StopRequest.received = StopRequest.received or int(stop.read_text())
+
+
 def _write_report(folder: Path, report: ErrorReport) -> None:
     tmp = folder / f".rank{report.rank}.json"
     tmp.write_text(json.dumps(asdict(report)))
@@ -149,6 +162,9 @@ def free_port() -> int:
 
 
 def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    # The launcher started this rank with SIGINT / SIGTERM ignored, so that a Ctrl-C while it was still
+    # importing could not end it with a KeyboardInterrupt traceback; rank_main makes them stop requests and
+    # adopts one the launcher received before.
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -170,12 +186,15 @@ class JobResult:
 
 
 class _Supervisor:
-    """Passes signals to the ranks (the first asks them to stop, a second kills them) and reaps them."""
+    """Passes signals to the ranks (the first asks them to stop, a second kills them) and reaps them,
+    noting which ranks it killed itself and in which order the others ended."""
 
-    def __init__(self, processes: list[multiprocessing.Process]):
-        self.processes = processes
+    def __init__(self, processes: list[multiprocessing.Process], folder: Path):
+        self.processes, self.folder = processes, folder
         self.signals: list[int] = []
         self.previous: dict[int, Any] = {}
+        self.killed: set[int] = set()  # ranks the launcher killed (a second signal, or after a failure)
+        self.ended: list[int] = []  # ranks in the order they were seen to end on their own
 
     def __enter__(self) -> _Supervisor:
         for signum in STOP_SIGNALS:
@@ -190,23 +209,52 @@ class _Supervisor:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signals.append(signum)
-        for process in self.alive():
-            os.kill(process.pid, signum if len(self.signals) == 1 else signal.SIGKILL)
+        if len(self.signals) == 1:  # for ranks still ignoring it; before forwarding (see _adopt_earlier_stop)
+            (self.folder / f".{STOP_FILE}").write_text(str(signum))
+            (self.folder / f".{STOP_FILE}").replace(self.folder / STOP_FILE)
+        for rank, process in enumerate(self.processes):
+            if process in self.alive():
+                if len(self.signals) > 1:
+                    self.killed.add(rank)
+                os.kill(process.pid, signum if len(self.signals) == 1 else signal.SIGKILL)
+
+    def start(self) -> None:
+        """Start every rank with the stop signals ignored (a disposition a spawned process inherits): until
+        :func:`rank_main` handles them, a signal cannot end it mid-import. Meanwhile the launcher's own
+        signals are blocked, so they stay pending for its handler (Linux keeps a blocked signal pending even
+        while it is ignored)."""
+        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
+        try:
+            for process in self.processes:
+                process.start()
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
 
     def alive(self) -> list[multiprocessing.Process]:
         return [p for p in self.processes if p.exitcode is None and p.is_alive()]
 
     def kill_all(self) -> None:
-        for process in self.alive():
-            process.kill()
+        for rank, process in enumerate(self.processes):
+            if process in self.alive():
+                self.killed.add(rank)
+                process.kill()
         for process in self.processes:
             process.join()
+
+    def _note_ended(self) -> None:
+        for rank, process in enumerate(self.processes):
+            if process.exitcode is not None and rank not in self.ended and rank not in self.killed:
+                self.ended.append(rank)
 
     def wait(self) -> None:
         """Until every rank has exited; after the first failure, the rest get FAILURE_GRACE_S."""
         deadline = None
         while alive := self.alive():
             multiprocessing.connection.wait([p.sentinel for p in alive], timeout=1.0)
+            self._note_ended()
             failed = any(p.exitcode not in (None, 0) and p.exitcode < 128 for p in self.processes)
             if failed and deadline is None:
                 deadline = time.monotonic() + FAILURE_GRACE_S
@@ -225,32 +273,52 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> JobResult:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     folder = Path(tempfile.mkdtemp(prefix="syncwise-reports-"))
     os.environ[REPORT_DIR_ENV] = str(folder)
+    os.environ[IGNORED_ENV] = ",".join(str(int(s)) for s in sorted(ignored_at_start()))
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=_local_entry, args=(r, nproc, port, fn, args)) for r in range(nproc)]
     try:
-        with _Supervisor(processes) as supervisor:
-            for process in processes:
-                process.start()
+        with _Supervisor(processes, folder) as supervisor:
+            supervisor.start()
             supervisor.wait()
         reports = [ErrorReport(**json.loads(p.read_text())) for p in sorted(folder.glob("rank*.json"))]
     finally:
         os.environ.pop(REPORT_DIR_ENV, None)
+        os.environ.pop(IGNORED_ENV, None)
         shutil.rmtree(folder, ignore_errors=True)
-    return _outcome(processes, reports, nproc)
+    return _outcome([p.exitcode for p in processes], reports, nproc, supervisor)
 
 
-def _outcome(processes: list[multiprocessing.Process], reports: list[ErrorReport], nproc: int) -> JobResult:
-    codes = [p.exitcode for p in processes]
+CLEAN_STOP_CODES = (0, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
+def _outcome(codes: list[int], reports: list[ErrorReport], nproc: int, supervisor: _Supervisor) -> JobResult:
+    """The job's exit status and what the user reads. The root cause, in order: an error a rank reported
+    that is not a consequence of another's failure; else a rank that died on its own without a report
+    (killed by the kernel, a segfault: its peers then report only a broken connection); else the earliest
+    report. Ranks the launcher killed itself are never the cause."""
     if all(code == 0 for code in codes):
         return JobResult(0, [], [])
-    if not reports and all(code in (0, 130, 143) for code in codes):
+    if len(supervisor.signals) > 1 and not [r for r in reports if not r.secondary]:
+        name = signal.Signals(supervisor.signals[0]).name
+        lines = [f"syncwise: stopped by a second {name}: ranks killed before a step boundary; no new checkpoint "
+                 f"(rerun with train.resume=auto to go on from the last one)"]
+        print(lines[0], file=sys.stderr, flush=True)
+        return JobResult(128 + supervisor.signals[0], reports, lines)
+    if not reports and all(code in CLEAN_STOP_CODES for code in codes):
         return JobResult(max(codes), [], [])  # a clean stop: rank 0 said where the checkpoint is
-    if reports:
-        lines = error_lines(root_cause(reports), nproc)
+    reported = {r.rank for r in reports}
+    died = [rank for rank in supervisor.ended
+            if codes[rank] not in CLEAN_STOP_CODES and rank not in reported and rank not in supervisor.killed]
+    primary = [r for r in reports if not r.secondary]
+    if primary or not died:
+        lines = error_lines(root_cause(reports), nproc) if reports else [
+            f"syncwise: error: the ranks ended with exit statuses {codes} without a report"]
     else:
-        rank = next(r for r, code in enumerate(codes) if code not in (0, 130, 143))
+        rank = died[0]
         how = f"signal {signal.Signals(-codes[rank]).name}" if codes[rank] < 0 else f"exit status {codes[rank]}"
         lines = [f"syncwise: error: rank {rank} of {nproc} died ({how}) without a report"]
+        if reports:  # what its peers saw, so the broken connection they report is not mistaken for the cause
+            lines.append(f"syncwise: the other rank(s) then lost their connection to it: {reports[0].message[:160]}")
     for line in lines:
         print(line, file=sys.stderr, flush=True)
     if debug_enabled() and reports:

@@ -8,10 +8,14 @@ writes a checkpoint and raises :class:`JobStopped`, and the process exits with 1
 
 from __future__ import annotations
 
+import os
 import signal
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Set by the local launcher, which starts its ranks with the stop signals ignored (see launcher.py): the
+# signals *it* was started with ignored, which its ranks must keep ignoring.
+IGNORED_ENV = "SYNCWISE_IGNORED_SIGNALS"
 
 
 class JobStopped(Exception):
@@ -38,12 +42,29 @@ class StopRequest:
         meant for the foreground does not stop it."""
         cls.received = 0
         for signum in STOP_SIGNALS:
-            if signal.getsignal(signum) is not signal.SIG_IGN:
+            if signum not in ignored_at_start():
                 signal.signal(signum, cls._handle)
 
     @classmethod
     def _handle(cls, signum: int, frame: FrameType | None) -> None:
         cls.received = cls.received or signum
+
+
+def ignored_at_start() -> set[int]:
+    """The stop signals this job was started with ignored: as the local launcher says, else as now."""
+    inherited = os.environ.get(IGNORED_ENV)
+    if inherited is not None:
+        return {int(s) for s in inherited.split(",") if s}
+    return {s for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_IGN}
+
+
+def agreed_stop(device, timeout_s: float) -> int:
+    """Collective: the stop signal any rank received (0: none), the same on every rank -- for loops that run
+    no engine step (benchmarks) to stop at an agreed point instead of leaving a peer in a collective."""
+    from .distributed import agree
+
+    _, per_rank = agree([], [float(StopRequest.received)], "the stop-request all-reduce", device, timeout_s)
+    return int(per_rank.max())
 
 
 def stopped(signum: int, done: int, total: int, where: str) -> JobStopped:
