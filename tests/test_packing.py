@@ -152,3 +152,39 @@ def test_rollout_importance_correction_packed_equals_padded(results, level, agg)
         assert packed["metrics"][key] == pytest.approx(padded["metrics"][key], rel=FP32_RTOL), key
     assert 0 < packed["metrics"]["rollout/is_capped_fraction"] < 1  # the synthetic mismatch hits the cap
     assert packed["metrics"]["rollout/is_weight_max"] == pytest.approx(1.5)
+
+
+def test_the_packing_check_shrinks_gpt2_style_configs():
+    """A gpt2-medium-shaped config is checked on one narrow layer, not built at full size on every rank."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from syncwise.packing import _one_small_layer
+
+    medium = GPT2Config(n_layer=24, n_embd=1024, n_head=16)
+    small = _one_small_layer(medium.to_dict())
+    assert (small["n_layer"], small["n_embd"], small["n_head"], small["n_inner"]) == (1, 64, 4, 128)
+    assert packs_correctly(GPT2LMHeadModel, medium.to_json_string(), "sdpa") is None
+
+
+def test_a_sliding_window_is_honoured_when_packed():
+    """Mistral with a window shorter than the check's sequences: the packed row gives each sequence the
+    logits it has alone (sdpa_varlen applies the window), so packing stays on."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from syncwise import attention
+
+    attention.register()
+    config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=3)
+    assert packs_correctly(MistralForCausalLM, config.to_json_string(), attention.NAME) is None
+    torch.manual_seed(0)
+    config._attn_implementation = attention.NAME
+    model = MistralForCausalLM(config).eval()
+    seqs = [torch.randint(1, 512, (n,)) for n in (9, 2, 6)]
+    positions = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad():
+        alone = [model(input_ids=s[None]).logits[0] for s in seqs]
+        packed = model(input_ids=torch.cat(seqs)[None], position_ids=positions,
+                       **attention.sequence_bounds(positions)).logits[0]
+    for part, reference in zip(packed.split([9, 2, 6]), alone, strict=True):
+        assert_close(part, reference)

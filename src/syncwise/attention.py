@@ -29,7 +29,9 @@ def varlen_sdpa_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Per-sequence causal sdpa over a packed row [1, heads, N, dim] split at ``cu_seq_lens_q``; plain
-    sdpa (with ``attention_mask``) for anything else."""
+    sdpa (with ``attention_mask``) for anything else. A ``sliding_window`` (Mistral, Qwen2's sliding
+    layers) is honoured: a token attends to itself and the ``window - 1`` before it, as transformers'
+    own sliding-window mask has it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     bounds = kwargs.get("cu_seq_lens_q")
@@ -40,12 +42,17 @@ def varlen_sdpa_attention(
     if groups > 1:  # grouped-query attention: every query head reads its key/value head
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     dropout = dropout if module.training else 0.0
+    window = kwargs.get("sliding_window")
     parts = []
     for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-        parts.append(F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], dropout_p=dropout, scale=scaling,
-            is_causal=True,
-        ))
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        if window and end - start > window:
+            offsets = torch.arange(end - start, device=query.device)
+            distance = offsets[:, None] - offsets[None, :]  # query position - key position
+            band = (distance >= 0) & (distance < window)
+            parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout, scale=scaling))
+        else:
+            parts.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -170,9 +170,14 @@ def packs_correctly(model_class: type, config_json: str, attn_implementation: st
 
 
 def _one_small_layer(config: dict) -> dict:
-    """The config with one narrow layer (the vocabulary is kept: special token ids must stay valid)."""
+    """The config with one narrow layer, under the names of Llama-style and GPT-2-style configs alike (the
+    vocabulary is kept: special token ids must stay valid; a sliding window too, shrunk below the check's
+    sequences so that it is exercised)."""
     small = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 16, "layer_types": None}
+             "num_key_value_heads": 2, "head_dim": 16, "layer_types": None,
+             "n_layer": 1, "n_embd": 64, "n_inner": 128, "n_head": 4}
+    if config.get("sliding_window"):
+        small["sliding_window"] = 4
     config.update({key: value for key, value in small.items() if key in config})
     config.pop("architectures", None)
     return config
