@@ -333,3 +333,14 @@ def test_policy_loss_uses_the_sampling_temperature_and_reports_the_ratio():
     assert result.metrics["actor/ratio_mean"].item() == pytest.approx(sum(ratios) / 3, rel=1e-5)
     assert result.metrics["actor/ratio_max"].item() == pytest.approx(math.exp(0.2), rel=1e-5)
     assert result.metrics["actor/approx_kl"].item() == pytest.approx((0.01 + 0.04) / 2 / 3, rel=1e-4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_reward_names_the_reward_function(bad):
+    from syncwise.rl.rollout import _score
+    from syncwise.rl.tasks import PromptSource
+
+    source = PromptSource([], lambda prompt, response, row: bad)
+    with pytest.raises(ValueError, match=r"rl.reward_fn: returned (nan|inf) \(prompt 'target 3 :', response '7'\); "
+                                         r"a reward must be a finite number"):
+        _score(source, {"prompt": "target 3 :"}, "7")
