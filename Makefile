@@ -24,6 +24,7 @@ demo: $(BIN)/.installed
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest -q

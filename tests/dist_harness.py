@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from syncwise.distributed import init_distributed, shutdown
-from syncwise.launcher import launch_local
+from syncwise.runtime.distributed import init_distributed, shutdown
+from syncwise.runtime.launcher import launch_local
 
 # A hang becomes an error after this long, so a broken test fails instead of stalling CI.
 COLLECTIVE_TIMEOUT_S = 120.0

@@ -9,10 +9,10 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
 from syncwise.config import load_config
-from syncwise.counting import count_collectives
 from syncwise.engine import Engine
 from syncwise.losses import sft_loss
 from syncwise.models import build_model
+from syncwise.sync.counting import count_collectives
 
 VOCAB = 512  # the qwen2-test / llama-test presets
 
@@ -164,8 +164,8 @@ def equivalence_suite_with_reference(info, cases: list[str]) -> dict:
 
 
 def _sync_flags_all_on(engine: Engine) -> bool:
-    from syncwise.fsdp_internals import fsdp2_units
-    from syncwise.fsdp_internals import sync_flags as fsdp2_sync_flags
+    from syncwise.sync.fsdp_internals import fsdp2_units
+    from syncwise.sync.fsdp_internals import sync_flags as fsdp2_sync_flags
 
     return all(flags == (True, True) for u in fsdp2_units(engine.model) for flags in fsdp2_sync_flags(u))
 
@@ -206,7 +206,7 @@ def recovery_case(info, strategy: str, mode: str) -> dict:
 
 def engine_suite(info) -> dict:
     """train_batch metrics, recovery after an exception, forward-only passes, bad input, state dicts."""
-    from syncwise.batching import BatchError
+    from syncwise.data.batching import BatchError
 
     out: dict = {}
     for strategy in ("fsdp2", "fsdp1"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from scenarios import engine_config, full_params, make_batch
-from syncwise.batching import BatchError
+from syncwise.data.batching import BatchError
 from syncwise.engine import CollectiveTimeout, Engine
 from syncwise.losses import LossOutput, sft_loss
 from syncwise.models import build_model

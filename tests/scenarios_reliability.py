@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 
 from scenarios import engine_config, full_grads, full_params, make_batch
-from syncwise.batching import BatchError
-from syncwise.counting import count_collectives
+from syncwise.data.batching import BatchError
 from syncwise.engine import Engine
 from syncwise.losses import sft_loss
-from syncwise.memory import unsharded_param_bytes
+from syncwise.memory.accounting import unsharded_param_bytes
+from syncwise.memory.schedule import FORWARD_ALL_REDUCES, forward_traffic, uniform_units
 from syncwise.models import build_model
-from syncwise.schedule import FORWARD_ALL_REDUCES, forward_traffic, uniform_units
+from syncwise.sync.counting import count_collectives
 
 
 def budgets_differ(info) -> list[dict]:

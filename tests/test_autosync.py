@@ -3,10 +3,10 @@ candidates in order of speed, partial(K) among them, and stepping down one unit 
 
 from __future__ import annotations
 
-from syncwise.autosync import AutoSync
-from syncwise.costs import Links, candidates, deferral_order
-from syncwise.memory import ShardedModel
-from syncwise.modes import SyncChoice, SyncMode, supported_modes
+from syncwise.memory.accounting import ShardedModel
+from syncwise.memory.autosync import AutoSync
+from syncwise.memory.costs import Links, candidates, deferral_order
+from syncwise.sync.modes import SyncChoice, SyncMode, supported_modes
 
 # A root of 1000 elements and four layers of 4000: shard group of 2, fp32.
 MODEL = ShardedModel(unit_shapes=(((1000,),),) + (((4000,),),) * 4, shard_size=2)

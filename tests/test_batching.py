@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncwise.batching import (
+from syncwise.data.batching import (
     BatchError,
     capped_bins,
     imbalance,

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from syncwise.schedule import expected_collectives
+from syncwise.memory.schedule import expected_collectives
 
 
 def test_bench_smoke(tmp_path):
@@ -51,7 +51,7 @@ def test_bench_rl_workload_smoke(tmp_path):
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    from syncwise.bench_rl import RL_CONFIGS, UNIFORM_CONFIGS
+    from syncwise.jobs.bench_rl import RL_CONFIGS, UNIFORM_CONFIGS
 
     records = json.loads((out / "bench_rl.json").read_text())["records"]
     assert {(r["data"], r["config"]) for r in records} == (

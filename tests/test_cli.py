@@ -46,9 +46,9 @@ def test_config_error_exits_2_before_spawning(tmp_path):
 
 
 def test_bench_quick_is_the_small_version_of_either_workload():
-    from syncwise.bench import BenchSpec
-    from syncwise.bench_rl import RLBenchSpec
-    from syncwise.cli import bench_job, build_parser
+    from syncwise.jobs.bench import BenchSpec
+    from syncwise.jobs.bench_rl import RLBenchSpec
+    from syncwise.jobs.cli import bench_job, build_parser
 
     _, rl_quick = bench_job(build_parser().parse_args(["bench", "--workload", "rl", "--quick"]))
     assert rl_quick == RLBenchSpec.quick("runs/bench_rl") and rl_quick != RLBenchSpec()

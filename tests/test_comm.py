@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from syncwise.counting import CollectiveCounter, count_collectives
-from syncwise.schedule import expected_collectives
+from syncwise.memory.schedule import expected_collectives
+from syncwise.sync.counting import CollectiveCounter, count_collectives
 
 
 def test_expected_counts_match_reference_measurements():
@@ -82,7 +82,7 @@ def test_schedule_simulation_equals_closed_form(mode):
 
 
 def test_step_traffic_bytes():
-    from syncwise.schedule import UnitTraffic, step_traffic
+    from syncwise.memory.schedule import UnitTraffic, step_traffic
 
     units = [UnitTraffic(100, 400, 200), UnitTraffic(10, 40, 20), UnitTraffic(10, 40, 20)]
     deferred = step_traffic("deferred", 4, units, hsdp=True)

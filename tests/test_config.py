@@ -69,8 +69,8 @@ def test_missing_file_and_bad_top_level(tmp_path):
 def test_cpu_offload_on_a_cpu_run_is_a_clear_error():
     import torch
 
+    from syncwise.engine.wrap import wrap_model
     from syncwise.models import build_model
-    from syncwise.wrap import wrap_model
 
     cfg = load_config(None, ["engine.cpu_offload=true", "model.preset=qwen2-test"])
     with pytest.raises(ValueError, match="engine.cpu_offload=true needs a CUDA device"):

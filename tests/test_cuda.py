@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def cuda_suite(info) -> dict:
     import os
 
-    from syncwise import fsdp_internals
+    from syncwise.sync import fsdp_internals
 
     if os.environ.get("SYNCWISE_TEST_TORCH_FLOOR") == "1":
         fsdp_internals.MIN_TORCH = fsdp_internals.torch_version()

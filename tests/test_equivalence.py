@@ -8,7 +8,7 @@ import pytest
 from dist_harness import run_distributed
 from numerics import FP32_RTOL, assert_all_close
 from scenarios import EQUIVALENCE_CASES, equivalence_suite_with_reference
-from syncwise.schedule import expected_collectives
+from syncwise.memory.schedule import expected_collectives
 
 CASES = list(EQUIVALENCE_CASES)
 FSDP_CASES = [c for c in CASES if c.startswith("fsdp")]

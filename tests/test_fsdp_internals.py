@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from syncwise import fsdp_internals
-from syncwise.fsdp_internals import MIN_TORCH, UnsupportedTorchError, require_supported_torch
+from syncwise.sync import fsdp_internals
+from syncwise.sync.fsdp_internals import MIN_TORCH, UnsupportedTorchError, require_supported_torch
 
 
 def test_supported_torch_passes():

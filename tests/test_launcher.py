@@ -10,7 +10,7 @@ import tempfile
 import torch.distributed as dist
 
 from dist_harness import _rank_main
-from syncwise.launcher import launch_local
+from syncwise.runtime.launcher import launch_local
 
 
 def _rank0_dies(info) -> None:

@@ -12,8 +12,8 @@ from numerics import FP32_RTOL, assert_close
 from scenarios import _clean
 from scenarios_batching import PACKING_KINDS, ROLLOUT_IS_CASES, SIZES, packing_suite, skewed_batch
 from syncwise.config import AGG_MODES, ModelConfig
+from syncwise.data.packing import pack, packable, packs_correctly, unpack
 from syncwise.models import build_model
-from syncwise.packing import pack, packable, packs_correctly, unpack
 
 
 def test_pack_lays_every_tensor_along_one_row_and_unpacks():
@@ -130,8 +130,8 @@ def test_activation_checkpointing_keeps_gradients_and_lowers_the_peak(results, m
 
 
 def test_a_sequence_longer_than_the_model_allows_is_named():
-    from syncwise.batching import BatchError
     from syncwise.config import load_config
+    from syncwise.data.batching import BatchError
     from syncwise.engine import Engine
     from syncwise.losses import sft_loss
 
@@ -158,7 +158,7 @@ def test_the_packing_check_shrinks_gpt2_style_configs():
     """A gpt2-medium-shaped config is checked on one narrow layer, not built at full size on every rank."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from syncwise.packing import _one_small_layer
+    from syncwise.data.packing import _one_small_layer
 
     medium = GPT2Config(n_layer=24, n_embd=1024, n_head=16)
     small = _one_small_layer(medium.to_dict())
@@ -171,7 +171,7 @@ def test_a_sliding_window_is_honoured_when_packed():
     logits it has alone (sdpa_varlen applies the window), so packing stays on."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from syncwise import attention
+    from syncwise.data import attention
 
     attention.register()
     config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

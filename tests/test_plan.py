@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from syncwise.memory.plan import PlanInput, load_hf_config, make_plan
 from syncwise.models import preset_config
-from syncwise.plan import PlanInput, load_hf_config, make_plan
 
 P, ROOT = 427_136, 131_200
 LAYERS = P - ROOT
@@ -82,7 +82,7 @@ def test_plan_hsdp_replica_deferred(config_dir):
 
 
 def test_builtin_shapes_have_their_published_sizes():
-    from syncwise.plan import sharded_model_for
+    from syncwise.memory.plan import sharded_model_for
 
     sizes = {"qwen3-4b": 4.022e9, "llama-3-8b": 8.030e9, "qwen2.5-7b": 7.616e9, "llama-3.2-1b": 1.236e9}
     for name, params in sizes.items():

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from numerics import FP32_RTOL, assert_close
-from syncwise.batching import split_batch, token_cost
 from syncwise.config import load_config
+from syncwise.data.batching import split_batch, token_cost
 from syncwise.engine import Engine
 from syncwise.losses import LossOutput, sft_loss
 
@@ -128,7 +128,7 @@ def test_per_token_outputs_come_back_full_width_at_their_columns(packing, paddin
 def test_resumed_auto_state_is_restored_only_where_it_can_run(capsys):
     """An auto decision saved by an FSDP2 run (deferred_unsharded) resumed where that mode cannot run: auto
     decides again (measuring in per_microbatch first) and says so; where it can run, it is restored."""
-    from syncwise.modes import SyncMode
+    from syncwise.sync.modes import SyncMode
 
     saved = {"step": 3, "skipped_steps": 0, "scheduler": None, "active_mode": "deferred_unsharded",
              "active_units": [], "base_peak": 1000}

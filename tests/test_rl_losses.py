@@ -300,7 +300,7 @@ def test_rollout_is_on_a_synthetic_mismatch_by_hand():
 
 
 def test_rollout_is_without_the_sampler_log_probs_names_the_key():
-    from syncwise.batching import BatchError
+    from syncwise.data.batching import BatchError
 
     batch, outputs = _is_batch([math.log(0.5)], [math.log(0.5)])
     del batch["rollout_log_probs"]

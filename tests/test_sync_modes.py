@@ -9,7 +9,7 @@ import pytest
 from dist_harness import run_distributed
 from numerics import BF16_RTOL, FP32_RTOL, assert_close
 from scenarios_modes import FSDP2_MODES, HSDP_MODES, NUM_MICROBATCHES, hsdp_suite, modes_suite
-from syncwise.schedule import expected_collectives
+from syncwise.memory.schedule import expected_collectives
 
 UNITS = 3  # qwen2-test: two decoder layers + root
 
@@ -171,7 +171,7 @@ def test_unsupported_mode_combinations_are_config_errors(overrides, message):
 
 
 def test_check_mode_lists_the_allowed_modes():
-    from syncwise.modes import SyncMode, check_mode
+    from syncwise.sync.modes import SyncMode, check_mode
 
     with pytest.raises(ValueError, match="choose one of per_microbatch, deferred or auto"):
         check_mode(SyncMode.DEFERRED_UNSHARDED, "ddp", hsdp=False)

@@ -18,10 +18,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from syncwise.config import load_config
 from syncwise.engine import Engine
-from syncwise.fsdp_internals import sync_flags as fsdp2_sync_flags
 from syncwise.losses import LossOutput
-from syncwise.modes import SyncMode, spec
-from syncwise.sync import gradient_sync
+from syncwise.sync.fsdp_internals import sync_flags as fsdp2_sync_flags
+from syncwise.sync.modes import SyncMode, spec
+from syncwise.sync.switches import gradient_sync
 
 
 class FakeFSDP2(FSDPModule, nn.Module):

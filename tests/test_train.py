@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from syncwise.launcher import free_port
 from syncwise.metrics import read_jsonl
+from syncwise.runtime.launcher import free_port
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 SHORT = ["train.progress=false", "rl.prompts_per_rank=4", "rl.samples_per_prompt=4", "optim.warmup_steps=0"]

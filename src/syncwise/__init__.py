@@ -1,12 +1,12 @@
 """syncwise: FSDP training for LLM post-training whose gradient accumulation syncs once per optimizer step."""
 
 from .config import Config, ConfigError, load_config
-from .counting import CollectiveCounter, count_collectives
 from .engine import Engine, ForwardBackwardResult
 from .losses import LossOutput, Normalizer, sft_loss
-from .modes import SyncMode
-from .schedule import expected_collectives
-from .sync import gradient_sync
+from .memory.schedule import expected_collectives
+from .sync.counting import CollectiveCounter, count_collectives
+from .sync.modes import SyncMode
+from .sync.switches import gradient_sync
 
 __all__ = [
     "CollectiveCounter",

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from .distributed import rank_and_world
 from .engine import Engine
+from .runtime.distributed import rank_and_world
 
 LATEST = "latest"
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from .modes import MODE_NAMES, unsupported_reason
+from .sync.modes import MODE_NAMES, unsupported_reason
 
 STRATEGIES = ("fsdp2", "fsdp1", "ddp", "none")
 SHARDED_STRATEGIES = ("fsdp2", "fsdp1")  # parameters sharded in FSDP units

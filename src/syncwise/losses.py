@@ -54,7 +54,7 @@ LAYOUT_SHAPES = {"sample": "[B]", "token": "[B, T]", "target": "[B, T-1]"}
 @dataclass(frozen=True)
 class BatchKey:
     """A batch tensor a loss function reads: the layouts it may have (``sample`` [B], ``token`` [B, T],
-    ``target`` [B, T-1]; see :func:`syncwise.packing.layout`) and whether the batch must have it."""
+    ``target`` [B, T-1]; see :func:`syncwise.data.packing.layout`) and whether the batch must have it."""
 
     layouts: tuple[str, ...]
     required: bool = True
@@ -71,8 +71,8 @@ def reads(loss_fn: LossFn, **keys: BatchKey) -> LossFn:
 
 def check_batch_keys(batch: dict[str, torch.Tensor], loss_fn: LossFn | None) -> None:
     """Raise ``BatchError`` naming the first key ``loss_fn`` declares that ``batch`` lacks or lays out wrong."""
-    from .batching import BatchError
-    from .packing import layout
+    from .data.batching import BatchError
+    from .data.packing import layout
 
     rows, width = batch["input_ids"].shape
     for key, spec in (getattr(loss_fn, "batch_keys", None) or {}).items():
@@ -135,45 +135,70 @@ class _TokenStats(torch.autograd.Function):
     """For j < T - 1: log softmax(logits[:, j] / T)[input_ids[:, j + 1]] and, when asked, the entropy of
     softmax(logits[:, j] / T) -- a chunk of positions at a time.
 
-    Nothing vocabulary-wide is kept between chunks: backward recomputes each chunk's softmax and writes its
-    gradient (both terms at once) into one preallocated tensor, the logits' gradient, so memory beyond the
-    logits and their gradient stays at one chunk whatever the length and vocabulary. Full logits go in, so
-    no slice's backward allocates a second full-size gradient."""
+    Nothing vocabulary-wide is kept between chunks, nor between forward and backward: forward keeps each
+    position's log-sum-exp ([B, T-1]); backward recomputes a chunk's softmax straight into the logits'
+    gradient (one preallocated tensor) and finishes it there in place -- times -g, plus g at the target,
+    (and the entropy term), divided by T -- so memory beyond the logits and their gradient stays at one chunk
+    (none for fp32 logits without entropy) whatever the length and vocabulary, and the passes over the
+    [tokens, vocabulary] data are as few as autograd's log_softmax + gather make (profiled in
+    docs/perf_tuning.md)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool):
         rows, width, _ = logits.shape
         dtype = torch.promote_types(logits.dtype, torch.float32)
         log_probs = logits.new_empty((rows, width - 1), dtype=dtype)
+        lse = logits.new_empty((rows, width - 1), dtype=dtype)
         entropy = logits.new_empty((rows, width - 1) if with_entropy else (0,), dtype=dtype)
         parts = _chunks(width - 1, rows)
         for part in parts:
-            logp = torch.log_softmax(_fp32(logits[:, part]) / temperature, dim=-1)
-            log_probs[:, part] = logp.gather(-1, input_ids[:, 1:][:, part, None]).squeeze(-1)
-            if with_entropy:
-                entropy[:, part] = -(logp.exp() * logp).sum(dim=-1)
-        ctx.save_for_backward(logits, input_ids, entropy)
+            scaled = _scaled(logits[:, part], temperature)
+            lse[:, part] = torch.logsumexp(scaled, dim=-1)
+            log_probs[:, part] = scaled.gather(-1, input_ids[:, 1:][:, part, None]).squeeze(-1) - lse[:, part]
+            if with_entropy:  # H = -Σ p log p = lse - Σ p x, the sum as a batched dot product (no temporary)
+                probs = torch.sub(scaled, lse[:, part, None]).exp_()
+                dots = torch.bmm(probs.reshape(-1, 1, probs.shape[-1]), scaled.reshape(-1, probs.shape[-1], 1))
+                entropy[:, part] = lse[:, part] - dots.view(lse[:, part].shape)
+        ctx.save_for_backward(logits, input_ids, lse, entropy)
         ctx.temperature, ctx.parts, ctx.with_entropy = temperature, parts, with_entropy
         ctx.mark_non_differentiable(input_ids)
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
-        logits, input_ids, entropy = ctx.saved_tensors
+        logits, input_ids, lse, entropy = ctx.saved_tensors
         targets = input_ids[:, 1:]
-        grad = torch.zeros_like(logits)
+        temperature = ctx.temperature
+        grad = torch.empty_like(logits)
+        grad[:, -1] = 0  # the last position predicts nothing
+        in_place = logits.dtype == lse.dtype  # fp32 logits: the chunk is computed in the gradient itself
+        entropy_grad = ctx.with_entropy and grad_entropy is not None
         for part in ctx.parts:
-            logp = torch.log_softmax(_fp32(logits[:, part]) / ctx.temperature, dim=-1)
-            p = logp.exp()
-            chunk = torch.zeros_like(logp)
-            if grad_log_probs is not None:  # d log p_y / dx = onehot(y) - p
-                g = grad_log_probs[:, part, None].to(chunk.dtype)
-                chunk -= p * g
-                chunk.scatter_add_(-1, targets[:, part, None], g)
-            if ctx.with_entropy and grad_entropy is not None:  # dH / dx = -p (log p + H)
-                chunk -= p * (logp + entropy[:, part, None]) * grad_entropy[:, part, None]
-            grad[:, part] = chunk / ctx.temperature
+            scaled = _scaled(logits[:, part], temperature)
+            shift = lse[:, part, None]
+            chunk = grad[:, part] if in_place else None
+            log_p = torch.sub(scaled, shift, out=chunk) if chunk is not None else scaled - shift
+            g = grad_log_probs[:, part, None].to(log_p.dtype) if grad_log_probs is not None else None
+            if entropy_grad:  # dH/dx = -p (log p + H); d log p_y / dx = onehot(y) - p
+                factor = (log_p + entropy[:, part, None]) * grad_entropy[:, part, None]
+                if g is not None:
+                    factor += g
+                log_p.exp_().mul_(factor).neg_()
+            else:
+                log_p.exp_().mul_(-g if g is not None else 0.0)
+            if g is not None:
+                log_p.scatter_add_(-1, targets[:, part, None], g)
+            if temperature != 1.0:
+                log_p.div_(temperature)
+            if chunk is None:
+                grad[:, part] = log_p
         return grad, None, None, None
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in at least fp32 (a view, no copy, for fp32 logits at temperature 1)."""
+    logits = _fp32(logits)
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -22,26 +22,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import attention
-from .. import fsdp_internals as fsdp
-from ..batching import Batch
 from ..config import SHARDED_STRATEGIES, Config
-from ..counting import CollectiveCounter
-from ..distributed import CollectiveTimeout, DistInfo, agree, build_mesh, init_distributed
+from ..data import attention
+from ..data.batching import Batch
 from ..losses import LossFn, is_maximum
-from ..memory import sharded_model_of
+from ..memory.accounting import sharded_model_of
+from ..memory.schedule import unit_traffic
+from ..memory.units import resolve_deferred_units, unit_names
 from ..models import build_model
-from ..modes import Switches, SyncChoice, SyncMode, as_choice, check_mode, spec, supported_modes
-from ..schedule import unit_traffic
-from ..signals import StopRequest
-from ..sync import SwitchesFor
-from ..units import resolve_deferred_units, unit_names
-from ..wrap import WrappedModel, wrap_model
+from ..runtime.distributed import CollectiveTimeout, DistInfo, agree, build_mesh, init_distributed
+from ..runtime.signals import StopRequest
+from ..sync import fsdp_internals as fsdp
+from ..sync.counting import CollectiveCounter
+from ..sync.modes import Switches, SyncChoice, SyncMode, as_choice, check_mode, spec, supported_modes
+from ..sync.switches import SwitchesFor
 from .audit import StepAudit, SyncNoOpError
 from .governor import MemoryGovernor
 from .optim import build_optimizer, build_scheduler, clip_and_step, global_grad_norm
 from .planning import BatchPlan, plan_batch
 from .step import ForwardBackwardResult, accumulate, forward_only
+from .wrap import WrappedModel, wrap_model
 
 __all__ = ["CollectiveTimeout", "Engine", "ForwardBackwardResult", "SyncNoOpError", "build_optimizer",
            "build_scheduler"]
@@ -50,7 +50,7 @@ __all__ = ["CollectiveTimeout", "Engine", "ForwardBackwardResult", "SyncNoOpErro
 class Engine:
     """FSDP2 / FSDP1 / DDP / single-process training of a causal LM with deferred gradient sync.
 
-    Build it inside an initialised process group (``syncwise.distributed.init_distributed`` or the local
+    Build it inside an initialised process group (``syncwise.runtime.distributed.init_distributed`` or the local
     launcher). ``model`` defaults to the one ``config.model`` describes; pass your own (fp32, on CPU,
     identical on every rank) to wrap it instead. ``trainable=False`` builds a forward-only engine (a frozen
     reference model: no optimizer); ``total_steps`` sets the length of ``optim.schedule=cosine``.
@@ -239,7 +239,7 @@ class Engine:
     ) -> tuple[dict[str, float], dict[str, Any]]:
         """One all-reduce for a step's loss metrics (summed) and what every rank must decide alike: the
         memory peak (the max over ranks) and auto's budget (the min), so auto chooses the same mode
-        everywhere, and a stop signal received by any rank (see :mod:`syncwise.signals`); plus each
+        everywhere, and a stop signal received by any rank (see :mod:`syncwise.runtime.signals`); plus each
         rank's micro-batch workloads, for the cross-rank balance. Keys are sorted so every rank packs
         alike. Returns (metrics, agreed: peak, budget, stop, cross_rank_imbalance)."""
         summed = sorted(k for k in local if not is_maximum(k))
@@ -329,9 +329,9 @@ class Engine:
 
 def _packing_works(model: nn.Module, say: bool) -> bool:
     """Whether ``model`` keeps packed sequences apart (checked once per kind of model); if not, one message
-    and the padded path. An sdpa model is switched to ``sdpa_varlen`` (:mod:`syncwise.attention`): a
+    and the padded path. An sdpa model is switched to ``sdpa_varlen`` (:mod:`syncwise.data.attention`): a
     packed row's attention then costs what its sequences' would alone."""
-    from ..packing import packs_correctly
+    from ..data.packing import packs_correctly
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):

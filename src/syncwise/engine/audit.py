@@ -10,8 +10,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from ..modes import SyncChoice
-from ..schedule import TRAIN_ALL_REDUCES, UnitTraffic, step_traffic
+from ..memory.schedule import TRAIN_ALL_REDUCES, UnitTraffic, step_traffic
+from ..sync.modes import SyncChoice
 
 
 class SyncNoOpError(RuntimeError):

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..autosync import AutoSync
 from ..config import SyncConfig
-from ..costs import Links, candidates
-from ..memory import PeakMeter, ShardedModel, pending_optimizer_state_bytes, resolve_budget
-from ..modes import SyncChoice, SyncMode
+from ..memory.accounting import PeakMeter, ShardedModel, pending_optimizer_state_bytes, resolve_budget
+from ..memory.autosync import AutoSync
+from ..memory.costs import Links, candidates
+from ..sync.modes import SyncChoice, SyncMode
 from .step import ForwardBackwardResult
 
 

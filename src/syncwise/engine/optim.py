@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import OptimConfig
-from ..distributed import collective_timeout, local_tensor
+from ..runtime.distributed import collective_timeout, local_tensor
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:

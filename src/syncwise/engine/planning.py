@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..batching import (
+from ..config import EngineConfig
+from ..data.batching import (
     Batch,
     BatchError,
     MicroBatch,
@@ -22,10 +23,9 @@ from ..batching import (
     token_cost,
     workloads,
 )
-from ..config import EngineConfig
-from ..distributed import agree
+from ..data.packing import pack, packable, packing_pays
 from ..losses import LossFn, Normalizer, check_batch_keys, target_mask
-from ..packing import pack, packable, packing_pays
+from ..runtime.distributed import agree
 
 
 @dataclass
@@ -75,7 +75,7 @@ def plan_batch(
 ) -> BatchPlan:
     """Validate ``batch``, agree with every rank (one all-reduce), split it into micro-batches, heaviest
     first. With ``packing``, each micro-batch is packed into one row where that computes less than padding
-    it (:func:`~syncwise.packing.packing_pays`): micro-batches without padding stay as they are. The keys
+    it (:func:`~syncwise.data.packing.packing_pays`): micro-batches without padding stay as they are. The keys
     ``loss_fn`` declares (:func:`~syncwise.losses.reads`) are checked with the rest, before the all-reduce."""
     error: BatchError | None = None
     sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]

@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .. import fsdp_internals as fsdp
-from ..attention import sequence_bounds
-from ..batching import MicroBatch, restore_order
-from ..distributed import collective_timeout
+from ..data.attention import sequence_bounds
+from ..data.batching import MicroBatch, restore_order
+from ..data.packing import unpack
 from ..losses import LossFn, LossOutput, Normalizer, is_maximum, logprob_chunking, token_log_probs
-from ..memory import PeakMeter, grad_bytes, unsharded_param_bytes
-from ..packing import unpack
-from ..sync import SwitchesFor, apply_switches
+from ..memory.accounting import PeakMeter, grad_bytes, unsharded_param_bytes
+from ..runtime.distributed import collective_timeout
+from ..sync import fsdp_internals as fsdp
+from ..sync.switches import SwitchesFor, apply_switches
 from .planning import BatchPlan
 
 
@@ -53,7 +53,7 @@ def forward_microbatch(
     with_log_probs: bool, temperature: float = 1.0,
 ) -> LossOutput:
     """One micro-batch forward and its loss. A packed micro-batch gives the model restarting
-    ``position_ids`` and no attention mask (see :mod:`syncwise.packing`). An empty micro-batch (this rank
+    ``position_ids`` and no attention mask (see :mod:`syncwise.data.packing`). An empty micro-batch (this rank
     has fewer samples than the agreed count) runs a one-token dummy forward whose zero loss still runs
     every FSDP unit, so the collectives match the other ranks."""
     data = mb.data

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..batching import BatchError
 from ..config import KL_ESTIMATORS, PolicyLossConfig
+from ..data.batching import BatchError
 from ..losses import (
     BatchKey,
     LossFn,

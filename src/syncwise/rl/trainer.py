@@ -25,12 +25,12 @@ import yaml
 
 from ..checkpoint import CheckpointManager, export_hf
 from ..config import Config, config_to_dict, load_config_dict
-from ..distributed import DistInfo, agree, init_distributed, run_rank
 from ..engine import Engine
 from ..losses import is_maximum
 from ..metrics import JsonlLogger, TensorBoardLogger, plot_curves
 from ..models import build_model
-from ..signals import stopped
+from ..runtime.distributed import DistInfo, agree, init_distributed, run_rank
+from ..runtime.signals import stopped
 from .advantages import grpo_advantages, rloo_advantages
 from .losses import make_policy_loss
 from .rollout import Rollout

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 import yaml
 
-from .config import Config, SFTConfig, config_to_dict, load_config_dict
-from .distributed import DistInfo, init_distributed, run_rank
-from .engine import Engine
-from .losses import sft_loss
-from .metrics import JsonlLogger, format_step
-from .signals import stopped
+from ..config import Config, SFTConfig, config_to_dict, load_config_dict
+from ..engine import Engine
+from ..losses import sft_loss
+from ..metrics import JsonlLogger, format_step
+from ..runtime.distributed import DistInfo, init_distributed, run_rank
+from ..runtime.signals import stopped
 
 PAD_ID = 0
 ALPHABET = 64  # progressions live in token ids 1..64

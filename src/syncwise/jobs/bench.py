@@ -29,13 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from .config import load_config
-from .distributed import DistInfo, run_rank
-from .engine import Engine
-from .losses import sft_loss
-from .models import PRESETS, build_model, count_parameters, decoder_layers
-from .modes import MODES, SyncMode
-from .signals import JobStopped, agreed_stop
+from ..config import load_config
+from ..engine import Engine
+from ..losses import sft_loss
+from ..models import PRESETS, build_model, count_parameters, decoder_layers
+from ..runtime.distributed import DistInfo, run_rank
+from ..runtime.signals import JobStopped, agreed_stop
+from ..sync.modes import MODES, SyncMode
 
 # Every whole-model mode plain FSDP2 runs (the table's order), and auto; partial on request (--modes).
 ENGINE_MODES = tuple(
@@ -173,9 +173,9 @@ def run_bench(info: DistInfo, spec: BenchSpec) -> list[dict[str, Any]]:
 
 def minimum_collectives_s(engine: Engine, info: DistInfo) -> float:
     """The time of the collectives no sync mode can avoid in a step: one all-gather and one reduce-scatter
-    of every FSDP unit, timed on these ranks (:func:`syncwise.calibrate.time_collective`)."""
-    from .calibrate import time_collective
-    from .schedule import unit_traffic
+    of every FSDP unit, timed on these ranks (:func:`syncwise.memory.calibrate.time_collective`)."""
+    from ..memory.calibrate import time_collective
+    from ..memory.schedule import unit_traffic
 
     units = unit_traffic(engine.memory_model, hsdp=False)
     return sum(time_collective("all_gather", u.gather_bytes, info.device)

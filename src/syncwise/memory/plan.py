@@ -17,12 +17,12 @@ from typing import Any
 
 from transformers import AutoConfig
 
+from ..models import meta_model_units
+from ..sync.modes import SyncChoice, SyncMode, spec, supported_modes
+from .accounting import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
 from .activations import estimate_activations
 from .autosync import AutoSync
 from .costs import Links, candidates
-from .memory import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
-from .models import meta_model_units
-from .modes import SyncChoice, SyncMode, spec, supported_modes
 from .schedule import step_traffic, unit_traffic
 
 # Shapes of common models, from their public config.json files (weights are never needed).
@@ -129,7 +129,7 @@ class Plan:
 def load_hf_config(spec: str):
     """A built-in shape name (case-insensitive), a model preset of the engine (``qwen2-tiny``, ...), a model
     directory, or a config.json path."""
-    from .models import PRESETS, preset_config
+    from ..models import PRESETS, preset_config
 
     key = spec.lower()
     if key in SHAPES:
@@ -153,7 +153,7 @@ def sharded_model_for(hf_config, shard_size: int, param_dtype: str, reduce_dtype
 
 def in_flight_bytes(sharded: ShardedModel) -> tuple[int, int]:
     """What FSDP2 has in flight in the two phases of backward where the peak can come (see
-    :mod:`syncwise.activations`): during the loss's backward, the root's parameters (gathered from its
+    :mod:`syncwise.memory.activations`): during the loss's backward, the root's parameters (gathered from its
     forward to its backward) and the last layer's, gathered ahead; during a layer's backward, the root's, that
     layer's and the next one's being gathered (param dtype), and the largest unit's gradient on its way to
     the reduce-scatter (reduce dtype). A shard group of one gathers and scatters nothing."""

@@ -6,7 +6,7 @@ functions sees every call at the cost of one Python call each. (A ``TorchDispatc
 also sees them, but slows every aten op: measured 1.3-1.5x per step on a tiny Qwen2.) DDP's reducer would
 run its all-reduces in C++, out of sight; the wrapped DDP model uses the Python ``allreduce_hook``, whose
 ``dist.all_reduce`` is counted here like any other. What a step *should* issue is
-:mod:`syncwise.schedule`'s business.
+:mod:`syncwise.memory.schedule`'s business.
 
 Bytes are those of the full (unsharded) buffer of each collective: the gathered output of an all-gather,
 the input of a reduce-scatter, the tensor of an all-reduce.

@@ -3,9 +3,9 @@
 A sync mode says which FSDP switches each unit runs each micro-batch with. Everything else follows
 from those switches and is derived, never restated:
 
-- :mod:`syncwise.sync` applies them (and restores the previous ones),
-- :mod:`syncwise.schedule` plays them through to count the collectives a step issues,
-- :mod:`syncwise.memory` reads from them what a unit holds between micro-batches,
+- :mod:`syncwise.sync.switches` applies them (and restores the previous ones),
+- :mod:`syncwise.memory.schedule` plays them through to count the collectives a step issues,
+- :mod:`syncwise.memory.accounting` reads from them what a unit holds between micro-batches,
 - config validation, ``auto``, ``syncwise plan`` and ``syncwise bench`` read the entries below.
 
 Adding a mode is one :class:`ModeSpec` entry (its switches, the strategies that run it, where it sits in

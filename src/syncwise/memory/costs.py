@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory import ShardedModel
-from .modes import MODES, SPEED_ORDER, SyncChoice, SyncMode
+from ..sync.modes import MODES, SPEED_ORDER, SyncChoice, SyncMode
+from .accounting import ShardedModel
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Links:
 def deferral_order(model: ShardedModel, links: Links) -> list[int]:
     """Units ordered by the reduce-scatter time deferring them saves per byte they then hold, most first
     (ties: root first, then the layers in order). Units that hold nothing extra (frozen) come last."""
-    from .memory import DTYPE_BYTES
+    from .accounting import DTYPE_BYTES
 
     held = model.unit_held_extra()
     reduce = [n * DTYPE_BYTES[model.reduce_dtype] for n in model.unit_padded_numels(trainable_only=True)]

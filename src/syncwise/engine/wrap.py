@@ -16,10 +16,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import fsdp_internals as fsdp
-from .config import SHARDED_STRATEGIES, EngineConfig, ModelConfig
-from .distributed import rank_and_world
-from .models import decoder_layer_classes, decoder_layers
+from ..config import SHARDED_STRATEGIES, EngineConfig, ModelConfig
+from ..models import decoder_layer_classes, decoder_layers
+from ..runtime.distributed import rank_and_world
+from ..sync import fsdp_internals as fsdp
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

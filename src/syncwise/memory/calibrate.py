@@ -1,5 +1,5 @@
 """Link speeds measured on this machine: a short timed sweep of all-gathers and reduce-scatters over the
-ranks of a process group, fitted to the α-β model of :class:`syncwise.costs.Links`.
+ranks of a process group, fitted to the α-β model of :class:`syncwise.memory.costs.Links`.
 
 Each size is timed ``repeats`` times after a warm-up (the median is kept); a collective's time is
 ``(g-1)·α + (g-1)/g·S/β`` for S bytes over g ranks, so a least-squares line through (S, time) gives β from
@@ -82,7 +82,7 @@ def calibrate_worker(payload: dict) -> None:
     import json
     from pathlib import Path
 
-    from .distributed import run_rank
+    from ..runtime.distributed import run_rank
 
     def body(info) -> None:
         samples = sweep(info.device, repeats=payload.get("repeats", 5))
@@ -99,7 +99,7 @@ def calibrate_here(nproc: int) -> tuple[Links, list[Sample]]:
     import tempfile
     from pathlib import Path
 
-    from .launcher import launch_local
+    from ..runtime.launcher import launch_local
 
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "sweep.json"

@@ -1,10 +1,10 @@
 """``sync.mode=auto``: the fastest sync configuration whose predicted peak memory fits the budget.
 
-The candidates come from :func:`syncwise.costs.candidates`, fastest first: ``deferred_unsharded``,
+The candidates come from :func:`syncwise.memory.costs.candidates`, fastest first: ``deferred_unsharded``,
 ``deferred``, ``partial`` deferring U-1 units, ..., 1 unit, (``replica_deferred``,) ``per_microbatch``.
 The first step runs in the safe mode (``per_microbatch``) and measures its peak. Every candidate's
 predicted peak is that measured base plus the bytes it holds beyond ``per_microbatch`` (the estimator in
-:mod:`syncwise.memory`); the fastest that fits is chosen, and the decision is logged with its numbers.
+:mod:`syncwise.memory.accounting`); the fastest that fits is chosen, and the decision is logged with its numbers.
 Later steps keep measuring (CUDA: the allocator's peak, every step; CPU: a full tracked step every
 ``sync.peak_every`` steps, else the base plus the sync bytes measured from the tensors); if a peak exceeds
 the budget, auto steps down to the next candidate that fits -- one unit fewer deferred, not straight to
@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from .memory import ShardedModel, format_bytes
-from .modes import SyncChoice, SyncMode
+from ..sync.modes import SyncChoice, SyncMode
+from .accounting import ShardedModel, format_bytes
 
 log = logging.getLogger("syncwise.auto")
 
@@ -25,7 +25,7 @@ log = logging.getLogger("syncwise.auto")
 @dataclass
 class AutoSync:
     estimator: ShardedModel
-    candidates: list[SyncChoice]  # fastest first (syncwise.costs.candidates)
+    candidates: list[SyncChoice]  # fastest first (syncwise.memory.costs.candidates)
     budget: int
     base_peak: int | None = None  # measured peak of per_microbatch (activations, params, optimizer, ...)
     ceiling: int = 0  # index into the candidates auto may not go above after stepping down

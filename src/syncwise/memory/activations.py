@@ -7,15 +7,17 @@ the values (2·kv_heads·d) -- sdpa and flash-attention keep no score matrix -- 
 activation, the up projection and their product (4·i). With activation checkpointing a layer keeps only
 its input (h). Also kept: the final norm (2·h) and the logits (V per token). The peak comes in one of two
 phases of backward: the loss's (the logits' gradient, and the log-probs' fp32 work on one chunk of tokens:
-log-softmax, probabilities, gradient) or a layer's (about its activations once more: their gradients, or,
-checkpointed, their recomputation, freed as the gradients form).
+none for fp32 logits, whose chunk gradient is computed in place in the logits' gradient; for bf16 / fp16
+logits the fp32 copy of the chunk and its gradient) or a layer's (about its activations once more: their
+gradients in flight (the MLP's three intermediates and the layer's input and output), or, checkpointed,
+its recomputation, freed as the gradients form).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory import DTYPE_BYTES
+from .accounting import DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -52,9 +54,12 @@ def estimate_activations(
     logits = tokens * vocab * size
     saved = layers * kept + 2 * tokens * hidden * size + logits  # + the final norm, + the logits
     chunk = min(tokens, logprob_chunk) if logprob_chunk > 0 else tokens
-    loss_phase = logits + 3 * chunk * vocab * 4  # the logits' gradient; log-softmax, probabilities, gradient
-    # A layer's backward holds about its activations once more: their gradients or, checkpointed, their
-    # recomputation, freed as the gradients are formed (measured against the engine: tests/test_plan.py).
-    layer_phase = full_layer
+    chunk_work = 0 if dtype == "float32" else 2 * chunk * vocab * 4  # fp32 copy of the chunk, its gradient
+    loss_phase = logits + chunk_work  # + the logits' gradient
+    # A layer's backward: checkpointed, its recomputed activations once more (freed as the gradients form);
+    # otherwise the gradients in flight while its saved activations are freed one by one -- the MLP's
+    # (gate, up and their product: 3·i) and the layer's input and output (2·h). Measured against the
+    # engine's peaks: tests/test_plan.py.
+    layer_phase = full_layer if checkpointing else tokens * (2 * hidden + 3 * inter) * size
     peak = saved + max(loss_phase, layer_phase)
     return ActivationEstimate(tokens, kept, saved, loss_phase, layer_phase, peak)

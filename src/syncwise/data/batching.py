@@ -22,7 +22,7 @@ class BatchError(ValueError):
 class MicroBatch:
     indices: torch.Tensor  # positions of its samples in the original batch
     data: Batch | None  # None: an empty micro-batch (this rank has fewer samples than micro-batches)
-    packing: Packing | None = None  # set when ``data`` is packed into one row (see syncwise.packing)
+    packing: Packing | None = None  # set when ``data`` is packed into one row (see syncwise.data.packing)
     offset: int = 0  # leading columns of the batch trimmed away (left padding no sample of it uses)
 
     @property

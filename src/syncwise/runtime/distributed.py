@@ -1,5 +1,5 @@
 """Process groups and device meshes under torchrun's environment (set by torchrun or by
-:mod:`syncwise.launcher`), and the all-reduce every rank agrees through."""
+:mod:`syncwise.runtime.launcher`), and the all-reduce every rank agrees through."""
 
 from __future__ import annotations
 

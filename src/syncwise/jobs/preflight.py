@@ -3,14 +3,14 @@ not load, a prompt file that does not parse, a reward function that does not imp
 not there. Each is one :class:`PreflightError` naming the key or file; the command prints it and exits 2.
 
 What can only fail inside a rank (a reward function that raises on some prompt, a collective timeout) is
-reported by :mod:`syncwise.launcher` instead.
+reported by :mod:`syncwise.runtime.launcher` instead.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .config import Config
+from ..config import Config
 
 WEIGHT_FILES = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
@@ -25,7 +25,7 @@ def check_model(config: Config) -> None:
     """``model.path`` is a Hugging Face model directory (config and weights), or ``model.preset`` exists."""
     from transformers import AutoConfig
 
-    from .models import PRESETS
+    from ..models import PRESETS
 
     path = config.model.path
     if not path:
@@ -47,9 +47,9 @@ def check_model(config: Config) -> None:
 
 def check_rl(config: Config) -> None:
     """The tokenizer loads; the prompt file parses (every row a string ``prompt``); the reward imports."""
-    from .checkpoint import CheckpointError, CheckpointManager
-    from .rl.tasks import prompt_source
-    from .rl.trainer import load_tokenizer
+    from ..checkpoint import CheckpointError, CheckpointManager
+    from ..rl.tasks import prompt_source
+    from ..rl.trainer import load_tokenizer
 
     rl = config.rl
     key = "rl.tokenizer" if rl.tokenizer else "model.path"
@@ -74,7 +74,7 @@ def check_rl(config: Config) -> None:
 
 def check_torch(config: Config) -> None:
     """The installed torch has the FSDP2 syncwise was verified on."""
-    from .fsdp_internals import UnsupportedTorchError, require_supported_torch
+    from ..sync.fsdp_internals import UnsupportedTorchError, require_supported_torch
 
     if config.engine.strategy == "fsdp2":
         try:
@@ -88,9 +88,9 @@ def check_deferred_units(config: Config) -> None:
     on the meta device: no weights, no memory)."""
     from transformers import AutoConfig
 
-    from .memory import sharded_model_of
-    from .models import meta_model_units, preset_config
-    from .units import resolve_deferred_units, unit_names
+    from ..memory.accounting import sharded_model_of
+    from ..memory.units import resolve_deferred_units, unit_names
+    from ..models import meta_model_units, preset_config
 
     if config.sync.mode != "partial":
         return

@@ -2,7 +2,7 @@
 
 The heart is :func:`gradient_sync`, which the engine wraps around the forward *and* backward of every
 non-final micro-batch (wrapping only backward does nothing for DDP, which prepares its reducer in
-forward). :func:`apply_switches` generalises it to every mode of :mod:`syncwise.modes`: each FSDP2 unit
+forward). :func:`apply_switches` generalises it to every mode of :mod:`syncwise.sync.modes`: each FSDP2 unit
 gets the switches the mode gives it for this micro-batch. On exit -- normal or by exception -- every
 unit gets back exactly the flags it had on entry, not just ``True``, so nested use and callers that had
 already changed them are not surprised.
@@ -37,7 +37,7 @@ def _outermost(module: nn.Module, kinds: tuple[type, ...]) -> list[nn.Module]:
 @contextmanager
 def apply_switches(module: nn.Module, switches_for: Switches | SwitchesFor) -> Iterator[None]:
     """Run the body with each FSDP2 unit under ``module`` switched as ``switches_for(unit)`` says (or all
-    alike, given one :class:`~syncwise.modes.Switches`); every unit's previous switches come back on exit.
+    alike, given one :class:`~syncwise.sync.modes.Switches`); every unit's previous switches come back on exit.
 
     FSDP1 and DDP (which only know "sync or not") get ``no_sync()`` when the switches turn sync off.
     """

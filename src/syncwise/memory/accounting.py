@@ -1,7 +1,7 @@
 """What each sync mode holds in memory: a byte estimator, measurements from the tensors, and the budget.
 
 The estimator reads what a unit holds between micro-batches from the switches its mode gives it
-(:mod:`syncwise.modes`): a unit that does not sync keeps its *unsharded* gradient in the accumulation
+(:mod:`syncwise.sync.modes`): a unit that does not sync keeps its *unsharded* gradient in the accumulation
 dtype (the reduce dtype, fp32 by default: 4 bytes x every trainable parameter, on every rank, whatever
 the world size); one that syncs holds only its 1/W shard; one that skips only the cross-replica all-reduce
 (HSDP) holds a sharded partial sum in the reduce dtype; one not resharded after backward also keeps its
@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-from . import fsdp_internals as fsdp
-from .distributed import local_tensor
-from .modes import Switches, SyncChoice, SyncMode, as_choice
+from ..runtime.distributed import local_tensor
+from ..sync import fsdp_internals as fsdp
+from ..sync.modes import Switches, SyncChoice, SyncMode, as_choice
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -1,4 +1,4 @@
-"""The collectives a step should issue: each mode's switches (:mod:`syncwise.modes`) played through the
+"""The collectives a step should issue: each mode's switches (:mod:`syncwise.sync.modes`) played through the
 FSDP units micro-batch by micro-batch, with counts and bytes.
 
 Used by the engine's audit (counted vs expected, every step), ``syncwise plan`` and ``syncwise bench``.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .counting import CollectiveCounts
-from .memory import DTYPE_BYTES, ShardedModel
-from .modes import SyncChoice, SyncMode, as_choice, spec
+from ..sync.counting import CollectiveCounts
+from ..sync.modes import SyncChoice, SyncMode, as_choice, spec
+from .accounting import DTYPE_BYTES, ShardedModel
 
 # The engine's own all-reduces: a training step's (normaliser, grad norm, metrics with the memory peak and
 # budget) and a forward-only pass's (normaliser, metrics).

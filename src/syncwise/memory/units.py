@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .accounting import ShardedModel
 from .costs import Links, deferral_order
-from .memory import ShardedModel
 
 
 def unit_names(model: nn.Module, units: list[nn.Module]) -> list[str]:
@@ -18,7 +18,7 @@ def resolve_deferred_units(
     value: int | str, names: list[str], estimator: ShardedModel, links: Links | None = None
 ) -> frozenset[int]:
     """``sync.deferred_units``: a count K (the K units that save the most time per byte held, see
-    :func:`syncwise.costs.deferral_order`) or comma-separated unit names. Errors name the key and, for an
+    :func:`syncwise.memory.costs.deferral_order`) or comma-separated unit names. Errors name the key and, for an
     unknown name, the units there are."""
     text = str(value).strip()
     if text.isdigit():

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, config_to_dict, load_config
-from .distributed import launched_by_torchrun
-from .launcher import DEBUG_ENV, launch_local, leave, rank_main
+from ..config import ConfigError, config_to_dict, load_config
+from ..runtime.distributed import launched_by_torchrun
+from ..runtime.launcher import DEBUG_ENV, launch_local, leave, rank_main
 
 
 def _split_args(values: list[str]) -> tuple[str | None, list[str]]:
@@ -32,7 +32,7 @@ def _run_job(worker, args: argparse.Namespace, job: str, default_config: str | N
 
     path, overrides = _split_args(args.args)
     if path is None and default_config is not None:
-        path = str(Path(__file__).parent / "configs" / default_config)
+        path = str(Path(__file__).parents[1] / "configs" / default_config)
     try:
         config = load_config(path, overrides)
         preflight(config, job)
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _run_plan(args)
     if args.command == "train":
-        from .rl.trainer import train_worker
+        from ..rl.trainer import train_worker
 
         return _run_job(train_worker, args, "train", default_config="grpo.yaml")
     if args.command == "sft":
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .plan import PlanInput, format_plan, load_hf_config, make_plan, plan_to_json
+    from ..memory.plan import PlanInput, format_plan, load_hf_config, make_plan, plan_to_json
 
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "json", "debug", "calibrate", "nproc")}
     try:
@@ -130,7 +130,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--calibrate needs --nproc >= 2, got {args.nproc}")
         links = None
         if args.calibrate:
-            from .calibrate import calibrate_here
+            from ..memory.calibrate import calibrate_here
 
             links, _ = calibrate_here(args.nproc)
         plan = make_plan(inp, hf_config=hf_config, links=links)

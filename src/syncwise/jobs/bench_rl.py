@@ -3,7 +3,7 @@
 RL responses are long-tailed: here each rank holds ``sequences`` lengths drawn from a log-normal (median
 96, sigma 1.5, clamped to 16-512; fixed seeds), the shape on which padded micro-batches computed twice the
 real tokens. Every configuration trains the same model on the same data with the same loss; rounds are
-interleaved as in :mod:`syncwise.bench`. Per configuration: real tokens per second (all ranks), the
+interleaved as in :mod:`syncwise.jobs.bench`. Per configuration: real tokens per second (all ranks), the
 padding fraction, micro-batches per step, the estimated cross-rank imbalance (sum over micro-batches of
 the slowest rank's workload / the mean's: the share of compute spent waiting for the slowest rank at the
 micro-batch collectives) and the memory peak measured on the first step. A uniform-length dataset (every
@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
+from ..config import load_config
+from ..engine import Engine
+from ..models import PRESETS, build_model, count_parameters
+from ..runtime.distributed import DistInfo, run_rank
 from .bench import time_interleaved
-from .config import load_config
-from .distributed import DistInfo, run_rank
-from .engine import Engine
-from .models import PRESETS, build_model, count_parameters
 
 # name -> overrides; the first is the reference the others are compared with.
 RL_CONFIGS: dict[str, tuple[str, ...]] = {

@@ -1,0 +1,26 @@
+"""The package's layers hold: the import contract (pyproject.toml, `lint-imports`) passes, and FSDP's private
+state is read in one module only."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "syncwise"
+# FSDP2 / FSDP1 internals syncwise relies on: a torch upgrade that moves them breaks one module, not many.
+FSDP_PRIVATE = re.compile(r"_get_fsdp_state|_fsdp_param_group|_partial_reduce_output|_auto_reshard_after_forward|"
+                          r"_sharded_size|_flat_param|torch\.distributed\.fsdp\._")
+
+
+def test_only_fsdp_internals_reads_fsdp_private_state():
+    readers = sorted(str(path.relative_to(SRC)) for path in SRC.rglob("*.py") if FSDP_PRIVATE.search(path.read_text()))
+    assert readers == ["sync/fsdp_internals.py"]
+
+
+def test_the_layers_contract_is_kept():
+    lint = Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run([str(lint)], capture_output=True, text=True, timeout=300, cwd=SRC.parents[1])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "Contracts: 1 kept, 0 broken." in proc.stdout
