@@ -51,16 +51,23 @@ def test_bench_rl_workload_smoke(tmp_path):
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    from syncwise.jobs.bench_rl import RL_CONFIGS, UNIFORM_CONFIGS
+    from syncwise.jobs.bench_rl import HAND_WRITTEN, RL_CONFIGS, UNIFORM_CONFIGS
 
     records = json.loads((out / "bench_rl.json").read_text())["records"]
     assert {(r["data"], r["config"]) for r in records} == (
-        {("rl", c) for c in RL_CONFIGS} | {("uniform", c) for c in UNIFORM_CONFIGS}
+        {("rl", c) for c in RL_CONFIGS} | {("uniform", c) for c in UNIFORM_CONFIGS} | {("rl", c) for c in HAND_WRITTEN}
     )
-    for r in records:
+    by_config = {r["config"]: r for r in records if r["data"] == "rl"}
+    for name, (mirrors, mode, _) in HAND_WRITTEN.items():  # the same data and split as the engine it mirrors
+        baseline, engine = by_config[name], by_config[mirrors]
+        assert baseline["real_tokens_per_step"] == engine["real_tokens_per_step"]
+        assert baseline["microbatches"] == engine["microbatches"] and engine["sync_mode"] == mode
+        assert engine["engine_vs_hand_written"] > 0
+    for r in (r for r in records if r["config"] not in HAND_WRITTEN):
         assert r["real_tokens_per_s"] > 0 and r["peak_measured"] == 1 and r["peak_bytes"] > 0
         assert r["real_tokens_per_step"] == next(x for x in records if x["data"] == r["data"])["real_tokens_per_step"]
         packed = r["config"].startswith("packed")
         assert (r["padding_fraction"] == 0.0) if packed or r["data"] == "uniform" else r["padding_fraction"] > 0.2
     summary = (out / "bench_rl.md").read_text()
     assert "packed / padded real tokens per second" in summary and "target >= 1.70" in summary
+    assert "engine / hand-written packed loop step time, deferred " in summary
