@@ -71,3 +71,18 @@ def test_bench_rl_workload_smoke(tmp_path):
     summary = (out / "bench_rl.md").read_text()
     assert "packed / padded real tokens per second" in summary and "target >= 1.70" in summary
     assert "engine / hand-written packed loop step time, deferred " in summary
+
+
+def test_bench_loss_workload(tmp_path):
+    """`syncwise bench --workload loss`: the chunked log-prob path and the plain autograd one side by side
+    (ratios measured, not asserted: speed targets live in the bench, not in tests)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "syncwise", "bench", "--workload", "loss", "--quick", "--repeats", "1",
+         "--out", str(tmp_path)], env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads((tmp_path / "bench_loss.json").read_text())["records"]
+    assert {(r["what"], r["temperature"]) for r in records} == {("log-probs", 1.0), ("log-probs + entropy", 1.0)}
+    assert all(r["plain_s"] > 0 and r["syncwise_s"] > 0 and r["ratio"] > 0 for r in records)
+    assert "slowest syncwise / plain ratio" in (tmp_path / "bench_loss.md").read_text()

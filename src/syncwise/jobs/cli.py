@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     sft = sub.add_parser("sft", help="supervised fine-tuning job (the built-in task by default)")
     sft.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
     bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
-    bench.add_argument("--workload", choices=("modes", "rl"), default="modes",
-                       help="modes: every sync mode side by side; rl: padded vs packed on long-tailed RL lengths")
+    bench.add_argument("--workload", choices=("modes", "rl", "loss"), default="modes",
+                       help="modes: every sync mode side by side; rl: padded vs packed on long-tailed RL lengths "
+                            "(and a hand-written packed loop); loss: the log-prob path alone against autograd's")
     bench.add_argument("--quick", action="store_true", help="the small 2-minute version")
     bench.add_argument("--nproc", type=int, default=2, help="local ranks (ignored under torchrun)")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
@@ -144,6 +145,14 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     import dataclasses
 
+    if args.workload == "loss":  # one process: no ranks to launch
+        from .bench_loss import LossBenchSpec, bench_loss
+
+        out = args.out if args.out != "runs/bench" else "runs/bench_loss"
+        spec = LossBenchSpec.quick(out) if args.quick else LossBenchSpec(out_dir=out)
+        if args.repeats is not None:
+            spec.repeats = args.repeats
+        return bench_loss(spec)
     worker, spec = bench_job(args)
     return _launch(worker, args.nproc, dataclasses.asdict(spec))
 
