@@ -139,9 +139,8 @@ class _TokenStats(torch.autograd.Function):
     position's log-sum-exp ([B, T-1]); backward recomputes a chunk's softmax straight into the logits'
     gradient (one preallocated tensor) and finishes it there in place -- times -g, plus g at the target,
     (and the entropy term), divided by T -- so memory beyond the logits and their gradient stays at one chunk
-    (none for fp32 logits without entropy) whatever the length and vocabulary, and the passes over the
-    [tokens, vocabulary] data are as few as autograd's log_softmax + gather make (profiled in
-    docs/perf_tuning.md)."""
+    (none for fp32 logits without entropy) whatever the length and vocabulary, with fewer passes over the
+    [tokens, vocabulary] data than autograd's log_softmax + gather (``syncwise bench --workload loss``)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool):
