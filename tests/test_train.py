@@ -60,7 +60,24 @@ def test_grpo_run_writes_metrics_plot_and_tensorboard(runs):
             assert r[f"comm/{kind}_count"] == r[f"comm/expected_{kind}_count"], (r["train/step"], kind)
     assert rows[0]["sync/mode"] == "per_microbatch" and rows[1]["sync/mode"] == "deferred_unsharded"
     assert (out / "curves.png").stat().st_size > 10_000
+    assert (out / "phases.png").stat().st_size > 10_000
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_every_step_says_where_its_time_went(runs):
+    """Disjoint phases of the step (weight refresh, sampling, rewards, reference and old log-probs, the
+    update) and the real tokens per second of sampling and of the update."""
+    from syncwise.rl.trainer import PHASES
+
+    for r in read_jsonl(runs["root"] / "full" / "metrics.jsonl"):
+        phases = [r[f"time/{phase}_s"] for phase in PHASES]
+        assert all(seconds >= 0 for seconds in phases)
+        assert r["time/rollout_s"] > 0 and r["time/update_s"] > 0 and r["time/old_log_prob_s"] > 0
+        assert r["time/ref_log_prob_s"] == 0  # no KL reference in this job
+        assert sum(phases) <= r["time/step_s"]  # parts of the step, none counted twice
+        assert r["rollout/response_tokens"] > 0
+        assert r["perf/rollout_tokens_per_s"] == pytest.approx(r["rollout/response_tokens"] / r["time/rollout_s"])
+        assert r["perf/update_tokens_per_s"] > 0
     assert "mean reward: first" in runs["full"].stdout
 
 

@@ -84,3 +84,26 @@ def plot_curves(
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_phases(rows: list[dict[str, Any]], path: str | Path, keys: list[str]) -> Path:
+    """A PNG of where each step's time went: the ``keys`` (seconds per phase) stacked against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["train/step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.stackplot(steps, [[r.get(key, 0.0) for r in rows] for key in keys],
+                 labels=[key.removeprefix("time/").removesuffix("_s") for key in keys])
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_title("time per step, by phase")
+    ax.legend(loc="upper left", fontsize=8, ncol=3)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -9,6 +9,7 @@ response up to and including its end-of-sequence token, with ``loss_mask`` on th
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -35,8 +36,9 @@ class Rollout:
     @torch.no_grad()
     def generate(self, rows: list[dict[str, Any]], source: PromptSource) -> tuple[dict[str, torch.Tensor], dict]:
         """``samples_per_prompt`` responses per row; returns the training batch and what was sampled:
-        rewards, texts, response lengths and the sampler's per-token log-probs ([B, T-1], aligned with the
-        batch's targets; the distribution softmax(logits / rl.temperature) each token was drawn from).
+        rewards, texts, response lengths, the sampler's per-token log-probs ([B, T-1], aligned with the
+        batch's targets; the distribution softmax(logits / rl.temperature) each token was drawn from) and
+        the seconds spent in the reward function (``reward_s``).
 
         Samples of one prompt are consecutive (the GRPO group)."""
         tok, n = self.tokenizer, self.cfg.samples_per_prompt
@@ -53,13 +55,16 @@ class Rollout:
         steps = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)  # [B * n, new tokens, V]
         drawn = steps.gather(-1, out.sequences[:, width:, None]).squeeze(-1)
         sequences, response_masks, rewards, responses, sampler = [], [], [], [], []
+        reward_s = 0.0
         for i, generated in enumerate(out.sequences):
             row = rows[i // n]
             prompt_mask = encoded["attention_mask"][i // n].bool()
             prompt_ids = encoded["input_ids"][i // n][prompt_mask]
             response_ids = _until_eos(generated[width:], tok.eos_token_id)
             text = tok.decode(response_ids, skip_special_tokens=True)
+            scoring = time.perf_counter()
             rewards.append(_score(source, row, text))
+            reward_s += time.perf_counter() - scoring
             responses.append(text)
             sequences.append(torch.cat([prompt_ids, response_ids]))
             response_masks.append(torch.cat([torch.zeros_like(prompt_ids), torch.ones_like(response_ids)]))
@@ -76,6 +81,7 @@ class Rollout:
             "responses": responses,
             "response_lengths": torch.tensor([int(m.sum()) for m in response_masks]),
             "log_probs": _right_pad(sampler, total - 1, 0.0).cpu(),  # [B, T-1], like the trainer's
+            "reward_s": reward_s,  # spent in the reward function
         }
         return {k: v.cpu() for k, v in batch.items()}, info
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from ..checkpoint import CheckpointManager, export_hf
 from ..config import Config, config_to_dict, load_config_dict
 from ..engine import Engine
 from ..losses import is_maximum
-from ..metrics import JsonlLogger, TensorBoardLogger, plot_curves
+from ..metrics import JsonlLogger, TensorBoardLogger, plot_curves, plot_phases
 from ..models import build_model
 from ..runtime.distributed import DistInfo, agree, init_distributed, run_rank
 from ..runtime.signals import stopped
@@ -80,9 +82,36 @@ def rollout_stats(
         "reward/std": math.sqrt(max(squares / count - mean * mean, 0.0)),
         "reward/solved_fraction": solved / count,
         "response/length_mean": length / count,
+        "rollout/response_tokens": length,  # over every rank
         "rollout/log_prob_diff": diff_sum / max(tokens, 1.0),
         "rollout/log_prob_diff_max": float(per_rank.max()),
     }
+
+
+PHASES = ("weight_sync", "rollout", "reward", "ref_log_prob", "old_log_prob", "update")
+
+
+class PhaseClock:
+    """Wall-clock seconds of each phase of a GRPO step on this rank (``time/<phase>_s``)."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Book ``seconds`` measured inside ``source`` (rewards scored during the rollout) to ``target``."""
+        self.seconds[source] -= seconds
+        self.seconds[target] += seconds
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{phase}_s": value for phase, value in self.seconds.items()}
 
 
 def combine_updates(updates: list[dict[str, Any]]) -> dict[str, Any]:
@@ -154,22 +183,34 @@ class GRPOTrainer:
         sampling temperature, before any update; then ``rl.epochs`` passes of ``rl.mini_batches`` optimizer
         steps each. Returns the step's metrics."""
         started = time.perf_counter()
+        clock = PhaseClock()
         rl = self.config.rl
         rows = self.source.batch(step, self.info.rank, self.info.world_size, rl.prompts_per_rank)
-        self.rollout.sync_weights()
-        batch, sampled = self.rollout.generate(rows, self.source)
+        with clock("weight_sync"):
+            self.rollout.sync_weights()
+        with clock("rollout"):
+            batch, sampled = self.rollout.generate(rows, self.source)
+        clock.move("rollout", "reward", sampled["reward_s"])  # generate scored as it went
         batch["advantages"] = advantages_for(sampled["rewards"], self.config)
         if rl.loss.rollout_is != "none":
             batch["rollout_log_probs"] = sampled["log_probs"]
         temperature = rl.temperature
         if self.reference is not None:
-            batch["ref_log_probs"] = self.reference.forward_batch(batch, temperature=temperature).outputs["log_probs"]
-        batch["old_log_probs"] = self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
-        updates = [self.engine.train_batch(part, self.loss_fn) for part in self._mini_batches(batch, step)]
+            with clock("ref_log_prob"):
+                reference = self.reference.forward_batch(batch, temperature=temperature)
+            batch["ref_log_probs"] = reference.outputs["log_probs"]
+        with clock("old_log_prob"):
+            batch["old_log_probs"] = self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
+        with clock("update"):
+            updates = [self.engine.train_batch(part, self.loss_fn) for part in self._mini_batches(batch, step)]
         metrics = combine_updates(updates)
         metrics.update(rollout_stats(sampled, batch["old_log_probs"], batch["loss_mask"][:, 1:].double(), self.info,
                                      self.config.dist.timeout_s))
         metrics["train/step"] = step + 1
+        metrics.update(clock.metrics())
+        metrics["perf/rollout_tokens_per_s"] = metrics["rollout/response_tokens"] / max(clock.seconds["rollout"], 1e-9)
+        update_tokens = sum(u["batch/real_tokens"] for u in updates)
+        metrics["perf/update_tokens_per_s"] = update_tokens / max(clock.seconds["update"], 1e-9)
         metrics["time/step_s"] = time.perf_counter() - started
         if self.info.is_main:
             self._log(metrics)
@@ -196,7 +237,8 @@ class GRPOTrainer:
                 f"reward {metrics['reward/mean']:.3f} loss {metrics['loss']:.4f} "
                 f"gn {metrics['train/grad_norm']:.2f} AG {metrics['comm/all_gather_count']} "
                 f"RS {metrics['comm/reduce_scatter_count']} AR {metrics['comm/all_reduce_count']} "
-                f"{metrics['sync/mode']}"
+                f"{metrics['sync/mode']} | rollout {metrics['time/rollout_s']:.1f}s "
+                f"update {metrics['time/update_s']:.1f}s"
             )
             self.bar.update(1)
 
@@ -217,6 +259,7 @@ class GRPOTrainer:
         self.close_logs()
         if self.info.is_main and self.history:
             plot_curves(self.history, self.out_dir / "curves.png")
+            plot_phases(self.history, self.out_dir / "phases.png", [f"time/{phase}_s" for phase in PHASES])
             _print_summary(self.history, self.out_dir)
 
     def run(self) -> list[dict[str, Any]]:
