@@ -61,15 +61,29 @@ class TensorBoardLogger:
         self._writer.close()
 
 
-def plot_curves(
-    rows: list[dict[str, Any]], path: str | Path, keys: tuple[str, ...] = ("reward/mean", "loss")
-) -> Path:
-    """A PNG with one panel per metric against the step."""
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend (ranks and CI have no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(plt, fig, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(
+    rows: list[dict[str, Any]], path: str | Path, keys: tuple[str, ...] = ("reward/mean", "loss")
+) -> Path:
+    """A PNG with one panel per metric against the step."""
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
     for ax, key in zip(axes if len(keys) > 1 else [axes], keys, strict=True):
         points = [(r["train/step"], r[key]) for r in rows if key in r]
@@ -79,20 +93,12 @@ def plot_curves(
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_phases(rows: list[dict[str, Any]], path: str | Path, keys: list[str]) -> Path:
     """A PNG of where each step's time went: the ``keys`` (seconds per phase) stacked against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     steps = [r["train/step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.stackplot(steps, [[r.get(key, 0.0) for r in rows] for key in keys],
@@ -102,8 +108,4 @@ def plot_phases(rows: list[dict[str, Any]], path: str | Path, keys: list[str]) -
     ax.set_title("time per step, by phase")
     ax.legend(loc="upper left", fontsize=8, ncol=3)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
