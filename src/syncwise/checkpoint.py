@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from .engine import Engine
+from .models import lora as lora_adapters
 from .runtime.distributed import rank_and_world
 
 LATEST = "latest"
@@ -245,27 +246,57 @@ def _write_atomic(path: Path, text: str) -> None:
     _sync_dir(path.parent)
 
 
-def export_hf(engine: Engine, tokenizer, out_dir: str | Path) -> Path | None:
+def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | None = None) -> Path | None:
     """Collective: write a Hugging Face model (safetensors + config) and tokenizer to ``out_dir`` on rank 0.
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
 
+    With LoRA, ``out_dir`` holds the merged model (each adapted weight ``W + s·B·A``) and ``out_dir/adapter``
+    the peft adapter folder (``PeftModel.from_pretrained(base, out_dir/"adapter")``); its base is
+    ``base_path`` (``model.path``) or, for a model built from a preset, the base weights written to
+    ``out_dir/base``."""
     # Offloading gathers the full weights to rank 0's host memory; on a CPU run they are there already, and
     # FSDP1's offload path segfaults on CPU (torch 2.13, in _full_post_state_dict_hook).
-    offload = engine.info.device.type != "cpu"
-    full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+    full = engine.full_model_state(cpu_offload=engine.info.device.type != "cpu", merge=False)
     rank, _ = rank_and_world()
     out = Path(out_dir)
     if rank == 0:
         from transformers.utils import logging as hf_logging
 
-        model = AutoModelForCausalLM.from_config(engine.hf_config)
-        model.load_state_dict(full)
-        out.mkdir(parents=True, exist_ok=True)
         hf_logging.disable_progress_bar()  # a one-shard bar would break into the job's own
-        model.save_pretrained(out, safe_serialization=True)
+        out.mkdir(parents=True, exist_ok=True)
+        scalings = lora_adapters.adapter_scalings(engine.model)
+        _plain_model(engine, lora_adapters.merged_state_dict(full, scalings)).save_pretrained(out, safe_serialization=True)
+        if engine.lora:
+            _save_adapter(engine, full, out, base_path)
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
     _barrier()
     return out if rank == 0 else None
+
+
+def _plain_model(engine: Engine, state: dict[str, torch.Tensor]):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(engine.hf_config)
+    model.load_state_dict(state)
+    return model
+
+
+def _save_adapter(engine: Engine, full: dict[str, torch.Tensor], out: Path, base_path: str | None) -> None:
+    """``out/adapter``: peft's adapter folder (config + adapter weights), naming its base model."""
+    import copy
+
+    from peft import get_peft_model
+
+    live = lora_adapters.peft_model_of(engine.model)
+    adapter_config = copy.deepcopy(live.peft_config[lora_adapters.ADAPTER])
+    base_weights = lora_adapters.merged_state_dict(full, dict.fromkeys(lora_adapters.adapter_scalings(engine.model), 0.0))
+    base = _plain_model(engine, base_weights)
+    if base_path:
+        adapter_config.base_model_name_or_path = str(Path(base_path).resolve())
+    else:  # built from a preset: nowhere else to load the base from
+        base.save_pretrained(out / "base", safe_serialization=True)
+        adapter_config.base_model_name_or_path = str((out / "base").resolve())
+    peft = get_peft_model(base, adapter_config)
+    peft.load_state_dict(full)
+    peft.save_pretrained(out / "adapter", safe_serialization=True)

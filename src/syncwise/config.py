@@ -34,6 +34,36 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the model (``model.lora.*``, built with peft: ``pip install 'syncwise[lora]'``).
+    Only the adapters train; the base weights stay frozen."""
+
+    rank: int = 0  # 0: off (the whole model trains)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0
+    # "all-linear" (every linear projection of the decoder layers, not the LM head) or comma-separated
+    # module names (q_proj,v_proj).
+    target_modules: str = "all-linear"
+
+    def validate(self, prefix: str = "model.lora.") -> LoraConfig:
+        if self.rank < 0:
+            raise ConfigError(f"{prefix}rank: must be >= 0 (0 = no LoRA), got {self.rank}")
+        if not self.rank:
+            return self
+        _positive(f"{prefix}alpha", self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"{prefix}dropout: must be in [0, 1), got {self.dropout}")
+        if not self.target_modules.strip(" ,"):
+            raise ConfigError(f"{prefix}target_modules: empty; use all-linear or module names (q_proj,v_proj)")
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise ConfigError(f"{prefix}rank={self.rank} needs peft, which is not installed: "
+                              "pip install 'syncwise[lora]'")
+        return self
+
+
+@dataclass
 class ModelConfig:
     """Which causal LM to build. ``path`` (a local Hugging Face directory) wins over ``preset``."""
 
@@ -43,6 +73,7 @@ class ModelConfig:
     reduce_dtype: str = "float32"
     attn_implementation: str = "sdpa"
     seed: int = 0
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -203,6 +234,7 @@ class Config:
         _choice("sync.mode", self.sync.mode, MODE_NAMES)
         _choice("model.param_dtype", self.model.param_dtype, DTYPES)
         _choice("model.reduce_dtype", self.model.reduce_dtype, DTYPES)
+        self.model.lora.validate()
         _choice("optim.name", self.optim.name, OPTIMIZERS)
         _choice("dist.backend", self.dist.backend, BACKENDS)
         _choice("optim.schedule", self.optim.schedule, ("constant", "cosine"))

@@ -30,6 +30,7 @@ from ..memory.accounting import sharded_model_of
 from ..memory.schedule import unit_traffic
 from ..memory.units import resolve_deferred_units, unit_names
 from ..models import build_model
+from ..models import lora as lora_adapters
 from ..runtime.distributed import CollectiveTimeout, DistInfo, agree, build_mesh, init_distributed
 from ..runtime.signals import StopRequest
 from ..sync import fsdp_internals as fsdp
@@ -65,6 +66,8 @@ class Engine:
         self.sync_mode = SyncMode(config.sync.mode)  # as configured; may be AUTO
         raw = model if model is not None else build_model(config.model)
         self.hf_config = getattr(raw, "config", None)  # None for a plain nn.Module
+        # LoRA (peft): only the adapters train, and only they are checkpointed.
+        self.lora = lora_adapters.peft_model_of(raw) is not None
         self.packing = config.engine.packing and _packing_works(raw, self.info.is_main)
         sharded = config.engine.strategy in SHARDED_STRATEGIES
         mesh = build_mesh(self.info, config.engine.hsdp_replicas) if sharded else None
@@ -80,7 +83,8 @@ class Engine:
         self.step = 0
         self.skipped_steps = 0
         self.memory_model = sharded_model_of(
-            self.wrapped.units, self.wrapped.shard_size, config.model.param_dtype, config.model.reduce_dtype
+            self.wrapped.units, self.wrapped.shard_size, config.model.param_dtype, config.model.reduce_dtype,
+            flat_units=self.wrapped.strategy == "fsdp1",
         )
         self.audit = StepAudit(
             unit_traffic(self.memory_model, hsdp), config.engine.reshard_after_forward, config.sync.unsharded_forward,
@@ -277,22 +281,41 @@ class Engine:
         result.metrics = self._reduce_step(result.metrics, None, 0)[0]
         return result
 
+    def _state_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # LoRA: the frozen base is rebuilt from model.path / the preset; a checkpoint holds the adapters.
+        return StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
+
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state (sharded DTensors under FSDP2), for ``torch.distributed.checkpoint``."""
+        """Model and optimizer state (sharded DTensors under FSDP2), for ``torch.distributed.checkpoint``.
+        With LoRA, the adapters and their optimizer state only."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            return {"model": get_model_state_dict(self.model, options=self._state_options())}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         if self.optimizer is None:
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(self.model, state["model"], options=self._state_options())
             return
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self._state_options())
+
+    def full_model_state(self, cpu_offload: bool = False, merge: bool = True) -> dict[str, torch.Tensor]:
+        """Collective: the whole model's unsharded weights, keyed as the plain Hugging Face model's (LoRA
+        adapters merged into their weights, ``W + s·B·A``), for the rollout copy and the export.
+        ``cpu_offload``: gathered to rank 0's host memory only. ``merge=False``: LoRA's keys as peft's."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+        if not self.lora or not merge or not full:  # offloaded: only rank 0 receives the weights
+            return full
+        return lora_adapters.merged_state_dict(full, lora_adapters.adapter_scalings(self.model))
 
     def engine_state(self) -> dict[str, Any]:
         """Everything else a resumed run needs to continue exactly (JSON-serialisable): the step count,
@@ -333,6 +356,7 @@ def _packing_works(model: nn.Module, say: bool) -> bool:
     packed row's attention then costs what its sequences' would alone."""
     from ..data.packing import packs_correctly
 
+    model = lora_adapters.base_model_of(model)  # a peft model packs as the model it adapts
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         reason = f"{type(model).__name__} is not a Hugging Face model (packing needs position_ids support)"

@@ -6,6 +6,7 @@ embeddings, final norm and LM head. The unit count is what the expected-collecti
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -153,6 +154,13 @@ def _wrap_fsdp1(
         strategy = (
             ShardingStrategy.FULL_SHARD if engine_cfg.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
         )
+    frozen = {p.requires_grad for p in model.parameters()} == {True, False}
+    if frozen and rank_and_world()[0] == 0:
+        warnings.warn(
+            "engine.strategy=fsdp1 with frozen parameters (LoRA): FSDP1 reduce-scatters and holds gradients for "
+            "the whole flat parameter of each unit that trains, frozen weights included; fsdp2 holds only the "
+            "trainable ones", RuntimeWarning, stacklevel=3,
+        )
     mixed = None
     if model_cfg.param_dtype != "float32" or model_cfg.reduce_dtype != "float32":
         mixed = MixedPrecision(
@@ -160,16 +168,18 @@ def _wrap_fsdp1(
             reduce_dtype=DTYPE_BY_NAME[model_cfg.reduce_dtype],
             buffer_dtype=torch.float32,
         )
-    return FSDP1(
-        model,
-        auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)),
-        sharding_strategy=strategy,
-        device_mesh=mesh if hsdp else None,
-        mixed_precision=mixed,
-        cpu_offload=CPUOffload(offload_params=engine_cfg.cpu_offload),
-        device_id=device,  # required on CPU, where FSDP1 cannot infer it
-        use_orig_params=True,
-    )
+    with warnings.catch_warnings():  # torch's version of the warning above lists every parameter's name
+        warnings.filterwarnings("ignore", message=".*has both parameters with requires_grad=True and False.*")
+        return FSDP1(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)),
+            sharding_strategy=strategy,
+            device_mesh=mesh if hsdp else None,
+            mixed_precision=mixed,
+            cpu_offload=CPUOffload(offload_params=engine_cfg.cpu_offload),
+            device_id=device,  # required on CPU, where FSDP1 cannot infer it
+            use_orig_params=True,
+        )
 
 
 def _wrap_ddp(model: nn.Module, engine_cfg: EngineConfig, device: torch.device) -> nn.Module:

@@ -131,10 +131,11 @@ def _padded_numel(shape: tuple[int, ...], shard_size: int) -> int:
 
 
 def sharded_model_of(
-    units: Iterable[nn.Module], shard_size: int, param_dtype: str, reduce_dtype: str
+    units: Iterable[nn.Module], shard_size: int, param_dtype: str, reduce_dtype: str, flat_units: bool = False
 ) -> ShardedModel:
     """Estimator input from modules that are (or will be) FSDP units; each parameter counted once, in the
-    innermost unit that holds it (as ``fully_shard`` assigns them)."""
+    innermost unit that holds it (as ``fully_shard`` assigns them). ``flat_units`` (FSDP1): a unit with any
+    trainable parameter reduces and holds gradients for all of them (one flat parameter)."""
     units = list(units)
     seen: set[int] = set()
     shapes: list[tuple[tuple[int, ...], ...]] = []
@@ -143,7 +144,8 @@ def sharded_model_of(
         own = [p for p in unit.parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)
         shapes.append(tuple(tuple(p.shape) for p in own))  # a DTensor's shape is the global one
-        trainable.append(tuple(p.requires_grad for p in own))
+        flags = tuple(p.requires_grad for p in own)
+        trainable.append((any(flags),) * len(flags) if flat_units else flags)
     return ShardedModel(
         tuple(reversed(shapes)), shard_size, param_dtype, reduce_dtype, unit_trainable=tuple(reversed(trainable))
     )
@@ -217,6 +219,7 @@ class PeakMeter:
             self._tracker = FSDPMemTracker(self.model, self.optimizer)
         else:
             self._tracker = MemTracker()
+            _skip_frozen(self._tracker, self.model)
             self._tracker.track_external(self.model, self.optimizer)
         self._tracker.__enter__()
         self._reduce_scatter = dist.reduce_scatter_single
@@ -255,6 +258,19 @@ class PeakMeter:
         snapshot = self._tracker.get_tracker_snapshot("peak")
         self.peak = max((dev["Total"] for dev in snapshot.values()), default=0)
         self._tracker = None
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen(tracker, model: nn.Module) -> None:
+    """torch's ``MemTracker`` registers a gradient hook on every parameter, which raises on a frozen one
+    (LoRA's base weights): mark those as hooked already. They never get a gradient to count."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
 
 
 def _on_released_copy(reduce_scatter):

@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from ..config import RLConfig
@@ -29,9 +28,8 @@ class Rollout:
 
     @torch.no_grad()
     def sync_weights(self) -> None:
-        """Copy the current (sharded) policy into the local inference model."""
-        full = get_model_state_dict(self.engine.model, options=StateDictOptions(full_state_dict=True))
-        self.model.load_state_dict(full)
+        """Copy the current (sharded) policy into the local inference model (LoRA: merged weights)."""
+        self.model.load_state_dict(self.engine.full_model_state())
 
     @torch.no_grad()
     def generate(self, rows: list[dict[str, Any]], source: PromptSource) -> tuple[dict[str, torch.Tensor], dict]:

@@ -31,6 +31,7 @@ from ..engine import Engine
 from ..losses import is_maximum
 from ..metrics import JsonlLogger, TensorBoardLogger, plot_curves, plot_phases
 from ..models import build_model
+from ..models.lora import adapters_disabled
 from ..runtime.distributed import DistInfo, agree, init_distributed, run_rank
 from ..runtime.signals import stopped
 from .advantages import grpo_advantages, rloo_advantages
@@ -145,8 +146,10 @@ class GRPOTrainer:
         updates_per_step = rl.mini_batches * rl.epochs
         self.engine = Engine(config, build_model(config.model, **overrides), info,
                              total_steps=train.steps * updates_per_step)
+        # The KL reference: a frozen copy of the initial model, or with LoRA the policy's own base model with
+        # its adapters switched off (no second model in memory).
         self.reference = None
-        if rl.loss.kl_coef > 0:
+        if rl.loss.kl_coef > 0 and not self.engine.lora:
             self.reference = Engine(config, build_model(config.model, **overrides), info, trainable=False)
         self.rollout = Rollout(self.engine, self.tokenizer, rl)
         self.loss_fn = make_policy_loss(rl.loss, temperature=rl.temperature)
@@ -195,10 +198,9 @@ class GRPOTrainer:
         if rl.loss.rollout_is != "none":
             batch["rollout_log_probs"] = sampled["log_probs"]
         temperature = rl.temperature
-        if self.reference is not None:
+        if rl.loss.kl_coef > 0:
             with clock("ref_log_prob"):
-                reference = self.reference.forward_batch(batch, temperature=temperature)
-            batch["ref_log_probs"] = reference.outputs["log_probs"]
+                batch["ref_log_probs"] = self._reference_log_probs(batch)
         with clock("old_log_prob"):
             batch["old_log_probs"] = self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
         with clock("update"):
@@ -215,6 +217,13 @@ class GRPOTrainer:
         if self.info.is_main:
             self._log(metrics)
         return metrics
+
+    def _reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        temperature = self.config.rl.temperature
+        if self.reference is not None:
+            return self.reference.forward_batch(batch, temperature=temperature).outputs["log_probs"]
+        with adapters_disabled(self.engine.model):
+            return self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
 
     def _mini_batches(self, batch: dict[str, torch.Tensor], step: int):
         """Each epoch, this rank's samples in an order seeded by (seed, step, epoch, rank) -- a resumed run
@@ -255,7 +264,7 @@ class GRPOTrainer:
     def finish(self) -> None:
         """Export, close the logs, plot and summarise."""
         if self.config.train.export:
-            export_hf(self.engine, self.tokenizer, self.out_dir / "export")
+            export_hf(self.engine, self.tokenizer, self.out_dir / "export", base_path=self.config.model.path)
         self.close_logs()
         if self.info.is_main and self.history:
             plot_curves(self.history, self.out_dir / "curves.png")

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from .config import ModelConfig
+from ..config import LoraConfig, ModelConfig
+from .lora import apply_lora
 
 # Tiny shapes for CPU jobs, tests and benchmarks.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -51,18 +52,21 @@ def preset_config(name: str, **overrides: Any):
 
 
 def build_model(cfg: ModelConfig, **config_overrides: Any) -> PreTrainedModel:
-    """Instantiate the model in fp32 on CPU, with identical weights on every rank (seeded init).
-    ``config_overrides`` adjust a preset (e.g. ``vocab_size`` to match a tokenizer)."""
+    """Instantiate the model in fp32 on CPU, with identical weights on every rank (seeded init), and its LoRA
+    adapters when ``cfg.lora.rank`` > 0 (see :mod:`syncwise.models.lora`). ``config_overrides`` adjust a
+    preset (e.g. ``vocab_size`` to match a tokenizer)."""
     if cfg.path:
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             cfg.path, local_files_only=True, dtype=torch.float32,
             attn_implementation=cfg.attn_implementation,
         )
-    hf_config = preset_config(cfg.preset, **config_overrides)
-    hf_config._attn_implementation = cfg.attn_implementation
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    else:
+        hf_config = preset_config(cfg.preset, **config_overrides)
+        hf_config._attn_implementation = cfg.attn_implementation
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    return apply_lora(model, cfg.lora, cfg.seed)
 
 
 def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
@@ -90,11 +94,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return wrapped or [m for m in model.modules() if isinstance(m, classes)]
 
 
-def meta_model_units(hf_config) -> tuple[nn.Module, list[nn.Module]]:
-    """The model ``hf_config`` describes, built on the meta device (no weights, no memory), and its FSDP units
-    as the engine wraps them: the root first, then one per decoder layer."""
+def meta_model_units(hf_config, lora: LoraConfig | None = None) -> tuple[nn.Module, list[nn.Module]]:
+    """The model ``hf_config`` describes (with ``lora``'s adapters), built on the meta device (no weights, no
+    memory), and its FSDP units as the engine wraps them: the root first, then one per decoder layer."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
+        if lora is not None:
+            model = apply_lora(model, lora)
     return model, [model, *decoder_layers(model)]
 
 
