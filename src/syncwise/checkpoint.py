@@ -265,7 +265,8 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | N
         hf_logging.disable_progress_bar()  # a one-shard bar would break into the job's own
         out.mkdir(parents=True, exist_ok=True)
         scalings = lora_adapters.adapter_scalings(engine.model)
-        _plain_model(engine, lora_adapters.merged_state_dict(full, scalings)).save_pretrained(out, safe_serialization=True)
+        merged = lora_adapters.merged_state_dict(full, scalings)
+        _plain_model(engine, merged).save_pretrained(out, safe_serialization=True)
         if engine.lora:
             _save_adapter(engine, full, out, base_path)
         if tokenizer is not None:
@@ -290,7 +291,8 @@ def _save_adapter(engine: Engine, full: dict[str, torch.Tensor], out: Path, base
 
     live = lora_adapters.peft_model_of(engine.model)
     adapter_config = copy.deepcopy(live.peft_config[lora_adapters.ADAPTER])
-    base_weights = lora_adapters.merged_state_dict(full, dict.fromkeys(lora_adapters.adapter_scalings(engine.model), 0.0))
+    unscaled = dict.fromkeys(lora_adapters.adapter_scalings(engine.model), 0.0)  # W + 0·B·A: the base weights
+    base_weights = lora_adapters.merged_state_dict(full, unscaled)
     base = _plain_model(engine, base_weights)
     if base_path:
         adapter_config.base_model_name_or_path = str(Path(base_path).resolve())

@@ -41,7 +41,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
     except ImportError as exc:
-        raise ImportError("model.lora.rank > 0 needs peft, which is not installed: pip install 'syncwise[lora]'") from exc
+        raise ImportError("model.lora.rank > 0 needs peft, which is not installed: "
+                          "pip install 'syncwise[lora]'") from exc
 
     names = cfg.target_modules.strip()
     targets: str | list[str] = names if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
