@@ -287,18 +287,17 @@ def _save_adapter(engine: Engine, full: dict[str, torch.Tensor], out: Path, base
     """``out/adapter``: peft's adapter folder (config + adapter weights), naming its base model."""
     import copy
 
-    from peft import get_peft_model
-
     live = lora_adapters.peft_model_of(engine.model)
     adapter_config = copy.deepcopy(live.peft_config[lora_adapters.ADAPTER])
+    adapter_config.base_model_name_or_path = None  # set below, once peft has read the (nameless) base
     unscaled = dict.fromkeys(lora_adapters.adapter_scalings(engine.model), 0.0)  # W + 0·B·A: the base weights
-    base_weights = lora_adapters.merged_state_dict(full, unscaled)
-    base = _plain_model(engine, base_weights)
+    base = _plain_model(engine, lora_adapters.merged_state_dict(full, unscaled))
     if base_path:
-        adapter_config.base_model_name_or_path = str(Path(base_path).resolve())
+        base_name = str(Path(base_path).resolve())
     else:  # built from a preset: nowhere else to load the base from
         base.save_pretrained(out / "base", safe_serialization=True)
-        adapter_config.base_model_name_or_path = str((out / "base").resolve())
-    peft = get_peft_model(base, adapter_config)
+        base_name = str((out / "base").resolve())
+    peft = lora_adapters.with_adapters(base, adapter_config)
+    peft.peft_config[lora_adapters.ADAPTER].base_model_name_or_path = base_name
     peft.load_state_dict(full)
     peft.save_pretrained(out / "adapter", safe_serialization=True)

@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (with --seq-len)")
     plan.add_argument("--activation-checkpointing", action="store_true", help="each decoder layer recomputed")
     plan.add_argument("--logprob-chunk", type=int, default=1024, help="tokens per log-prob chunk (0: unchunked)")
+    plan.add_argument("--lora-rank", type=int, default=0,
+                      help="LoRA adapters of this rank on every linear projection (0: the whole model trains)")
     plan.add_argument("--bandwidth-gbps", type=float, default=100.0, help="GB/s per rank in a shard group")
     plan.add_argument("--replica-bandwidth-gbps", type=float, help="GB/s across replicas (HSDP)")
     plan.add_argument("--latency-us", type=float, default=10.0)

@@ -67,8 +67,11 @@ class AutoSync:
             parts.append(f"nothing fits: the cheapest, {chosen.label}")
         changed = chosen != self.mode or not self.decisions
         self.mode = chosen
+        trainable, total = sum(self.estimator.unit_trainable_numels), self.estimator.num_params
+        frozen = (f"; {trainable / 1e6:.3g}M of {total / 1e6:.4g}M parameters train (LoRA / frozen): deferring "
+                  f"holds their gradients only, deferred_unsharded also every parameter" if trainable < total else "")
         message = (
-            f"auto sync ({reason}; budget {format_bytes(self.budget)}, {num_microbatches} micro-batches): "
+            f"auto sync ({reason}; budget {format_bytes(self.budget)}, {num_microbatches} micro-batches{frozen}): "
             + "; ".join(parts) + f" => {chosen.label}"
         )
         if changed:

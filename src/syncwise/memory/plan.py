@@ -17,6 +17,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
+from ..config import LoraConfig
 from ..models import meta_model_units
 from ..sync.modes import SyncChoice, SyncMode, spec, supported_modes
 from .accounting import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
@@ -71,6 +72,7 @@ class PlanInput:
     micro_batch_size: int = 1
     activation_checkpointing: bool = False
     logprob_chunk: int = 1024  # tokens whose fp32 log-softmax exists at once (engine.logprob_chunk_size)
+    lora_rank: int = 0  # > 0: only LoRA adapters of this rank train (model.lora.rank, target all-linear)
     bandwidth_gbps: float = 100.0  # GB/s per rank within a shard group
     replica_bandwidth_gbps: float | None = None  # GB/s across replicas (default: bandwidth_gbps)
     latency_us: float = 10.0
@@ -90,10 +92,11 @@ class PlanInput:
             raise ValueError(f"--budget-fraction must be in (0, 1], got {self.budget_fraction}")
         if self.latency_us < 0 or self.activation_gib < 0:
             raise ValueError("--latency-us and --activation-gib must be >= 0")
-        if self.seq_len < 0 or self.micro_batch_size < 1 or self.logprob_chunk < 0:
-            raise ValueError("--seq-len must be >= 0, --micro-batch-size >= 1, --logprob-chunk >= 0")
+        if self.seq_len < 0 or self.micro_batch_size < 1 or self.logprob_chunk < 0 or self.lora_rank < 0:
+            raise ValueError("--seq-len, --logprob-chunk and --lora-rank must be >= 0, --micro-batch-size >= 1")
         if self.replica_bandwidth_gbps is not None and self.replica_bandwidth_gbps <= 0:
             raise ValueError("--replica-bandwidth-gbps must be > 0")
+        LoraConfig(rank=self.lora_rank).validate(prefix="--lora-")  # peft installed?
 
 
 @dataclass
@@ -113,6 +116,7 @@ class ModePlan:
 class Plan:
     input: PlanInput
     num_params: int
+    trainable_params: int
     num_units: int
     base_bytes: int
     budget_bytes: int
@@ -145,9 +149,13 @@ def load_hf_config(spec: str):
     )
 
 
-def sharded_model_for(hf_config, shard_size: int, param_dtype: str, reduce_dtype: str) -> ShardedModel:
-    """The estimator input for the engine's wrapping of this model, built on the meta device."""
-    _, units = meta_model_units(hf_config)
+def sharded_model_for(
+    hf_config, shard_size: int, param_dtype: str, reduce_dtype: str, lora_rank: int = 0
+) -> ShardedModel:
+    """The estimator input for the engine's wrapping of this model (with LoRA adapters of ``lora_rank``, the
+    only trainable parameters), built on the meta device."""
+    lora = LoraConfig(rank=lora_rank) if lora_rank else None
+    _, units = meta_model_units(hf_config, lora)
     return sharded_model_of(units, shard_size, param_dtype, reduce_dtype)
 
 
@@ -193,9 +201,10 @@ def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Pla
                            inp.replica_bandwidth_gbps * 1e9 if inp.replica_bandwidth_gbps else None)
     shard = inp.world_size // inp.replicas
     hsdp = inp.replicas > 1
-    sharded = sharded_model_for(hf_config, shard, inp.param_dtype, inp.reduce_dtype)
+    sharded = sharded_model_for(hf_config, shard, inp.param_dtype, inp.reduce_dtype, inp.lora_rank)
     n = inp.microbatches
     local = sharded.padded_numel() // shard
+    local_trainable = sum(sharded.unit_padded_numels(trainable_only=True)) // shard
     in_loss, in_layer = in_flight_bytes(sharded)
     if inp.seq_len:
         act = estimate_activations(hf_config, inp.seq_len, inp.micro_batch_size, inp.activation_checkpointing,
@@ -208,11 +217,13 @@ def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Pla
     base = (
         local * DTYPE_BYTES[sharded.orig_dtype]  # sharded parameters
         + sharded.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)  # sharded gradients
-        + local * ADAMW_STATE_BYTES
+        + local_trainable * ADAMW_STATE_BYTES  # AdamW keeps moments of what trains only
         + working  # activations and FSDP2's parameters / gradients in flight
     )
     budget = int(inp.device_memory_gib * 2**30 * inp.budget_fraction)
-    plan = Plan(inp, sharded.num_params, len(sharded.unit_shapes), base, budget, activation_bytes=activation_bytes,
+    trainable = sum(sharded.unit_trainable_numels)
+    plan = Plan(inp, sharded.num_params, trainable, len(sharded.unit_shapes), base, budget,
+                activation_bytes=activation_bytes,
                 links_measured=links.measured, latency_us=links.latency_s * 1e6, bandwidth_gbps=links.bandwidth / 1e9)
     units = unit_traffic(sharded, hsdp)
     choices = candidates(supported_modes("fsdp2", hsdp), sharded, links)
@@ -235,8 +246,10 @@ def format_plan(plan: Plan) -> str:
     else:
         activations = f" + {inp.activation_gib:g} GiB activations" if inp.activation_gib else ""
     links = "measured" if plan.links_measured else "assumed"
+    lora = (f" (LoRA rank {inp.lora_rank}: {plan.trainable_params / 1e6:.2f}M trainable, "
+            f"{plan.trainable_params / plan.num_params:.2%})" if inp.lora_rank else "")
     lines = [
-        f"{inp.model}: {plan.num_params / 1e9:.3f}B parameters in {plan.num_units} FSDP units; ranks {mesh}; "
+        f"{inp.model}: {plan.num_params / 1e9:.3f}B parameters{lora} in {plan.num_units} FSDP units; ranks {mesh}; "
         f"{inp.microbatches} micro-batches/step; params {inp.param_dtype}, reduce {inp.reduce_dtype}",
         f"per rank: base {format_bytes(plan.base_bytes)} (sharded fp32 params + grads + AdamW{activations}), "
         f"budget {format_bytes(plan.budget_bytes)} ({inp.budget_fraction:.0%} of {inp.device_memory_gib:g} GiB); "

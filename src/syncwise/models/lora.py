@@ -39,7 +39,6 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
         return model
     try:
         from peft import LoraConfig as PeftLoraConfig
-        from peft import get_peft_model
     except ImportError as exc:
         raise ImportError("model.lora.rank > 0 needs peft, which is not installed: "
                           "pip install 'syncwise[lora]'") from exc
@@ -49,14 +48,22 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
     peft_config = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, task_type="CAUSAL_LM",
     )
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        # peft asks transformers a deprecated question (is_gradient_checkpointing) on every wrap.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            return get_peft_model(model, peft_config)
+            return with_adapters(model, peft_config)
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
             raise ValueError(f"model.lora.target_modules={cfg.target_modules!r}: {str(exc).splitlines()[0]}") from exc
+
+
+def with_adapters(model: nn.Module, peft_config) -> nn.Module:
+    """peft's ``get_peft_model``, without its noise: peft asks transformers a deprecated question
+    (``is_gradient_checkpointing``) on every wrap."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, peft_config)
 
 
 def peft_model_of(module: nn.Module) -> nn.Module | None:
