@@ -22,14 +22,17 @@ def test_bench_smoke(tmp_path):
     records = data["records"]
     configs = {(r["microbatches"], r["config"]) for r in records}
     for n in (2, 3):
-        for config in ("per_microbatch", "deferred", "deferred_unsharded", "auto", "raw_fsdp2", "compute_floor"):
+        for config in ("per_microbatch", "deferred", "deferred_unsharded", "auto", "raw_fsdp2", "compute_floor",
+                       "lora8:per_microbatch", "lora8:deferred", "lora8:deferred_unsharded"):
             assert (n, config) in configs
     for r in records:
         assert len(r["step_time_samples_s"]) == 2 and r["step_time_median_s"] > 0
         if r["config"] in ("raw_fsdp2", "compute_floor"):
             continue
         mode = r["mode_run"]  # auto's last timed step runs its chosen mode
-        expected = expected_collectives(mode, r["microbatches"], 3, unsharded_forward=True, engine_all_reduces=3)
+        trainable = 2 if r["config"].startswith("lora") else 3  # LoRA: the root (embeddings, LM head) is frozen
+        expected = expected_collectives(mode, r["microbatches"], 3, unsharded_forward=True, engine_all_reduces=3,
+                                        trainable_units=trainable)
         assert {k: r[f"comm/{k}_count"] for k in expected} == expected, (r["config"], r["microbatches"])
         assert r["ratio_to_per_microbatch"] > 0 and r["ratio_to_floor"] > 0
     auto = [r for r in records if r["config"] == "auto"]
@@ -39,6 +42,10 @@ def test_bench_smoke(tmp_path):
         assert (out / name).stat().st_size > 5_000
     table = (out / "bench.md").read_text()
     assert "| qwen2-test (0.4M) | 3 | deferred |" in table and "auto chose deferred_unsharded" in table
+    lora = {r["config"]: r for r in records if r["microbatches"] == 3}
+    # LoRA holds the adapters' gradients: a small fraction of the whole model's
+    assert lora["lora8:deferred"]["memory/retained_grad_bytes"] < lora["deferred"]["memory/retained_grad_bytes"] / 5
+    assert "lora8:deferred/deferred step" in table
 
 
 def test_bench_rl_workload_smoke(tmp_path):

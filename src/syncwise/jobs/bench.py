@@ -9,6 +9,9 @@ baselines on the same model and data:
   communication), run at the same time on every rank so the CPU is shared alike: the limit any mode
   can approach.
 
+With ``lora_rank`` > 0 it adds LoRA rows (``lora8:deferred``, ...): the same model with adapters of that
+rank, in ``lora_modes``, so step time and held bytes read beside the full model's.
+
 Every round times one step of each configuration, in an order rotated each round, so machine drift hits
 all alike. Ratios come from the same run. Results: ``bench.json`` (every sample), ``bench.md`` (table) and
 PNG plots.
@@ -54,10 +57,16 @@ class BenchSpec:
     warmup: int = 2
     repeats: int = 5
     out_dir: str = "runs/bench"
+    lora_rank: int = 8  # LoRA rows with adapters of this rank (0: none)
+    lora_modes: list[str] = field(default_factory=lambda: ["per_microbatch", "deferred", "deferred_unsharded"])
 
     @classmethod
     def quick(cls, out_dir: str = "runs/bench") -> BenchSpec:
-        return cls(presets=["qwen2-tiny"], microbatches=[2, 8], warmup=1, repeats=3, out_dir=out_dir)
+        return cls(presets=["qwen2-tiny"], microbatches=[2, 8], warmup=1, repeats=3, out_dir=out_dir,
+                   lora_modes=["deferred"])
+
+    def lora_configs(self) -> list[str]:
+        return [f"lora{self.lora_rank}:{mode}" for mode in self.lora_modes] if self.lora_rank else []
 
 
 def _batch(num_samples: int, seq_len: int, vocab: int, rank: int) -> dict[str, torch.Tensor]:
@@ -108,11 +117,13 @@ class ComputeFloor:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _engine(preset: str, mode: str, info: DistInfo) -> Engine:
-    """An engine in ``mode``; ``partial`` defers half the units (the ones that save the most per byte)."""
-    extra = []
+def _engine(preset: str, config: str, info: DistInfo) -> Engine:
+    """An engine for ``config``: a mode, or ``lora<rank>:<mode>``; ``partial`` defers half the units (the ones
+    that save the most per byte)."""
+    lora, _, mode = config.rpartition(":")
+    extra = [f"model.lora.rank={lora.removeprefix('lora')}"] if lora else []
     if mode == SyncMode.PARTIAL.value:
-        extra = [f"sync.deferred_units={(PRESETS[preset]['num_hidden_layers'] + 1) // 2}"]
+        extra.append(f"sync.deferred_units={(PRESETS[preset]['num_hidden_layers'] + 1) // 2}")
     cfg = load_config(None, [f"model.preset={preset}", "engine.strategy=fsdp2", f"sync.mode={mode}",
                              "engine.micro_batch_size=1", *extra])
     return Engine(cfg, build_model(cfg.model), info)
@@ -150,7 +161,7 @@ def run_bench(info: DistInfo, spec: BenchSpec) -> list[dict[str, Any]]:
         params = count_parameters(build_model(load_config(None, [f"model.preset={preset}"]).model))
         entries = []
         for n in spec.microbatches:
-            names = list(spec.modes) + (list(BASELINES) if spec.baselines else [])
+            names = list(spec.modes) + spec.lora_configs() + (list(BASELINES) if spec.baselines else [])
             for name in names:
                 if name == "raw_fsdp2":
                     runner: Any = RawFSDP2Loop(preset, info)
@@ -275,6 +286,11 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
                 parts.append(f"best mode/limit (floor + minimum collectives) {best['ratio_to_limit']:.2f}")
         if "auto" in at:
             parts.append(f"auto chose {at['auto'].get('auto_choice')}")
+        for config in (c for c in at if c.startswith("lora") and c.partition(":")[2] in at):
+            full, lora = at[config.partition(":")[2]], at[config]
+            held = [r.get("memory/retained_grad_bytes", 0) / 2**20 for r in (lora, full)]
+            ratio = lora["step_time_median_s"] / full["step_time_median_s"]
+            parts.append(f"{config}/{full['config']} step {ratio:.2f}, held grads {held[0]:.2f} vs {held[1]:.2f} MiB")
         lines.append(" ".join(parts[:1]) + " " + "; ".join(parts[1:]))
     return lines
 

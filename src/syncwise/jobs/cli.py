@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--microbatches", nargs="+", type=int, help="micro-batches per step (default 2 4 8)")
     bench.add_argument("--modes", nargs="+", help="engine sync modes (default: all but replica_deferred, + auto)")
     bench.add_argument("--no-baselines", action="store_true", help="skip the raw FSDP2 loop and the compute floor")
+    bench.add_argument("--lora-rank", type=int, help="modes workload: LoRA rows with adapters of this rank "
+                                                      "(default 8; 0: none)")
+    bench.add_argument("--lora-modes", nargs="+", help="modes workload: sync modes of the LoRA rows")
     bench.add_argument("--repeats", type=int, help="timed steps per configuration")
     bench.add_argument("--warmup", type=int, help="untimed rounds first")
     bench.add_argument("--seq-len", type=int, help="tokens per sample (default 64)")
@@ -172,7 +175,8 @@ def bench_job(args: argparse.Namespace) -> tuple[Any, Any]:
     else:
         spec = BenchSpec.quick(args.out) if args.quick else BenchSpec(out_dir=args.out)
         spec.baselines = not args.no_baselines
-        names, worker = ("presets", "microbatches", "modes", "repeats", "warmup", "seq_len"), bench_worker
+        names = ("presets", "microbatches", "modes", "repeats", "warmup", "seq_len", "lora_rank", "lora_modes")
+        worker = bench_worker
     for name in names:
         value = getattr(args, name)
         if value is not None:
