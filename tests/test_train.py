@@ -187,6 +187,26 @@ def test_reward_rises_on_the_default_task(tmp_path):
     assert last > first + 0.2, (first, last)
 
 
+def test_lora_grpo_resumes_exactly_with_the_base_model_as_kl_reference(tmp_path):
+    """`syncwise train model.lora.rank=8` with a KL term: the reference is the base model (adapters off, no
+    second engine), checkpoints hold the adapters only, a resumed run ends with the uninterrupted run's
+    merged weights, and the adapter folder is exported beside them."""
+    lora = ["model.lora.rank=8", "rl.loss.kl_coef=0.05", "train.checkpoint_every=2"]
+    _train(tmp_path / "full", "train.steps=4", *lora)
+    _train(tmp_path / "split", "train.steps=2", *lora)
+    _train(tmp_path / "split", "train.steps=4", "train.resume=auto", *lora)
+    full, resumed = _weights(tmp_path / "full" / "export"), _weights(tmp_path / "split" / "export")
+    assert full.keys() == resumed.keys() and not any("lora" in k for k in full)  # merged: a plain model
+    for name in full:
+        assert torch.equal(full[name], resumed[name]), name
+    rows = read_jsonl(tmp_path / "full" / "metrics.jsonl")
+    assert all(r["time/ref_log_prob_s"] > 0 for r in rows)
+    assert rows[-1]["actor/kl_loss"] > 0  # the adapters moved the policy away from its base
+    assert (tmp_path / "full" / "export" / "adapter" / "adapter_model.safetensors").is_file()
+    dcp = tmp_path / "full" / "checkpoints" / "step_000004" / "dcp"
+    assert sum(f.stat().st_size for f in dcp.iterdir()) < 0.5 * 12 * sum(v.numel() for v in full.values())
+
+
 def test_torchrun_two_nodes_on_loopback(tmp_path):
     port = free_port()
     procs = []

@@ -300,4 +300,5 @@ def _save_adapter(engine: Engine, full: dict[str, torch.Tensor], out: Path, base
     peft = lora_adapters.with_adapters(base, adapter_config)
     peft.peft_config[lora_adapters.ADAPTER].base_model_name_or_path = base_name
     peft.load_state_dict(full)
-    peft.save_pretrained(out / "adapter", safe_serialization=True)
+    # the base weights are frozen and stored beside it: no copy of an adapted LM head / embedding in the folder
+    peft.save_pretrained(out / "adapter", safe_serialization=True, save_embedding_layers=False)

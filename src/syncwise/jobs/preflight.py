@@ -45,6 +45,23 @@ def check_model(config: Config) -> None:
         raise PreflightError(f"model.path: {path} has no weights ({' or '.join(WEIGHT_FILES[::2])})")
 
 
+def check_lora(config: Config) -> None:
+    """``model.lora.target_modules`` names modules the model has (adapters built on the meta device)."""
+    from transformers import AutoConfig
+
+    from ..models import meta_model_units, preset_config
+
+    lora = config.model.lora
+    if not lora.rank:
+        return
+    path = config.model.path
+    hf = AutoConfig.from_pretrained(path, local_files_only=True) if path else preset_config(config.model.preset)
+    try:
+        meta_model_units(hf, lora)
+    except ValueError as exc:
+        raise PreflightError(_first_line(exc)) from exc
+
+
 def check_rl(config: Config) -> None:
     """The tokenizer loads; the prompt file parses (every row a string ``prompt``); the reward imports."""
     from ..checkpoint import CheckpointError, CheckpointManager
@@ -96,7 +113,7 @@ def check_deferred_units(config: Config) -> None:
         return
     path = config.model.path
     hf = AutoConfig.from_pretrained(path, local_files_only=True) if path else preset_config(config.model.preset)
-    model, units = meta_model_units(hf)
+    model, units = meta_model_units(hf, config.model.lora if config.model.lora.rank else None)
     estimator = sharded_model_of(units, max(config.dist.nproc, 1), config.model.param_dtype, config.model.reduce_dtype)
     try:
         resolve_deferred_units(config.sync.deferred_units, unit_names(model, units), estimator)
@@ -108,6 +125,7 @@ def preflight(config: Config, job: str) -> None:
     """Everything about ``job`` (``train`` or ``sft``) that can be checked before ranks start."""
     check_torch(config)
     check_model(config)
+    check_lora(config)
     check_deferred_units(config)
     if job == "train":
         check_rl(config)
