@@ -247,7 +247,7 @@ MISTAKES = {
                            "syncwise: error: train.resume: checkpoint directory not found: {root}/nowhere"),
     "old flat key": (["rl.clip_high=0.3"], "syncwise: config error: 'rl.clip_high' is now 'rl.loss.clip_high'"),
     "lora target the model lacks": (["model.lora.rank=4", "model.lora.target_modules=qkv"],
-                                    "syncwise: error: model.lora.target_modules='qkv': Target modules {'qkv'} not "
+                                    "syncwise: error: model.lora.target_modules='qkv': Target modules {{'qkv'}} not "
                                     "found in the base model"),
 }
 

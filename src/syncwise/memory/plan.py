@@ -92,11 +92,11 @@ class PlanInput:
             raise ValueError(f"--budget-fraction must be in (0, 1], got {self.budget_fraction}")
         if self.latency_us < 0 or self.activation_gib < 0:
             raise ValueError("--latency-us and --activation-gib must be >= 0")
-        if self.seq_len < 0 or self.micro_batch_size < 1 or self.logprob_chunk < 0 or self.lora_rank < 0:
-            raise ValueError("--seq-len, --logprob-chunk and --lora-rank must be >= 0, --micro-batch-size >= 1")
+        if self.seq_len < 0 or self.micro_batch_size < 1 or self.logprob_chunk < 0:
+            raise ValueError("--seq-len must be >= 0, --micro-batch-size >= 1, --logprob-chunk >= 0")
         if self.replica_bandwidth_gbps is not None and self.replica_bandwidth_gbps <= 0:
             raise ValueError("--replica-bandwidth-gbps must be > 0")
-        LoraConfig(rank=self.lora_rank).validate(prefix="--lora-")  # peft installed?
+        LoraConfig(rank=self.lora_rank).validate(prefix="--lora-")  # >= 0; peft installed
 
 
 @dataclass
