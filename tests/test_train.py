@@ -201,6 +201,8 @@ def test_lora_grpo_resumes_exactly_with_the_base_model_as_kl_reference(tmp_path)
         assert torch.equal(full[name], resumed[name]), name
     rows = read_jsonl(tmp_path / "full" / "metrics.jsonl")
     assert all(r["time/ref_log_prob_s"] > 0 for r in rows)
+    # the rollout copy runs the merged weights: it samples from the distribution the trainer scores
+    assert all(r["rollout/log_prob_diff"] <= 1e-3 for r in rows)
     assert rows[-1]["actor/kl_loss"] > 0  # the adapters moved the policy away from its base
     assert (tmp_path / "full" / "export" / "adapter" / "adapter_model.safetensors").is_file()
     dcp = tmp_path / "full" / "checkpoints" / "step_000004" / "dcp"
