@@ -264,8 +264,7 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | N
 
         hf_logging.disable_progress_bar()  # a one-shard bar would break into the job's own
         out.mkdir(parents=True, exist_ok=True)
-        scalings = lora_adapters.adapter_scalings(engine.model)
-        merged = lora_adapters.merged_state_dict(full, scalings)
+        merged = lora_adapters.merged_state_dict(full, engine.adapter_scalings)
         _plain_model(engine, merged).save_pretrained(out, safe_serialization=True)
         if engine.lora:
             _save_adapter(engine, full, out, base_path)
@@ -290,7 +289,7 @@ def _save_adapter(engine: Engine, full: dict[str, torch.Tensor], out: Path, base
     live = lora_adapters.peft_model_of(engine.model)
     adapter_config = copy.deepcopy(live.peft_config[lora_adapters.ADAPTER])
     adapter_config.base_model_name_or_path = None  # set below, once peft has read the (nameless) base
-    unscaled = dict.fromkeys(lora_adapters.adapter_scalings(engine.model), 0.0)  # W + 0·B·A: the base weights
+    unscaled = dict.fromkeys(engine.adapter_scalings, 0.0)  # W + 0·B·A: the base weights
     base = _plain_model(engine, lora_adapters.merged_state_dict(full, unscaled))
     if base_path:
         base_name = str(Path(base_path).resolve())

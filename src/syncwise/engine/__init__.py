@@ -77,6 +77,8 @@ class Engine:
             raw.requires_grad_(False)
         self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh)
         self.model = self.wrapped.module
+        # Each adapted layer's state-dict key -> alpha / r: fixed once built (merges for rollout and export).
+        self.adapter_scalings = lora_adapters.adapter_scalings(self.model) if self.lora else {}
         self.trainable = trainable
         self.optimizer = build_optimizer(self.model.parameters(), config.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps) if trainable else None
@@ -315,7 +317,7 @@ class Engine:
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
         if not self.lora or not merge or not full:  # offloaded: only rank 0 receives the weights
             return full
-        return lora_adapters.merged_state_dict(full, lora_adapters.adapter_scalings(self.model))
+        return lora_adapters.merged_state_dict(full, self.adapter_scalings)
 
     def engine_state(self) -> dict[str, Any]:
         """Everything else a resumed run needs to continue exactly (JSON-serialisable): the step count,

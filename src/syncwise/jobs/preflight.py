@@ -45,19 +45,23 @@ def check_model(config: Config) -> None:
         raise PreflightError(f"model.path: {path} has no weights ({' or '.join(WEIGHT_FILES[::2])})")
 
 
-def check_lora(config: Config) -> None:
-    """``model.lora.target_modules`` names modules the model has (adapters built on the meta device)."""
+def _meta_model_units(config: Config):
+    """The job's model (with its LoRA adapters) and FSDP units on the meta device: no weights, no memory."""
     from transformers import AutoConfig
 
     from ..models import meta_model_units, preset_config
 
-    lora = config.model.lora
-    if not lora.rank:
-        return
     path = config.model.path
     hf = AutoConfig.from_pretrained(path, local_files_only=True) if path else preset_config(config.model.preset)
+    return meta_model_units(hf, config.model.lora)
+
+
+def check_lora(config: Config) -> None:
+    """``model.lora.target_modules`` names modules the model has."""
+    if not config.model.lora.rank:
+        return
     try:
-        meta_model_units(hf, lora)
+        _meta_model_units(config)
     except ValueError as exc:
         raise PreflightError(_first_line(exc)) from exc
 
@@ -103,17 +107,12 @@ def check_torch(config: Config) -> None:
 def check_deferred_units(config: Config) -> None:
     """``sync.deferred_units`` names units the model has, or counts no more than it has (the model is built
     on the meta device: no weights, no memory)."""
-    from transformers import AutoConfig
-
     from ..memory.accounting import sharded_model_of
     from ..memory.units import resolve_deferred_units, unit_names
-    from ..models import meta_model_units, preset_config
 
     if config.sync.mode != "partial":
         return
-    path = config.model.path
-    hf = AutoConfig.from_pretrained(path, local_files_only=True) if path else preset_config(config.model.preset)
-    model, units = meta_model_units(hf, config.model.lora if config.model.lora.rank else None)
+    model, units = _meta_model_units(config)
     estimator = sharded_model_of(units, max(config.dist.nproc, 1), config.model.param_dtype, config.model.reduce_dtype)
     try:
         resolve_deferred_units(config.sync.deferred_units, unit_names(model, units), estimator)

@@ -154,8 +154,7 @@ def sharded_model_for(
 ) -> ShardedModel:
     """The estimator input for the engine's wrapping of this model (with LoRA adapters of ``lora_rank``, the
     only trainable parameters), built on the meta device."""
-    lora = LoraConfig(rank=lora_rank) if lora_rank else None
-    _, units = meta_model_units(hf_config, lora)
+    _, units = meta_model_units(hf_config, LoraConfig(rank=lora_rank))
     return sharded_model_of(units, shard_size, param_dtype, reduce_dtype)
 
 

@@ -95,12 +95,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def meta_model_units(hf_config, lora: LoraConfig | None = None) -> tuple[nn.Module, list[nn.Module]]:
-    """The model ``hf_config`` describes (with ``lora``'s adapters), built on the meta device (no weights, no
-    memory), and its FSDP units as the engine wraps them: the root first, then one per decoder layer."""
+    """The model ``hf_config`` describes (with ``lora``'s adapters, if its rank is > 0), built on the meta
+    device (no weights, no memory), and its FSDP units as the engine wraps them: the root first, then one per
+    decoder layer."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-        if lora is not None:
-            model = apply_lora(model, lora)
+        model = apply_lora(AutoModelForCausalLM.from_config(hf_config), lora or LoraConfig())
     return model, [model, *decoder_layers(model)]
 
 

@@ -80,10 +80,6 @@ def base_model_of(model: nn.Module) -> nn.Module:
     return peft.get_base_model() if peft is not None else model
 
 
-def trainable_numel(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
 @contextmanager
 def adapters_disabled(module: nn.Module) -> Iterator[None]:
     """Forward passes inside run the base model alone (the adapters skipped). Only for passes without
