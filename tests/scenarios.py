@@ -141,11 +141,18 @@ def equivalence_suite(info, cases: list[str]) -> dict:
     return out
 
 
-def full_batch_reference(world_size: int) -> dict[str, torch.Tensor]:
-    """Gradients of the token-mean loss over every rank's batch at once, in one plain process (no FSDP)."""
-    cfg = engine_config("none", "deferred", "engine.micro_batch_size=1000")
-    model = build_model(cfg.model)
-    batches = [make_batch(seed=100 + r) for r in range(world_size)]
+def _build_from_config(cfg) -> nn.Module:
+    return build_model(cfg.model)
+
+
+def full_batch_reference(
+    world_size: int, *extra: str, build=_build_from_config, seed: int = 100
+) -> dict[str, torch.Tensor]:
+    """Gradients of the token-mean loss over every rank's batch (``make_batch(seed + rank)``) at once, in one
+    plain process (no FSDP), of the model ``build(cfg)`` makes; frozen parameters have none."""
+    cfg = engine_config("none", "deferred", "engine.micro_batch_size=1000", *extra)
+    model = build(cfg)
+    batches = [make_batch(seed=seed + r) for r in range(world_size)]
     batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     from syncwise.losses import Normalizer, target_mask
@@ -153,7 +160,7 @@ def full_batch_reference(world_size: int) -> dict[str, torch.Tensor]:
     mask = target_mask(batch)
     norm = Normalizer(tokens=float(mask.sum()), sequences=float((mask.sum(1) > 0).sum()), dp_size=1)
     sft_loss(out, batch, norm).loss.backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def equivalence_suite_with_reference(info, cases: list[str]) -> dict:

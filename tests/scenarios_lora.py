@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from scenarios import engine_config, full_grads, full_params, make_batch
+from scenarios import engine_config, full_batch_reference, full_grads, full_params, make_batch
 from syncwise.checkpoint import CheckpointManager, export_hf
 from syncwise.engine import Engine
-from syncwise.losses import Normalizer, sft_loss, target_mask
+from syncwise.losses import sft_loss
 from syncwise.models import build_model
 from syncwise.models.lora import adapters_disabled
 
@@ -49,8 +49,11 @@ def lora_model(cfg):
     return model
 
 
+BATCH_SEED = 500
+
+
 def _batch(rank: int) -> dict[str, torch.Tensor]:
-    return make_batch(seed=500 + rank)
+    return make_batch(seed=BATCH_SEED + rank)
 
 
 def lora_case(info, strategy: str, mode: str, *extra: str, reference_pass: bool = False) -> dict:
@@ -80,19 +83,6 @@ def lora_case(info, strategy: str, mode: str, *extra: str, reference_pass: bool 
         "num_units": engine.wrapped.num_units,
         "optimizer_params": sum(len(g["params"]) for g in engine.optimizer.param_groups),
     }
-
-
-def full_batch_reference(world_size: int) -> dict[str, torch.Tensor]:
-    """Adapter gradients of the token-mean loss over every rank's batch at once, one plain process."""
-    cfg = engine_config("none", "deferred", *LORA)
-    model = lora_model(cfg)
-    batches = [_batch(r) for r in range(world_size)]
-    batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    mask = target_mask(batch)
-    norm = Normalizer(tokens=float(mask.sum()), sequences=float((mask.sum(1) > 0).sum()), dp_size=1)
-    sft_loss(out, batch, norm).loss.backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def reference_log_probs(info) -> dict:
@@ -171,5 +161,6 @@ def lora_suite(info) -> dict:
     out["reference"] = reference_log_probs(info)
     out["checkpoint"] = checkpoint_and_export(info)
     if info.rank == 0:
-        out["full_batch"] = full_batch_reference(info.world_size)
+        # adapter gradients of the same batches, one plain process
+        out["full_batch"] = full_batch_reference(info.world_size, *LORA, build=lora_model, seed=BATCH_SEED)
     return out
