@@ -1,16 +1,21 @@
 """The local launcher's verdict when a rank dies without a word (SIGKILL, OOM killer, segfault): that
-rank is the cause, not the peer that then lost its connection."""
+rank is the cause, not the peer that then lost its connection. And a signal that reaches the launcher
+while it is still starting its ranks is never lost."""
 
 from __future__ import annotations
 
 import os
 import signal
 import tempfile
+import time
+from multiprocessing.context import SpawnProcess
 
+import pytest
 import torch.distributed as dist
 
 from dist_harness import _rank_main
 from syncwise.runtime.launcher import launch_local
+from syncwise.runtime.signals import StopRequest, stopped
 
 
 def _rank0_dies(info) -> None:
@@ -27,3 +32,34 @@ def test_a_rank_that_dies_without_a_report_is_the_one_named(capsys):
     assert job.lines[0] == "syncwise: error: rank 0 of 2 died (signal SIGKILL) without a report"
     assert all("raised on rank 1" not in line for line in job.lines)
     assert capsys.readouterr().err.splitlines()[0] == job.lines[0]
+
+
+def _run_until_asked_to_stop() -> None:
+    """A rank that works until it is asked to stop (the bound only keeps a lost signal from hanging the test:
+    the rank then ends with 0 and the assertion below fails)."""
+    deadline = time.monotonic() + 120
+    while not StopRequest.received and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if StopRequest.received:
+        raise stopped(StopRequest.received, 0, 1, "nothing kept")
+
+
+@pytest.mark.parametrize("after_rank", [0, 1])
+def test_a_signal_while_the_launcher_starts_its_ranks_stops_every_rank(monkeypatch, after_rank):
+    """SIGTERM sent to the launcher right after it started rank ``after_rank`` -- while the other is not
+    started yet (0) or while the launcher still masks its signals (1). The launcher used to ignore the stop
+    signals while starting: a thread torch had started then took the signal and dropped it, and the job ran
+    to its end. Now every rank stops (143)."""
+    started = []
+    start = SpawnProcess.start
+
+    def start_then_signal(process):
+        start(process)
+        started.append(process)
+        if len(started) == after_rank + 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(SpawnProcess, "start", start_then_signal)
+    job = launch_local(_run_until_asked_to_stop, 2)
+    assert job.exit_code == 143, job.lines
+    assert [p.exitcode for p in started] == [143, 143]

@@ -27,10 +27,11 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
-from .signals import IGNORED_ENV, STOP_SIGNALS, JobStopped, StopRequest, ignored_at_start
+from .signals import STOP_SIGNALS, JobStopped, StopRequest
 
 REPORT_DIR_ENV = "SYNCWISE_REPORT_DIR"
 DEBUG_ENV = "SYNCWISE_DEBUG"
@@ -122,8 +123,9 @@ STOP_FILE = "stop"  # in the report folder: the signal the launcher received (wr
 
 
 def _adopt_earlier_stop() -> None:
-    """A signal the local launcher received while this rank still ignored it (it was importing) is a stop
-    request all the same. Read after the handlers are installed: any signal forwarded later is caught."""
+    """A signal the local launcher received before this rank existed (the launcher forwards only to ranks
+    already started) is a stop request all the same. Read after the handlers are installed: any signal
+    forwarded later is caught."""
     folder = os.environ.get(REPORT_DIR_ENV)
     stop = Path(folder) / STOP_FILE if folder else None
     if stop is not None and stop.exists():
@@ -162,9 +164,9 @@ def free_port() -> int:
 
 
 def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
-    # The launcher started this rank with SIGINT / SIGTERM ignored, so that a Ctrl-C while it was still
-    # importing could not end it with a KeyboardInterrupt traceback; rank_main makes them stop requests and
-    # adopts one the launcher received before.
+    # The launcher started this rank with SIGINT / SIGTERM blocked, so that a Ctrl-C while it was still
+    # importing could not end it with a KeyboardInterrupt traceback; rank_main makes them stop requests,
+    # unblocks them, and adopts one the launcher received before it could forward it here.
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -209,7 +211,7 @@ class _Supervisor:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.signals.append(signum)
-        if len(self.signals) == 1:  # for ranks still ignoring it; before forwarding (see _adopt_earlier_stop)
+        if len(self.signals) == 1:  # for ranks not started yet; before forwarding (see _adopt_earlier_stop)
             (self.folder / f".{STOP_FILE}").write_text(str(signum))
             (self.folder / f".{STOP_FILE}").replace(self.folder / STOP_FILE)
         for rank, process in enumerate(self.processes):
@@ -219,18 +221,19 @@ class _Supervisor:
                 os.kill(process.pid, signum if len(self.signals) == 1 else signal.SIGKILL)
 
     def start(self) -> None:
-        """Start every rank with the stop signals ignored (a disposition a spawned process inherits): until
-        :func:`rank_main` handles them, a signal cannot end it mid-import. Meanwhile the launcher's own
-        signals are blocked, so they stay pending for its handler (Linux keeps a blocked signal pending even
-        while it is ignored)."""
+        """Start every rank with the stop signals *blocked* (a mask a spawned process keeps across exec): until
+        :func:`rank_main` has installed its handlers and unblocks them, a signal stays pending in the rank --
+        it can neither end it mid-import nor be lost. The launcher's own handlers stay installed throughout,
+        so a signal it receives meanwhile is handled too (never ignored: a disposition is process-wide, and a
+        thread a library started would take a signal and drop it)."""
+        # Started now, so that starting it does not happen inside the masked section: multiprocessing
+        # unblocks SIGINT / SIGTERM after starting its resource tracker, which would unmask the next rank.
+        resource_tracker.ensure_running()
         previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
         try:
             for process in self.processes:
                 process.start()
         finally:
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
 
     def alive(self) -> list[multiprocessing.Process]:
@@ -273,7 +276,6 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> JobResult:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     folder = Path(tempfile.mkdtemp(prefix="syncwise-reports-"))
     os.environ[REPORT_DIR_ENV] = str(folder)
-    os.environ[IGNORED_ENV] = ",".join(str(int(s)) for s in sorted(ignored_at_start()))
     context = multiprocessing.get_context("spawn")
     processes = [context.Process(target=_local_entry, args=(r, nproc, port, fn, args)) for r in range(nproc)]
     try:
@@ -283,7 +285,6 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> JobResult:
         reports = [ErrorReport(**json.loads(p.read_text())) for p in sorted(folder.glob("rank*.json"))]
     finally:
         os.environ.pop(REPORT_DIR_ENV, None)
-        os.environ.pop(IGNORED_ENV, None)
         shutil.rmtree(folder, ignore_errors=True)
     return _outcome([p.exitcode for p in processes], reports, nproc, supervisor)
 

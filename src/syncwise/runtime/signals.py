@@ -8,14 +8,10 @@ writes a checkpoint and raises :class:`JobStopped`, and the process exits with 1
 
 from __future__ import annotations
 
-import os
 import signal
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# Set by the local launcher, which starts its ranks with the stop signals ignored (see launcher.py): the
-# signals *it* was started with ignored, which its ranks must keep ignoring.
-IGNORED_ENV = "SYNCWISE_IGNORED_SIGNALS"
 
 
 class JobStopped(Exception):
@@ -39,23 +35,17 @@ class StopRequest:
     def install(cls) -> None:
         """Catch SIGINT and SIGTERM from now on -- except a signal the process was started with ignored: a
         job put in the background by a non-interactive shell inherits SIGINT ignored, so that a Ctrl-C
-        meant for the foreground does not stop it."""
+        meant for the foreground does not stop it. Then unblocks them: the local launcher starts its ranks
+        with them blocked, so one sent while the rank was importing is delivered now."""
         cls.received = 0
         for signum in STOP_SIGNALS:
-            if signum not in ignored_at_start():
+            if signal.getsignal(signum) is not signal.SIG_IGN:
                 signal.signal(signum, cls._handle)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     @classmethod
     def _handle(cls, signum: int, frame: FrameType | None) -> None:
         cls.received = cls.received or signum
-
-
-def ignored_at_start() -> set[int]:
-    """The stop signals this job was started with ignored: as the local launcher says, else as now."""
-    inherited = os.environ.get(IGNORED_ENV)
-    if inherited is not None:
-        return {int(s) for s in inherited.split(",") if s}
-    return {s for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_IGN}
 
 
 def agreed_stop(device, timeout_s: float) -> int:
