@@ -78,6 +78,9 @@ def test_every_step_says_where_its_time_went(runs):
         assert r["rollout/response_tokens"] > 0
         assert r["perf/rollout_tokens_per_s"] == pytest.approx(r["rollout/response_tokens"] / r["time/rollout_s"])
         assert r["perf/update_tokens_per_s"] > 0
+        # rl.balance_ranks (on by default): never worse than the batch as sampled
+        assert r["batch/rank_token_imbalance_after"] <= r["batch/rank_token_imbalance_before"]
+        assert 0 <= r["rollout/uniform_group_fraction"] <= 1
     assert "mean reward: first" in runs["full"].stdout
 
 
@@ -185,6 +188,21 @@ def test_reward_rises_on_the_default_task(tmp_path):
     rewards = [r["reward/mean"] for r in read_jsonl(tmp_path / "learn" / "metrics.jsonl")]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.2, (first, last)
+
+
+def test_skipping_uniform_groups_counts_them_and_still_learns(tmp_path):
+    """rl.skip_uniform_groups: groups with one reward for all samples are counted and left out; the job
+    trains on the rest (with fewer samples per update) and the reward still rises."""
+    _train(tmp_path / "skip", "train.steps=30", "train.checkpoint_every=0", "train.export=false",
+           "rl.prompts_per_rank=8", "rl.samples_per_prompt=8", "optim.warmup_steps=5", "rl.skip_uniform_groups=true")
+    rows = read_jsonl(tmp_path / "skip" / "metrics.jsonl")
+    assert any(r["rollout/uniform_group_fraction"] > 0 for r in rows)
+    sampled = 2 * 8 * 8
+    for r in rows:  # every group with signal trains, the others do not
+        uniform = round(r["rollout/uniform_group_fraction"] * sampled / 8)
+        assert r["rollout/trained_samples"] == sampled - 8 * uniform or uniform == sampled // 8, r
+    rewards = [r["reward/mean"] for r in rows]
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.2, rewards
 
 
 def test_lora_grpo_resumes_exactly_with_the_base_model_as_kl_reference(tmp_path):

@@ -202,6 +202,12 @@ class RLConfig:
     advantage: str = "grpo"  # grpo | drgrpo | rloo
     mini_batches: int = 1  # optimizer steps per pass over a rollout batch (each rank's samples split alike)
     epochs: int = 1  # passes over each rollout batch
+    # Before the update, move samples between ranks so each trains on about the same real tokens
+    # (Karmarkar-Karp over sequence lengths; one all-gather of the rollout batch). The gradient is unchanged.
+    balance_ranks: bool = True
+    # Leave out groups whose rewards are all equal (zero advantage: no policy-gradient signal), as DAPO's
+    # dynamic sampling does; the loss is normalised over the samples that train.
+    skip_uniform_groups: bool = False
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -42,6 +43,7 @@ from .governor import MemoryGovernor
 from .optim import build_optimizer, build_scheduler, clip_and_step, global_grad_norm
 from .planning import BatchPlan, plan_batch
 from .step import ForwardBackwardResult, accumulate, forward_only
+from .weights import full_weights_by_unit
 from .wrap import WrappedModel, wrap_model
 
 __all__ = ["CollectiveTimeout", "Engine", "ForwardBackwardResult", "SyncNoOpError", "build_optimizer",
@@ -318,6 +320,12 @@ class Engine:
         if not self.lora or not merge or not full:  # offloaded: only rank 0 receives the weights
             return full
         return lora_adapters.merged_state_dict(full, self.adapter_scalings)
+
+    def full_weights_by_unit(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Collective (every rank must consume it all): the model's unsharded weights one wrapping unit at a
+        time, keyed as the plain Hugging Face model's (LoRA merged) -- for refreshing the rollout copy with
+        one unit's extra memory instead of the whole model's (see :mod:`syncwise.engine.weights`)."""
+        return full_weights_by_unit(self.wrapped, self.adapter_scalings)
 
     def engine_state(self) -> dict[str, Any]:
         """Everything else a resumed run needs to continue exactly (JSON-serialisable): the step count,

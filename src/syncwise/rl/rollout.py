@@ -1,9 +1,10 @@
 """Rollouts: sample responses with Hugging Face ``generate`` from a local, unsharded copy of the policy.
 
 Like verl's rollout worker, each rank keeps an inference copy of the model and refreshes its weights
-from the sharded training model before each step (one gather of the full parameters), then generates
-without any collective. The samples come back as a right-padded training batch: prompt tokens, then the
-response up to and including its end-of-sequence token, with ``loss_mask`` on the response.
+from the sharded training model before each step -- one unit at a time, so the refresh needs one unit's
+memory, not the whole model's -- then generates without any collective. The samples come back as a
+right-padded training batch: prompt tokens, then the response up to and including its end-of-sequence
+token, with ``loss_mask`` on the response.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from ..config import RLConfig
 from ..engine import Engine
+from ..engine.weights import load_by_unit
 from .tasks import PromptSource
 
 
@@ -28,8 +30,9 @@ class Rollout:
 
     @torch.no_grad()
     def sync_weights(self) -> None:
-        """Copy the current (sharded) policy into the local inference model (LoRA: merged weights)."""
-        self.model.load_state_dict(self.engine.full_model_state())
+        """Collective: copy the current (sharded) policy into the local inference model, one unit at a time
+        (LoRA: merged weights)."""
+        load_by_unit(self.model, self.engine.full_weights_by_unit())
 
     @torch.no_grad()
     def generate(self, rows: list[dict[str, Any]], source: PromptSource) -> tuple[dict[str, torch.Tensor], dict]:

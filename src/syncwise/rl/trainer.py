@@ -35,6 +35,7 @@ from ..models.lora import adapters_disabled
 from ..runtime.distributed import DistInfo, agree, init_distributed, run_rank
 from ..runtime.signals import stopped
 from .advantages import grpo_advantages, rloo_advantages
+from .balance import balance_ranks, select_trained_rows, take_rows, uniform_groups
 from .losses import make_policy_loss
 from .rollout import Rollout
 from .tasks import builtin_tokenizer, prompt_source
@@ -64,19 +65,21 @@ def advantages_for(rewards: torch.Tensor, config: Config) -> torch.Tensor:
 
 
 def rollout_stats(
-    sampled: dict[str, Any], trainer_log_probs: torch.Tensor, response_mask: torch.Tensor, info: DistInfo,
-    timeout_s: float,
+    sampled: dict[str, Any], sampler_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor,
+    response_mask: torch.Tensor, counts: tuple[int, int, int], info: DistInfo, timeout_s: float,
 ) -> dict[str, float]:
-    """Rewards, response lengths and how far the trainer's log-probs (before any update) are from the
-    sampler's over the response tokens -- any mismatch between the two copies of the policy (dtype,
-    temperature, padding, stale weights) biases the gradient -- over every rank (one small all-reduce)."""
+    """Over every rank (one small all-reduce): rewards, response lengths, the groups without signal and the
+    samples that train (``counts``: uniform groups and groups sampled on this rank, samples it trains on),
+    and how far the trainer's log-probs (before any update) are from the sampler's over the response tokens
+    that train -- any mismatch between the two copies of the policy (dtype, temperature, padding, stale
+    weights) biases the gradient."""
     rewards, lengths = sampled["rewards"].double(), sampled["response_lengths"].double()
-    diff = (sampled["log_probs"] - trainer_log_probs.cpu()).abs() * response_mask
+    diff = (sampler_log_probs - trainer_log_probs.cpu()).abs() * response_mask
     sums = [rewards.sum(), (rewards**2).sum(), len(rewards), lengths.sum(), (rewards >= 1).sum(), diff.sum(),
-            response_mask.sum()]
+            response_mask.sum(), *counts]
     totals, per_rank = agree([float(x) for x in sums], [float(diff.max()) if diff.numel() else 0.0],
                              "the rollout statistics all-reduce", info.device, timeout_s)
-    total, squares, count, length, solved, diff_sum, tokens = totals.tolist()
+    total, squares, count, length, solved, diff_sum, tokens, uniform_groups, groups, trained = totals.tolist()
     mean = total / count
     return {
         "reward/mean": mean,
@@ -86,10 +89,12 @@ def rollout_stats(
         "rollout/response_tokens": length,  # over every rank
         "rollout/log_prob_diff": diff_sum / max(tokens, 1.0),
         "rollout/log_prob_diff_max": float(per_rank.max()),
+        "rollout/uniform_group_fraction": uniform_groups / groups,
+        "rollout/trained_samples": trained,  # over every rank (rl.skip_uniform_groups leaves some out)
     }
 
 
-PHASES = ("weight_sync", "rollout", "reward", "ref_log_prob", "old_log_prob", "update")
+PHASES = ("weight_sync", "rollout", "reward", "balance", "ref_log_prob", "old_log_prob", "update")
 
 
 class PhaseClock:
@@ -195,8 +200,12 @@ class GRPOTrainer:
             batch, sampled = self.rollout.generate(rows, self.source)
         clock.move("rollout", "reward", sampled["reward_s"])  # generate scored as it went
         batch["advantages"] = advantages_for(sampled["rewards"], self.config)
-        if rl.loss.rollout_is != "none":
-            batch["rollout_log_probs"] = sampled["log_probs"]
+        batch["rollout_log_probs"] = sampled["log_probs"]  # moves with its sample; the loss reads it if asked
+        with clock("balance"):
+            batch, balance_metrics, counts = self._samples_that_train(batch, sampled["rewards"])
+        sampler_log_probs = batch["rollout_log_probs"]
+        if rl.loss.rollout_is == "none":
+            del batch["rollout_log_probs"]
         temperature = rl.temperature
         if rl.loss.kl_coef > 0:
             with clock("ref_log_prob"):
@@ -206,7 +215,9 @@ class GRPOTrainer:
         with clock("update"):
             updates = [self.engine.train_batch(part, self.loss_fn) for part in self._mini_batches(batch, step)]
         metrics = combine_updates(updates)
-        metrics.update(rollout_stats(sampled, batch["old_log_probs"], batch["loss_mask"][:, 1:].double(), self.info,
+        metrics.update(balance_metrics)
+        metrics.update(rollout_stats(sampled, sampler_log_probs, batch["old_log_probs"],
+                                     batch["loss_mask"][:, 1:].double(), counts, self.info,
                                      self.config.dist.timeout_s))
         metrics["train/step"] = step + 1
         metrics.update(clock.metrics())
@@ -217,6 +228,28 @@ class GRPOTrainer:
         if self.info.is_main:
             self._log(metrics)
         return metrics
+
+    def _samples_that_train(
+        self, batch: dict[str, torch.Tensor], rewards: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float], tuple[int, int, int]]:
+        """Collective: ``rl.skip_uniform_groups`` leaves out the groups without signal, then
+        ``rl.balance_ranks`` spreads the samples evenly over the ranks (see :mod:`syncwise.rl.balance`).
+        Returns (this rank's batch, the balance metrics, (uniform groups and groups sampled here, samples
+        this rank trains on))."""
+        rl, timeout_s = self.config.rl, self.config.dist.timeout_s
+        groups = len(rewards) // rl.samples_per_prompt
+        uniform = int(uniform_groups(rewards, rl.samples_per_prompt).sum())
+        if rl.skip_uniform_groups:
+            selection = select_trained_rows(rewards, rl.samples_per_prompt, rl.mini_batches, self.info.device,
+                                            timeout_s)
+            batch = take_rows(batch, selection)
+        metrics: dict[str, float] = {}
+        if rl.balance_ranks and self.info.world_size > 1:
+            batch, balance = balance_ranks(batch, self.tokenizer.pad_token_id, rl.mini_batches, timeout_s)
+            metrics = {"batch/rank_token_imbalance_before": balance.before,
+                       "batch/rank_token_imbalance_after": balance.after, "batch/samples_moved": balance.moved}
+        trained = int((batch["loss_mask"].sum(dim=1) > 0).sum())
+        return batch, metrics, (uniform, groups, trained)
 
     def _reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         temperature = self.config.rl.temperature

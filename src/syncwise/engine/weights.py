@@ -1,0 +1,95 @@
+"""The trained model's full weights, one wrapping unit at a time: what the rollout copy is refreshed from.
+
+``get_model_state_dict(full_state_dict=True)`` gathers every parameter before it returns, so a refresh held
+the whole model a second time on every rank. Here each unit's parameters are gathered (FSDP2: one
+``full_tensor`` per parameter; FSDP1: the unit's flat parameter with ``summon_full_params(recurse=False)``),
+handed over and dropped before the next unit's are: the extra memory is one unit's, as verl streams
+per-tensor weights into its inference engine. DDP and plain models hand over their own tensors (no copy).
+Collective under FSDP: every rank must consume the whole iterator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+from ..models import lora as lora_adapters
+from .wrap import WrappedModel
+
+# Module names wrappers put into parameter names: FSDP1, activation checkpointing, DDP (leading only).
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def plain_name(name: str, ddp: bool) -> str:
+    """A wrapped model's parameter name as the unwrapped model's."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name.removeprefix("module.") if ddp else name
+
+
+def params_by_unit(wrapped: WrappedModel) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """Each unit with the parameters it holds itself (not those of a unit inside it), in the units' order;
+    names as the model's ``named_parameters`` gives them."""
+    units = wrapped.units
+    prefixes = {id(module): name for name, module in wrapped.module.named_modules()}
+    owned: dict[int, list[tuple[str, nn.Parameter]]] = {id(u): [] for u in units}
+    unit_prefixes = sorted(((prefixes[id(u)], u) for u in units), key=lambda x: -len(x[0]))
+    for name, param in wrapped.module.named_parameters():
+        for prefix, unit in unit_prefixes:  # the innermost unit whose subtree holds the parameter
+            if not prefix or name.startswith(prefix + "."):
+                owned[id(unit)].append((name, param))
+                break
+    return [(u, owned[id(u)]) for u in units]
+
+
+def full_weights_by_unit(
+    wrapped: WrappedModel, adapter_scalings: dict[str, float]
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Per unit, its parameters unsharded and keyed as the plain model's (LoRA: merged, ``W + s·B·A``, keyed
+    as the base model's; the adapters of a layer live in that layer's unit). Drop each dict before asking
+    for the next: that is what keeps the peak at one unit."""
+    for unit, params in params_by_unit(wrapped):
+        # Not under torch.no_grad(): its generator wrapper keeps the last dict until the next one exists.
+        if params:
+            yield _gather_unit(wrapped.strategy, unit, params, adapter_scalings)
+
+
+@torch.no_grad()
+def _gather_unit(strategy: str, unit: nn.Module, params: list[tuple[str, nn.Parameter]],
+                 adapter_scalings: dict[str, float]) -> dict[str, torch.Tensor]:
+    ddp = strategy == "ddp"
+    if strategy == "fsdp1":
+        with FSDP1.summon_full_params(unit, recurse=False, writeback=False):
+            local = {plain_name(n, ddp): p.detach().clone() for n, p in params}
+    else:
+        local = {plain_name(n, ddp): _full(p) for n, p in params}
+    return lora_adapters.merged_state_dict(local, adapter_scalings) if adapter_scalings else local
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 parameter's full value (one all-gather), or the tensor itself."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+
+
+@torch.no_grad()
+def load_by_unit(target: nn.Module, chunks: Iterator[dict[str, torch.Tensor]]) -> None:
+    """Copy each chunk into ``target``'s parameters of the same names, and check that every parameter
+    was written once."""
+    own = dict(target.named_parameters())
+    written: set[str] = set()
+    for chunk in chunks:
+        written |= _copy_into(own, chunk)
+        del chunk  # before the next unit is gathered
+    if missing := sorted(set(own) - written):
+        raise KeyError(f"weight refresh: {len(missing)} parameter(s) of the copy were not refreshed: {missing[:3]}")
+
+
+def _copy_into(own: dict[str, nn.Parameter], chunk: dict[str, torch.Tensor]) -> set[str]:
+    for name, value in chunk.items():
+        if name not in own:
+            raise KeyError(f"weight refresh: the trained model's {name!r} has no counterpart in the copy")
+        own[name].copy_(value)
+    return set(chunk)
