@@ -197,7 +197,7 @@ class RLConfig:
     tokenizer: str | None = None  # local tokenizer dir (default: model.path, or the built-in one)
     prompts_per_rank: int = 4  # prompts each rank takes per step
     samples_per_prompt: int = 8  # the GRPO group size
-    max_new_tokens: int = 4
+    max_new_tokens: int = 0  # 0: the task's (target 2, repeat 100; a rl.dataset: 4)
     temperature: float = 1.0  # sampling temperature; training-side log-probs use the same
     advantage: str = "grpo"  # grpo | drgrpo | rloo
     mini_batches: int = 1  # optimizer steps per pass over a rollout batch (each rank's samples split alike)
@@ -205,6 +205,9 @@ class RLConfig:
     # Before the update, move samples between ranks so each trains on about the same real tokens
     # (Karmarkar-Karp over sequence lengths; one all-gather of the rollout batch). The gradient is unchanged.
     balance_ranks: bool = True
+    # Supervised steps on the built-in task's correct responses before GRPO (a warm start the job runs
+    # itself; a resumed run skips it). 0: none.
+    warm_start_steps: int = 0
     # Leave out groups whose rewards are all equal (zero advantage: no policy-gradient signal), as DAPO's
     # dynamic sampling does; the loss is normalised over the samples that train.
     skip_uniform_groups: bool = False
@@ -252,7 +255,12 @@ class Config:
         _positive("train.steps", self.train.steps)
         _positive("rl.prompts_per_rank", self.rl.prompts_per_rank)
         _positive("rl.samples_per_prompt", self.rl.samples_per_prompt)
-        _positive("rl.max_new_tokens", self.rl.max_new_tokens)
+        if self.rl.warm_start_steps < 0:
+            raise ConfigError(f"rl.warm_start_steps: must be >= 0, got {self.rl.warm_start_steps}")
+        if self.rl.warm_start_steps and self.rl.dataset:
+            raise ConfigError("rl.warm_start_steps: needs a built-in task's demonstrations, not rl.dataset")
+        if self.rl.max_new_tokens < 0:
+            raise ConfigError(f"rl.max_new_tokens: must be >= 0 (0: the task's), got {self.rl.max_new_tokens}")
         _positive("rl.temperature", self.rl.temperature)
         _positive("rl.mini_batches", self.rl.mini_batches)
         _positive("rl.epochs", self.rl.epochs)

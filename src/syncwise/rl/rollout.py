@@ -47,7 +47,7 @@ class Rollout:
         encoded = tok([row["prompt"] for row in rows], return_tensors="pt", padding=True).to(device)
         out = self.model.generate(
             **encoded, do_sample=True, temperature=self.cfg.temperature, top_k=0, top_p=1.0,
-            max_new_tokens=self.cfg.max_new_tokens, num_return_sequences=n,
+            max_new_tokens=self.cfg.max_new_tokens or source.max_new_tokens, num_return_sequences=n,
             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
             return_dict_in_generate=True, output_scores=True,
         )
@@ -73,15 +73,15 @@ class Rollout:
             sampler.append(torch.cat([drawn.new_zeros(len(prompt_ids) - 1), drawn[i, : len(response_ids)]]))
         total = max(len(s) for s in sequences)
         batch = {
-            "input_ids": _right_pad(sequences, total, tok.pad_token_id),
-            "attention_mask": _right_pad([torch.ones_like(s) for s in sequences], total, 0),
-            "loss_mask": _right_pad(response_masks, total, 0),
+            "input_ids": right_pad(sequences, total, tok.pad_token_id),
+            "attention_mask": right_pad([torch.ones_like(s) for s in sequences], total, 0),
+            "loss_mask": right_pad(response_masks, total, 0),
         }
         info = {
             "rewards": torch.tensor(rewards),
             "responses": responses,
             "response_lengths": torch.tensor([int(m.sum()) for m in response_masks]),
-            "log_probs": _right_pad(sampler, total - 1, 0.0).cpu(),  # [B, T-1], like the trainer's
+            "log_probs": right_pad(sampler, total - 1, 0.0).cpu(),  # [B, T-1], like the trainer's
             "reward_s": reward_s,  # spent in the reward function
         }
         return {k: v.cpu() for k, v in batch.items()}, info
@@ -107,5 +107,6 @@ def _until_eos(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return ids[: int(hits[0]) + 1] if hits.numel() else ids
 
 
-def _right_pad(rows: list[torch.Tensor], width: int, value: int) -> torch.Tensor:
+def right_pad(rows: list[torch.Tensor], width: int, value: int) -> torch.Tensor:
+    """Stack 1-D tensors, each right-padded with ``value`` to ``width``."""
     return torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=value) for r in rows])

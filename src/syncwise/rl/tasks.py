@@ -3,6 +3,12 @@
 The default task, ``target``: prompts such as ``target 7 :`` ask for a digit; the reward is 1 for the
 target digit, partial credit for a digit close to it, 0 otherwise. A freshly initialised tiny model
 answers at random (mean reward ≈ 0.1) and learns to hit the target within a few minutes of CPU GRPO.
+
+``repeat``, shaped like real RL: ``repeat 7 times 2 3 :`` asks for the digit 7 twenty-three times, then the
+end of the sequence. Counts are log-uniform over 1-99, so responses are long-tailed (a few tokens to ~100);
+the reward gives partial credit: half for the length (min / max of the words given and n), half for the
+right digits among the first n words.
+
 The tokenizer is a word-level ``tokenizers`` model built at run time (no hub) and saved with exports.
 """
 
@@ -10,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,13 +29,14 @@ RewardFn = Callable[[str, str, dict[str, Any]], float]
 DIGITS = [str(d) for d in range(10)]
 SPECIALS = ["<pad>", "<unk>", "<eos>"]
 WORDS = ["target", ":", "answer", "is"]
+TASK_WORDS = {"repeat": ["repeat", "times"]}  # beyond WORDS; the target task's vocabulary stays as it was
 
 
-def builtin_tokenizer() -> PreTrainedTokenizerFast:
-    """Word-level tokenizer over the built-in tasks' vocabulary (17 tokens), built in memory."""
+def builtin_tokenizer(task: str = "target") -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over a built-in task's vocabulary (17 tokens for ``target``), built in memory."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS + DIGITS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS + DIGITS + TASK_WORDS.get(task, []))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(
@@ -45,12 +53,26 @@ def target_reward(prompt: str, response: str, sample: dict[str, Any]) -> float:
     return max(0.0, 1.0 - distance / 4.0)
 
 
+def repeat_reward(prompt: str, response: str, sample: dict[str, Any]) -> float:
+    """Half for the length (min / max of the words given and ``count``), half for the requested digit's
+    copies among the first ``count`` words (over ``count``): 1 only for exactly ``count`` copies."""
+    words = response.split()
+    count, digit = int(sample["count"]), str(sample["digit"])
+    hits = sum(1 for word in words[:count] if word == digit)
+    length = min(len(words), count) / max(len(words), count)
+    return 0.5 * length + 0.5 * hits / count
+
+
 @dataclass
 class PromptSource:
-    """Prompts (with their extra fields) and the reward that scores responses to them."""
+    """Prompts (with their extra fields), the reward that scores responses to them, and the response
+    length the task needs (``rl.max_new_tokens=0`` takes it)."""
 
     rows: list[dict[str, Any]]
     reward_fn: RewardFn
+    max_new_tokens: int = 0
+    # A correct response to a row, for the SFT warm start (rl.warm_start_steps); None: the task has none.
+    demonstration: Callable[[dict[str, Any]], str] | None = None
 
     def batch(self, step: int, rank: int, world_size: int, count: int) -> list[dict[str, Any]]:
         """The ``count`` rows rank ``rank`` takes at ``step``: a deterministic, epoch-shuffled walk, so a
@@ -76,10 +98,26 @@ def target_task(num_prompts: int = 200) -> PromptSource:
     for _ in range(num_prompts):
         target = rng.randrange(10)
         rows.append({"prompt": f"target {target} :", "target": target})
-    return PromptSource(rows, target_reward)
+    return PromptSource(rows, target_reward, max_new_tokens=2, demonstration=lambda row: str(row["target"]))
 
 
-TASKS: dict[str, Callable[[], PromptSource]] = {"target": target_task}
+REPEAT_MAX = 99
+DATASET_MAX_NEW_TOKENS = 4  # a user's prompts without rl.max_new_tokens (set it for real responses)
+
+
+def repeat_task(num_prompts: int = 400) -> PromptSource:
+    """Counts log-uniform over 1-99 (median ~10, a tail to 99), digits uniform."""
+    rng = random.Random(4321)
+    rows = []
+    for _ in range(num_prompts):
+        digit = rng.randrange(10)
+        count = min(REPEAT_MAX, max(1, round(math.exp(rng.uniform(0.0, math.log(REPEAT_MAX))))))
+        rows.append({"prompt": f"repeat {digit} times {count // 10} {count % 10} :", "digit": digit, "count": count})
+    return PromptSource(rows, repeat_reward, max_new_tokens=REPEAT_MAX + 1,  # the digits, then the end
+                        demonstration=lambda row: " ".join([str(row["digit"])] * row["count"]))
+
+
+TASKS: dict[str, Callable[[], PromptSource]] = {"target": target_task, "repeat": repeat_task}
 
 
 def load_reward_fn(path: str) -> RewardFn:
@@ -127,7 +165,7 @@ def load_dataset(path: str) -> list[dict[str, Any]]:
 
 def prompt_source(task: str, dataset: str | None, reward_fn: str | None) -> PromptSource:
     if dataset:
-        return PromptSource(load_dataset(dataset), load_reward_fn(reward_fn))
+        return PromptSource(load_dataset(dataset), load_reward_fn(reward_fn), max_new_tokens=DATASET_MAX_NEW_TOKENS)
     if task not in TASKS:
         raise ValueError(f"rl.task: {task!r} is not one of {', '.join(TASKS)}")
     source = TASKS[task]()

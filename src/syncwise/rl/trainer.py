@@ -28,7 +28,7 @@ import yaml
 from ..checkpoint import CheckpointManager, export_hf
 from ..config import Config, config_to_dict, load_config_dict
 from ..engine import Engine
-from ..losses import is_maximum
+from ..losses import is_maximum, sft_loss
 from ..metrics import JsonlLogger, TensorBoardLogger, plot_curves, plot_phases
 from ..models import build_model
 from ..models.lora import adapters_disabled
@@ -37,7 +37,7 @@ from ..runtime.signals import stopped
 from .advantages import grpo_advantages, rloo_advantages
 from .balance import balance_ranks, select_trained_rows, take_rows, uniform_groups
 from .losses import make_policy_loss
-from .rollout import Rollout
+from .rollout import Rollout, right_pad
 from .tasks import builtin_tokenizer, prompt_source
 
 
@@ -54,7 +54,7 @@ def load_tokenizer(config: Config):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
-    return builtin_tokenizer()
+    return builtin_tokenizer(config.rl.task)
 
 
 def advantages_for(rewards: torch.Tensor, config: Config) -> torch.Tensor:
@@ -150,7 +150,7 @@ class GRPOTrainer:
         overrides = {} if config.model.path else {"vocab_size": len(self.tokenizer)}
         updates_per_step = rl.mini_batches * rl.epochs
         self.engine = Engine(config, build_model(config.model, **overrides), info,
-                             total_steps=train.steps * updates_per_step)
+                             total_steps=train.steps * updates_per_step + rl.warm_start_steps)
         # The KL reference: a frozen copy of the initial model, or with LoRA the policy's own base model with
         # its adapters switched off (no second model in memory).
         self.reference = None
@@ -228,6 +228,30 @@ class GRPOTrainer:
         if self.info.is_main:
             self._log(metrics)
         return metrics
+
+    def warm_start(self) -> None:
+        """``rl.warm_start_steps`` supervised steps on the task's correct responses (loss on the response
+        and its end-of-sequence token), through the same engine; a resumed run has had them already."""
+        steps, rl = self.config.rl.warm_start_steps, self.config.rl
+        if not steps or self.start > 0:
+            return
+        tok = self.tokenizer
+        for step in range(steps):
+            rows = self.source.batch(step, self.info.rank, self.info.world_size, rl.prompts_per_rank * 2)
+            sequences, masks = [], []
+            for row in rows:
+                prompt = tok(row["prompt"])["input_ids"]
+                response = tok(self.source.demonstration(row))["input_ids"] + [tok.eos_token_id]
+                sequences.append(torch.tensor(prompt + response))
+                masks.append(torch.tensor([0] * len(prompt) + [1] * len(response)))
+            width = max(len(s) for s in sequences)
+            batch = {"input_ids": right_pad(sequences, width, tok.pad_token_id),
+                     "attention_mask": right_pad([torch.ones_like(s) for s in sequences], width, 0),
+                     "loss_mask": right_pad(masks, width, 0)}
+            metrics = self.engine.train_batch(batch, sft_loss)
+        if self.info.is_main:
+            print(f"syncwise train: warm start: {steps} supervised steps on the task's answers, "
+                  f"loss {metrics['loss']:.3f}", flush=True)
 
     def _samples_that_train(
         self, batch: dict[str, torch.Tensor], rewards: torch.Tensor
@@ -308,6 +332,7 @@ class GRPOTrainer:
         """Train from the start (or the resumed) step to ``train.steps``; rank 0 returns every step's metrics."""
         train = self.config.train
         consecutive_skips = 0
+        self.warm_start()
         for step in range(self.start, train.steps):
             metrics = self.step(step)
             done = step + 1
