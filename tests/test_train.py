@@ -205,6 +205,18 @@ def test_skipping_uniform_groups_counts_them_and_still_learns(tmp_path):
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.2, rewards
 
 
+def test_repeat_task_with_a_warm_start_runs_long_tailed_responses(tmp_path):
+    """rl.task=repeat: the job runs its supervised warm start, then samples responses of many lengths
+    (up to the task's 100 new tokens), balanced over the ranks."""
+    proc = _train(tmp_path / "repeat", "rl.task=repeat", "rl.warm_start_steps=3", "train.steps=2",
+                  "train.checkpoint_every=0", "train.export=false")
+    assert "warm start: 3 supervised steps on the task's answers" in proc.stdout
+    rows = read_jsonl(tmp_path / "repeat" / "metrics.jsonl")
+    assert [r["train/step"] for r in rows] == [1, 2]
+    assert all(r["response/length_mean"] > 3 for r in rows)  # the target task's are 2 at most
+    assert all(r["batch/rank_token_imbalance_after"] <= r["batch/rank_token_imbalance_before"] for r in rows)
+
+
 def test_lora_grpo_resumes_exactly_with_the_base_model_as_kl_reference(tmp_path):
     """`syncwise train model.lora.rank=8` with a KL term: the reference is the base model (adapters off, no
     second engine), checkpoints hold the adapters only, a resumed run ends with the uninterrupted run's
