@@ -157,3 +157,29 @@ def test_calibrate_fits_latency_and_bandwidth_and_says_so(config_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads(proc.stdout)
     assert plan["links_measured"] is True and plan["bandwidth_gbps"] > 0 and plan["latency_us"] >= 0
+
+
+def test_rollout_copy_is_in_every_modes_base_and_sampling_has_its_own_peak():
+    """GRPO: the rollout copy (the whole model in its dtype) is resident while training, so it is in the
+    base of every mode and can change auto's choice; sampling's KV cache and kept scores count once."""
+    common = dict(model="qwen3-4b", world_size=8, device_memory_gib=40, seq_len=4096, micro_batch_size=1,
+                  activation_checkpointing=True)
+    without = make_plan(PlanInput(**common))
+    rollout = dict(rollout_sequences=64, rollout_prompt_len=512, rollout_new_tokens=1024, rollout_dtype="bfloat16")
+    plan = make_plan(PlanInput(**common, **rollout))
+    r = plan.rollout
+    assert r.copy_bytes == plan.num_params * 2
+    assert plan.base_bytes == without.base_bytes + r.copy_bytes
+    for m, w in zip(plan.modes, without.modes, strict=True):
+        assert m.peak_bytes == w.peak_bytes + r.copy_bytes and m.extra_bytes == w.extra_bytes
+    # qwen3-4b: 36 layers, 8 KV heads of 128; K and V for 64 x (512 + 1024) tokens in bf16
+    assert r.kv_cache_bytes == 2 * 36 * 8 * 128 * 64 * 1536 * 2
+    assert r.scores_bytes == 3 * 64 * 1024 * 151936 * 4  # fp32 scores of every step, kept then log-softmaxed
+    assert not r.fits
+    assert without.auto_choice == "deferred_unsharded" and plan.auto_choice != "deferred_unsharded"
+    assert make_plan(PlanInput(**common)).rollout is None
+
+
+def test_rollout_flags_need_new_tokens():
+    with pytest.raises(ValueError, match="--rollout-sequences needs --rollout-new-tokens"):
+        make_plan(PlanInput(model="qwen2-tiny", rollout_sequences=8))

@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--logprob-chunk", type=int, default=1024, help="tokens per log-prob chunk (0: unchunked)")
     plan.add_argument("--lora-rank", type=int, default=0,
                       help="LoRA adapters of this rank on every linear projection (0: the whole model trains)")
+    plan.add_argument("--rollout-sequences", type=int, default=0,
+                      help="GRPO: sequences each rank samples at once (prompts x samples; 0: no rollout copy)")
+    plan.add_argument("--rollout-prompt-len", type=int, default=0, help="GRPO: prompt tokens per sequence")
+    plan.add_argument("--rollout-new-tokens", type=int, default=0, help="GRPO: rl.max_new_tokens")
+    plan.add_argument("--rollout-dtype", default="float32", help="GRPO: the rollout copy's dtype")
     plan.add_argument("--bandwidth-gbps", type=float, default=100.0, help="GB/s per rank in a shard group")
     plan.add_argument("--replica-bandwidth-gbps", type=float, help="GB/s across replicas (HSDP)")
     plan.add_argument("--latency-us", type=float, default=10.0)

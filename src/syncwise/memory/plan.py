@@ -5,7 +5,9 @@ way the engine wraps it (one FSDP unit per decoder layer plus the root), and fed
 estimator and collective schedule the engine checks itself against. Communication time uses an α-β ring
 model per collective over its group of g ranks: all-gather and reduce-scatter ``(g-1)·α + (g-1)/g·S/β``,
 all-reduce twice that. Memory: parameters, gradients and AdamW state sharded in fp32, plus activations
-you give, plus what the mode holds between micro-batches.
+you give, plus what the mode holds between micro-batches. For GRPO (``--rollout-sequences``): the rollout
+copy of the whole model, resident on every rank, in every mode's base; and the sampling phase's own peak
+(the copy, the KV cache, the per-step scores ``generate`` keeps), which no sync mode changes.
 """
 
 from __future__ import annotations
@@ -73,6 +75,12 @@ class PlanInput:
     activation_checkpointing: bool = False
     logprob_chunk: int = 1024  # tokens whose fp32 log-softmax exists at once (engine.logprob_chunk_size)
     lora_rank: int = 0  # > 0: only LoRA adapters of this rank train (model.lora.rank, target all-linear)
+    # GRPO's rollout on every rank: sequences sampled at once (rl.prompts_per_rank x rl.samples_per_prompt;
+    # 0: no rollout copy), their prompt and new tokens (rl.max_new_tokens), the copy's dtype.
+    rollout_sequences: int = 0
+    rollout_prompt_len: int = 0
+    rollout_new_tokens: int = 0
+    rollout_dtype: str = "float32"
     bandwidth_gbps: float = 100.0  # GB/s per rank within a shard group
     replica_bandwidth_gbps: float | None = None  # GB/s across replicas (default: bandwidth_gbps)
     latency_us: float = 10.0
@@ -97,6 +105,12 @@ class PlanInput:
         if self.replica_bandwidth_gbps is not None and self.replica_bandwidth_gbps <= 0:
             raise ValueError("--replica-bandwidth-gbps must be > 0")
         LoraConfig(rank=self.lora_rank).validate(prefix="--lora-")  # >= 0; peft installed
+        if min(self.rollout_sequences, self.rollout_prompt_len, self.rollout_new_tokens) < 0:
+            raise ValueError("--rollout-sequences, --rollout-prompt-len and --rollout-new-tokens must be >= 0")
+        if self.rollout_sequences and not self.rollout_new_tokens:
+            raise ValueError("--rollout-sequences needs --rollout-new-tokens (rl.max_new_tokens)")
+        if self.rollout_dtype not in DTYPE_BYTES:
+            raise ValueError(f"--rollout-dtype: {self.rollout_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
 
 
 @dataclass
@@ -125,9 +139,38 @@ class Plan:
     auto_choice: str = ""
     auto_reason: str = ""
     activation_bytes: int = 0
+    rollout: RolloutMemory | None = None
     links_measured: bool = False
     latency_us: float = 0.0
     bandwidth_gbps: float = 0.0
+
+
+@dataclass
+class RolloutMemory:
+    """GRPO's sampling on one rank: the copy is resident (in every mode's base); the KV cache and the scores
+    exist while sampling, when no gradient or unsharded parameter is held."""
+
+    copy_bytes: int  # the whole model in the rollout dtype
+    kv_cache_bytes: int  # K and V of every layer for every sequence's prompt + new tokens
+    scores_bytes: int  # generate's per-step scores kept (output_scores), stacked and log-softmaxed once more
+    peak_bytes: int  # sharded params + AdamW + the copy + KV cache + scores
+    fits: bool
+
+
+def rollout_memory(hf_config, inp: PlanInput, num_params: int, resident: int, budget: int) -> RolloutMemory:
+    """What the rollout adds (see :class:`RolloutMemory`); ``resident``: the sharded state that stays."""
+    dtype = DTYPE_BYTES[inp.rollout_dtype]
+    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    tokens = inp.rollout_sequences * (inp.rollout_prompt_len + inp.rollout_new_tokens)
+    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * tokens * dtype
+    # syncwise.rl.rollout: the scores of every step are kept, stacked, then log-softmaxed in fp32.
+    scores = 3 * inp.rollout_sequences * inp.rollout_new_tokens * cfg.vocab_size * max(dtype, 4)
+    copy = num_params * dtype
+    peak = resident + copy + kv + scores
+    return RolloutMemory(copy, kv, scores, peak, peak <= budget)
 
 
 def load_hf_config(spec: str):
@@ -213,16 +256,19 @@ def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Pla
     else:  # activations as measured (if given), plus the most FSDP2 holds in flight with them
         activation_bytes = int(inp.activation_gib * 2**30)
         working = activation_bytes + in_layer if activation_bytes else 0
-    base = (
-        local * DTYPE_BYTES[sharded.orig_dtype]  # sharded parameters
-        + sharded.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)  # sharded gradients
-        + local_trainable * ADAMW_STATE_BYTES  # AdamW keeps moments of what trains only
-        + working  # activations and FSDP2's parameters / gradients in flight
-    )
+    resident = local * DTYPE_BYTES[sharded.orig_dtype] + local_trainable * ADAMW_STATE_BYTES  # AdamW: what trains
     budget = int(inp.device_memory_gib * 2**30 * inp.budget_fraction)
+    rollout = (rollout_memory(hf_config, inp, sharded.num_params, resident, budget)
+               if inp.rollout_sequences else None)
+    base = (
+        resident  # sharded parameters and optimizer state
+        + sharded.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)  # sharded gradients
+        + working  # activations and FSDP2's parameters / gradients in flight
+        + (rollout.copy_bytes if rollout else 0)  # GRPO's rollout copy stays in memory while training
+    )
     trainable = sum(sharded.unit_trainable_numels)
     plan = Plan(inp, sharded.num_params, trainable, len(sharded.unit_shapes), base, budget,
-                activation_bytes=activation_bytes,
+                activation_bytes=activation_bytes, rollout=rollout,
                 links_measured=links.measured, latency_us=links.latency_s * 1e6, bandwidth_gbps=links.bandwidth / 1e9)
     units = unit_traffic(sharded, hsdp)
     choices = candidates(supported_modes("fsdp2", hsdp), sharded, links)
@@ -247,10 +293,11 @@ def format_plan(plan: Plan) -> str:
     links = "measured" if plan.links_measured else "assumed"
     lora = (f" (LoRA rank {inp.lora_rank}: {plan.trainable_params / 1e6:.2f}M trainable, "
             f"{plan.trainable_params / plan.num_params:.2%})" if inp.lora_rank else "")
+    copy = f" + rollout copy {format_bytes(plan.rollout.copy_bytes)}" if plan.rollout else ""
     lines = [
         f"{inp.model}: {plan.num_params / 1e9:.3f}B parameters{lora} in {plan.num_units} FSDP units; ranks {mesh}; "
         f"{inp.microbatches} micro-batches/step; params {inp.param_dtype}, reduce {inp.reduce_dtype}",
-        f"per rank: base {format_bytes(plan.base_bytes)} (sharded fp32 params + grads + AdamW{activations}), "
+        f"per rank: base {format_bytes(plan.base_bytes)} (sharded fp32 params + grads + AdamW{activations}{copy}), "
         f"budget {format_bytes(plan.budget_bytes)} ({inp.budget_fraction:.0%} of {inp.device_memory_gib:g} GiB); "
         f"links {plan.bandwidth_gbps:.3g} GB/s, {plan.latency_us:.3g} us ({links})",
         "",
@@ -267,6 +314,12 @@ def format_plan(plan: Plan) -> str:
             f"| {format_bytes(m.collective_bytes['reduce_scatter'])} "
             f"| {format_bytes(m.collective_bytes['all_reduce'])} | {m.comm_time_s * 1e3:.1f} ms |"
         )
+    if plan.rollout:
+        r = plan.rollout
+        lines += ["", f"sampling ({inp.rollout_sequences} sequences x {inp.rollout_prompt_len} + "
+                  f"{inp.rollout_new_tokens} tokens, {inp.rollout_dtype} copy): copy {format_bytes(r.copy_bytes)} + "
+                  f"KV cache {format_bytes(r.kv_cache_bytes)} + kept scores {format_bytes(r.scores_bytes)} -> peak "
+                  f"{format_bytes(r.peak_bytes)} ({'fits' if r.fits else 'does NOT fit'}; the same in every mode)"]
     lines += ["", f"auto would choose: {plan.auto_choice}", f"  {plan.auto_reason}"]
     return "\n".join(lines)
 
