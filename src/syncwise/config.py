@@ -199,6 +199,9 @@ class RLConfig:
     samples_per_prompt: int = 8  # the GRPO group size
     max_new_tokens: int = 0  # 0: the task's (target 2, repeat 100; a rl.dataset: 4)
     temperature: float = 1.0  # sampling temperature; training-side log-probs use the same
+    # compact: each prompt prefilled once, ended sequences dropped, only drawn tokens' log-probs kept
+    # (syncwise.rl.sampling); generate: Hugging Face generate (the earlier path, for comparison)
+    sampler: str = "compact"
     advantage: str = "grpo"  # grpo | drgrpo | rloo
     mini_batches: int = 1  # optimizer steps per pass over a rollout batch (each rank's samples split alike)
     epochs: int = 1  # passes over each rollout batch
@@ -248,6 +251,7 @@ class Config:
         _choice("dist.backend", self.dist.backend, BACKENDS)
         _choice("optim.schedule", self.optim.schedule, ("constant", "cosine"))
         _choice("rl.advantage", self.rl.advantage, ("grpo", "drgrpo", "rloo"))
+        _choice("rl.sampler", self.rl.sampler, ("compact", "generate"))
         self.rl.loss.validate()
         if self.rl.dataset and not self.rl.reward_fn:
             raise ConfigError("rl.dataset needs rl.reward_fn (package.module:function): a prompt file brings no reward")

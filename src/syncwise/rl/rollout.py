@@ -1,4 +1,5 @@
-"""Rollouts: sample responses with Hugging Face ``generate`` from a local, unsharded copy of the policy.
+"""Rollouts: sample responses from a local, unsharded copy of the policy (:mod:`syncwise.rl.sampling`, or
+Hugging Face ``generate`` with ``rl.sampler=generate``).
 
 Like verl's rollout worker, each rank keeps an inference copy of the model and refreshes its weights
 from the sharded training model before each step -- one unit at a time, so the refresh needs one unit's
@@ -14,11 +15,13 @@ import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from ..config import RLConfig
 from ..engine import Engine
 from ..engine.weights import load_by_unit
+from .sampling import sample
 from .tasks import PromptSource
 
 
@@ -43,25 +46,19 @@ class Rollout:
 
         Samples of one prompt are consecutive (the GRPO group)."""
         tok, n = self.tokenizer, self.cfg.samples_per_prompt
-        device = self.engine.info.device
-        encoded = tok([row["prompt"] for row in rows], return_tensors="pt", padding=True).to(device)
-        out = self.model.generate(
-            **encoded, do_sample=True, temperature=self.cfg.temperature, top_k=0, top_p=1.0,
-            max_new_tokens=self.cfg.max_new_tokens or source.max_new_tokens, num_return_sequences=n,
-            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-            return_dict_in_generate=True, output_scores=True,
-        )
-        width = encoded["input_ids"].shape[1]
-        # What the sampler drew each token from: its scores are the logits after the temperature warper.
-        steps = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)  # [B * n, new tokens, V]
-        drawn = steps.gather(-1, out.sequences[:, width:, None]).squeeze(-1)
+        prompts = [torch.tensor(tok(row["prompt"])["input_ids"], dtype=torch.long) for row in rows]
+        max_new_tokens = self.cfg.max_new_tokens or source.max_new_tokens
+        if self.cfg.sampler == "generate":
+            responses_ids, drawn = self._hf_generate(prompts, max_new_tokens)
+        else:
+            samples = sample(self.model, prompts, n, max_new_tokens, self.cfg.temperature, tok.eos_token_id,
+                             tok.pad_token_id)
+            responses_ids, drawn = samples.tokens, samples.log_probs
         sequences, response_masks, rewards, responses, sampler = [], [], [], [], []
         reward_s = 0.0
-        for i, generated in enumerate(out.sequences):
-            row = rows[i // n]
-            prompt_mask = encoded["attention_mask"][i // n].bool()
-            prompt_ids = encoded["input_ids"][i // n][prompt_mask]
-            response_ids = _until_eos(generated[width:], tok.eos_token_id)
+        for i, (response_ids, response_log_probs) in enumerate(zip(responses_ids, drawn, strict=True)):
+            row, prompt_ids = rows[i // n], prompts[i // n]
+            response_ids, response_log_probs = response_ids.cpu(), response_log_probs.float().cpu()
             text = tok.decode(response_ids, skip_special_tokens=True)
             scoring = time.perf_counter()
             rewards.append(_score(source, row, text))
@@ -70,7 +67,7 @@ class Rollout:
             sequences.append(torch.cat([prompt_ids, response_ids]))
             response_masks.append(torch.cat([torch.zeros_like(prompt_ids), torch.ones_like(response_ids)]))
             # Per target (position j predicts token j + 1): the response tokens' sampler log-probs.
-            sampler.append(torch.cat([drawn.new_zeros(len(prompt_ids) - 1), drawn[i, : len(response_ids)]]))
+            sampler.append(torch.cat([response_log_probs.new_zeros(len(prompt_ids) - 1), response_log_probs]))
         total = max(len(s) for s in sequences)
         batch = {
             "input_ids": right_pad(sequences, total, tok.pad_token_id),
@@ -85,6 +82,25 @@ class Rollout:
             "reward_s": reward_s,  # spent in the reward function
         }
         return {k: v.cpu() for k, v in batch.items()}, info
+
+    def _hf_generate(self, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[list, list]:
+        """``rl.sampler=generate``: Hugging Face ``generate`` (each prompt prefilled once per sample, every
+        sequence computed until the longest ends, every step's scores kept). Per sequence: the response up to
+        its end-of-sequence token and the log-prob of each token under the temperature-scaled scores."""
+        tok, n, device = self.tokenizer, self.cfg.samples_per_prompt, self.engine.info.device
+        width = max(len(p) for p in prompts)
+        input_ids = torch.stack([F.pad(p, (width - len(p), 0), value=tok.pad_token_id) for p in prompts]).to(device)
+        mask = torch.stack([F.pad(torch.ones_like(p), (width - len(p), 0)) for p in prompts]).to(device)
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=self.cfg.temperature, top_k=0,
+            top_p=1.0, max_new_tokens=max_new_tokens, num_return_sequences=n, pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id, return_dict_in_generate=True, output_scores=True,
+        )
+        # What the sampler drew each token from: its scores are the logits after the temperature warper.
+        steps = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)  # [B * n, new tokens, V]
+        drawn = steps.gather(-1, out.sequences[:, width:, None]).squeeze(-1)
+        responses = [_until_eos(generated[width:], tok.eos_token_id) for generated in out.sequences]
+        return responses, [drawn[i, : len(r)] for i, r in enumerate(responses)]
 
 
 def _score(source: PromptSource, row: dict[str, Any], response: str) -> float:

@@ -1,0 +1,91 @@
+"""Sampling for the rollout: each prompt prefilled once, finished sequences dropped from the batch, and the
+drawn token's log-prob kept instead of every step's scores.
+
+Hugging Face ``generate(num_return_sequences=n)`` expands the prompts before the prefill (each prompt is
+computed n times), keeps computing every sequence until the longest ends, and with ``output_scores`` keeps
+a [sequences, vocabulary] tensor per step -- on long-tailed RL responses most of the batch's compute is
+spent on sequences that have already ended, and the kept scores outgrow the KV cache (``syncwise plan``).
+Here the prompts' KV cache is computed once and repeated for their samples; whenever an eighth of the
+active sequences has ended, the cache and the batch are compacted to the ones still running. The
+distribution is the one ``generate`` samples from with ``do_sample=True, top_k=0, top_p=1``:
+softmax(logits / temperature).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+COMPACT_FRACTION = 8  # compact when at least 1/8 of the active sequences have ended
+
+
+@dataclass
+class Samples:
+    """Per sequence (``samples_per_prompt`` consecutive ones per prompt): the response tokens (up to and
+    including the end-of-sequence token) and the sampler's log-prob of each."""
+
+    tokens: list[torch.Tensor]
+    log_probs: list[torch.Tensor]
+    computed_rows: int  # sequence-steps computed (the padded loop's would be sequences x longest response)
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module, prompts: list[torch.Tensor], samples_per_prompt: int, max_new_tokens: int, temperature: float,
+    eos_id: int, pad_id: int,
+) -> Samples:
+    """``samples_per_prompt`` responses to each prompt (1-D token tensors), drawn from softmax(logits /
+    ``temperature``) with torch's global generator."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(input_ids)
+    for i, prompt in enumerate(prompts):  # left-padded: every prompt's last token in the last column
+        input_ids[i, width - len(prompt):] = prompt.to(device)
+        mask[i, width - len(prompt):] = 1
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    # transformers >= 5.24 names the argument ``cache`` (``past_key_values`` is deprecated); older ones do not.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                   **{cache_arg: cache}).logits[:, -1]
+    # Each prompt's samples share its prefill.
+    n = samples_per_prompt
+    cache.batch_repeat_interleave(n)
+    logits, mask = logits.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
+    next_position = positions[:, -1].repeat_interleave(n) + 1
+    total = len(prompts) * n
+    rows = torch.arange(total, device=device)  # the sequence each batch row is
+    running = torch.ones_like(rows, dtype=torch.bool)  # rows whose sequence has not ended
+    drawn_rows, drawn_tokens, drawn_log_probs = [], [], []  # per step, for the rows still running
+    computed = 0
+    for step in range(max_new_tokens):
+        log_p = (logits.float() / temperature).log_softmax(dim=-1)
+        drawn = torch.multinomial(log_p.exp(), 1).squeeze(1)
+        live = running.nonzero().squeeze(1)
+        drawn_rows.append(rows[live])
+        drawn_tokens.append(drawn[live])
+        drawn_log_probs.append(log_p[live].gather(1, drawn[live, None]).squeeze(1))
+        running &= drawn != eos_id
+        active = int(running.sum())
+        if active == 0 or step == max_new_tokens - 1:
+            break
+        if len(rows) - active >= max(1, len(rows) // COMPACT_FRACTION):
+            keep = running.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows, running, drawn, mask, next_position = (t[keep] for t in (rows, running, drawn, mask, next_position))
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        computed += len(rows)
+        logits = model(input_ids=drawn[:, None], attention_mask=mask, position_ids=next_position[:, None],
+                       use_cache=True, **{cache_arg: cache}).logits[:, -1]
+        next_position = next_position + 1
+    # Each sequence's tokens in step order: a stable sort by sequence keeps the steps' order.
+    sequence = torch.cat(drawn_rows)
+    order = torch.sort(sequence, stable=True).indices
+    counts = torch.bincount(sequence, minlength=total).tolist()
+    return Samples(list(torch.cat(drawn_tokens)[order].split(counts)),
+                   list(torch.cat(drawn_log_probs)[order].split(counts)), computed)

@@ -1,0 +1,75 @@
+"""The rollout's sampler (syncwise.rl.sampling): each prompt prefilled once, ended sequences dropped from
+the batch, and every kept log-prob the one a full forward pass of the sampled sequence gives -- so the
+cache surgery (repeat per sample, compaction, left padding, positions) changes nothing it computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from syncwise.config import ModelConfig
+from syncwise.models import build_model
+from syncwise.rl.sampling import sample
+from syncwise.rl.tasks import builtin_tokenizer, prompt_source
+
+SAMPLES = 6
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = builtin_tokenizer("repeat")
+    model = build_model(ModelConfig(preset="llama-grpo"), vocab_size=len(tok)).eval()
+    rows = prompt_source("repeat", None, None).rows[:5]
+    prompts = [torch.tensor(tok(r["prompt"])["input_ids"]) for r in rows]
+    prompts[1] = prompts[1][2:]  # prompts of different lengths: left padding in the prefill
+    return tok, model, prompts
+
+
+def _forward_log_probs(model, prompt, response, temperature):
+    ids = torch.cat([prompt, response])[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return logits.log_softmax(-1).gather(1, response[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kept_log_probs_equal_a_full_forward_of_each_sampled_sequence(setup, temperature):
+    tok, model, prompts = setup
+    torch.manual_seed(0)
+    out = sample(model, prompts, SAMPLES, MAX_NEW, temperature, tok.eos_token_id, tok.pad_token_id)
+    assert len(out.tokens) == len(prompts) * SAMPLES
+    lengths = [len(t) for t in out.tokens]
+    assert len(set(lengths)) > 3 and max(lengths) > 10  # long-tailed: compaction had something to drop
+    for i, (tokens, log_probs) in enumerate(zip(out.tokens, out.log_probs, strict=True)):
+        ended = tokens[-1] == tok.eos_token_id
+        assert ended or len(tokens) == MAX_NEW
+        assert int((tokens == tok.eos_token_id).sum()) == int(ended)  # stops at its first end token
+        expected = _forward_log_probs(model, prompts[i // SAMPLES], tokens, temperature)
+        torch.testing.assert_close(log_probs, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prompts_prefilled_once_and_ended_sequences_not_computed(setup):
+    tok, model, prompts = setup
+    batch_sizes = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: batch_sizes.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    try:
+        torch.manual_seed(1)
+        out = sample(model, prompts, SAMPLES, MAX_NEW, 1.0, tok.eos_token_id, tok.pad_token_id)
+    finally:
+        hook.remove()
+    assert batch_sizes[0] == len(prompts)  # the prefill: one row per prompt, not per sample
+    longest = max(len(t) for t in out.tokens)
+    assert sum(batch_sizes[1:]) == out.computed_rows
+    assert out.computed_rows < 0.8 * len(out.tokens) * (longest - 1)  # the padded loop computes them all
+    assert out.computed_rows >= sum(len(t) for t in out.tokens) - len(out.tokens)  # every drawn token's step
+
+
+def test_same_seed_same_samples(setup):
+    tok, model, prompts = setup
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append(sample(model, prompts, SAMPLES, MAX_NEW, 1.0, tok.eos_token_id, tok.pad_token_id).tokens)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
