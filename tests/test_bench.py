@@ -93,3 +93,28 @@ def test_bench_loss_workload(tmp_path):
     assert {(r["what"], r["temperature"]) for r in records} == {("log-probs", 1.0), ("log-probs + entropy", 1.0)}
     assert all(r["plain_s"] > 0 and r["syncwise_s"] > 0 and r["ratio"] > 0 for r in records)
     assert "slowest syncwise / plain ratio" in (tmp_path / "bench_loss.md").read_text()
+
+
+def test_bench_grpo_workload_quick(tmp_path):
+    """`syncwise bench --workload grpo --quick`: whole `syncwise train` jobs on the repeat task per
+    configuration, each step's phases within its time, the imbalance balanced, the table and the plot."""
+    out = tmp_path / "bench_grpo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "syncwise", "bench", "--workload", "grpo", "--quick", "--out", str(out)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from syncwise.jobs.bench_grpo import QUICK_CONFIGS
+
+    report = json.loads((out / "bench_grpo.json").read_text())
+    results = report["results"]
+    assert list(results) == list(QUICK_CONFIGS)
+    for name, r in results.items():
+        assert r["steps"] == 3 and 0 < sum(r["phases_s"].values()) <= r["step_s"] * 1.5
+        assert r["rollout_tokens_per_s"] > r["end_to_end_tokens_per_s"] > 0
+        balanced = "balanced" in name and "unbalanced" not in name
+        assert (r["imbalance_after"] <= r["imbalance_before"]) if balanced else (
+            r["imbalance_after"] == r["imbalance_before"])
+    assert results[QUICK_CONFIGS[0]]["speedup"] == 1.0
+    assert "| generate, unbalanced (before) |" in (out / "bench_grpo.md").read_text()
+    assert (out / "grpo_phases.png").stat().st_size > 10_000

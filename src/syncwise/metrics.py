@@ -109,3 +109,23 @@ def plot_phases(rows: list[dict[str, Any]], path: str | Path, keys: list[str]) -
     ax.legend(loc="upper left", fontsize=8, ncol=3)
     ax.grid(alpha=0.3)
     return _save(plt, fig, path)
+
+
+def plot_phase_bars(results: dict[str, dict[str, Any]], path: str | Path, phases: list[str]) -> Path:
+    """Stacked horizontal bars: each configuration's (``results[name]["phases_s"]``) median step, split into
+    its ``phases``."""
+    plt = _pyplot()
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.5))
+    left = [0.0] * len(names)
+    for phase in phases:
+        widths = [results[n]["phases_s"][phase] for n in names]
+        ax.barh(names, widths, left=left, label=phase)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per GRPO step (median)")
+    ax.set_title("where a GRPO step's time goes")
+    ax.legend(loc="lower right", fontsize=8, ncol=4)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return _save(plt, fig, path)

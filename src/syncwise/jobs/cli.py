@@ -81,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     sft = sub.add_parser("sft", help="supervised fine-tuning job (the built-in task by default)")
     sft.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
     bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
-    bench.add_argument("--workload", choices=("modes", "rl", "loss"), default="modes",
+    bench.add_argument("--workload", choices=("modes", "rl", "loss", "grpo"), default="modes",
                        help="modes: every sync mode side by side; rl: padded vs packed on long-tailed RL lengths "
-                            "(and a hand-written packed loop); loss: the log-prob path alone against autograd's")
+                            "(and a hand-written packed loop); loss: the log-prob path alone against autograd's; "
+                            "grpo: whole GRPO steps on the repeat task, phase by phase (--repeats: rounds)")
     bench.add_argument("--quick", action="store_true", help="the small 2-minute version")
     bench.add_argument("--nproc", type=int, default=2, help="local ranks (ignored under torchrun)")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
@@ -163,6 +164,15 @@ def _run_bench(args: argparse.Namespace) -> int:
         if args.repeats is not None:
             spec.repeats = args.repeats
         return bench_loss(spec)
+    if args.workload == "grpo":  # whole `syncwise train` jobs, each on its own local ranks
+        from .bench_grpo import GRPOBenchSpec, bench_grpo
+
+        out = args.out if args.out != "runs/bench" else "runs/bench_grpo"
+        spec = GRPOBenchSpec.quick(out) if args.quick else GRPOBenchSpec(out_dir=out)
+        spec.nproc = args.nproc
+        if args.repeats is not None:
+            spec.rounds = args.repeats
+        return bench_grpo(spec)
     worker, spec = bench_job(args)
     return _launch(worker, args.nproc, dataclasses.asdict(spec))
 

@@ -117,6 +117,13 @@ def _assign(parts: list[list[int]], owners: torch.Tensor, world: int) -> list[li
     return owned  # type: ignore[return-value]
 
 
+def rank_token_imbalance(batch: Batch, device: torch.device, timeout_s: float) -> float:
+    """Collective (one small all-reduce): the busiest rank's real tokens over the mean, as the batch is."""
+    _, per_rank = agree([], [float(sequence_lengths(batch).sum())], "the rank token count all-reduce", device,
+                        timeout_s)
+    return _imbalance(per_rank[:, 0].tolist())
+
+
 def _imbalance(tokens: list[float]) -> float:
     mean = sum(tokens) / len(tokens)
     return max(tokens) / mean if mean > 0 else 1.0

@@ -35,7 +35,7 @@ from ..models.lora import adapters_disabled
 from ..runtime.distributed import DistInfo, agree, init_distributed, run_rank
 from ..runtime.signals import stopped
 from .advantages import grpo_advantages, rloo_advantages
-from .balance import balance_ranks, select_trained_rows, take_rows, uniform_groups
+from .balance import Balance, balance_ranks, rank_token_imbalance, select_trained_rows, take_rows, uniform_groups
 from .losses import make_policy_loss
 from .rollout import Rollout, right_pad
 from .tasks import builtin_tokenizer, prompt_source
@@ -267,11 +267,13 @@ class GRPOTrainer:
             selection = select_trained_rows(rewards, rl.samples_per_prompt, rl.mini_batches, self.info.device,
                                             timeout_s)
             batch = take_rows(batch, selection)
-        metrics: dict[str, float] = {}
         if rl.balance_ranks and self.info.world_size > 1:
             batch, balance = balance_ranks(batch, self.tokenizer.pad_token_id, rl.mini_batches, timeout_s)
-            metrics = {"batch/rank_token_imbalance_before": balance.before,
-                       "batch/rank_token_imbalance_after": balance.after, "batch/samples_moved": balance.moved}
+        else:  # measured all the same, so runs with and without balancing compare
+            imbalance = rank_token_imbalance(batch, self.info.device, timeout_s)
+            balance = Balance(imbalance, imbalance, 0)
+        metrics = {"batch/rank_token_imbalance_before": balance.before,
+                   "batch/rank_token_imbalance_after": balance.after, "batch/samples_moved": balance.moved}
         trained = int((batch["loss_mask"].sum(dim=1) > 0).sum())
         return batch, metrics, (uniform, groups, trained)
 
