@@ -217,6 +217,16 @@ def test_repeat_task_with_a_warm_start_runs_long_tailed_responses(tmp_path):
     assert all(r["batch/rank_token_imbalance_after"] <= r["batch/rank_token_imbalance_before"] for r in rows)
 
 
+def test_bf16_rollout_copy_differs_from_the_trainer_and_the_correction_sees_it(tmp_path):
+    """rl.rollout_dtype=bfloat16: the sampler's log-probs differ from the fp32 trainer's by about bf16's
+    resolution (fp32: < 1e-6, test above), and the token-level importance weights move off 1."""
+    _train(tmp_path / "bf16", "rl.rollout_dtype=bfloat16", "rl.loss.rollout_is=token", "train.steps=2",
+           "train.checkpoint_every=0", "train.export=false")
+    for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl"):
+        assert 1e-5 < r["rollout/log_prob_diff"] < 0.05, r["rollout/log_prob_diff"]
+        assert r["rollout/is_weight_max"] > 1.0 + 1e-4
+
+
 def test_lora_grpo_resumes_exactly_with_the_base_model_as_kl_reference(tmp_path):
     """`syncwise train model.lora.rank=8` with a KL term: the reference is the base model (adapters off, no
     second engine), checkpoints hold the adapters only, a resumed run ends with the uninterrupted run's

@@ -202,6 +202,9 @@ class RLConfig:
     # compact: each prompt prefilled once, ended sequences dropped, only drawn tokens' log-probs kept
     # (syncwise.rl.sampling); generate: Hugging Face generate (the earlier path, for comparison)
     sampler: str = "compact"
+    # The rollout copy's dtype (bfloat16: half the copy and its KV cache; the sampler then differs from the
+    # fp32 trainer -- rollout/log_prob_diff says by how much, rl.loss.rollout_is corrects for it)
+    rollout_dtype: str = "float32"
     advantage: str = "grpo"  # grpo | drgrpo | rloo
     mini_batches: int = 1  # optimizer steps per pass over a rollout batch (each rank's samples split alike)
     epochs: int = 1  # passes over each rollout batch
@@ -252,6 +255,7 @@ class Config:
         _choice("optim.schedule", self.optim.schedule, ("constant", "cosine"))
         _choice("rl.advantage", self.rl.advantage, ("grpo", "drgrpo", "rloo"))
         _choice("rl.sampler", self.rl.sampler, ("compact", "generate"))
+        _choice("rl.rollout_dtype", self.rl.rollout_dtype, DTYPES)
         self.rl.loss.validate()
         if self.rl.dataset and not self.rl.reward_fn:
             raise ConfigError("rl.dataset needs rl.reward_fn (package.module:function): a prompt file brings no reward")

@@ -28,7 +28,8 @@ from .tasks import PromptSource
 class Rollout:
     def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, cfg: RLConfig):
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
-        self.model = AutoModelForCausalLM.from_config(engine.hf_config).to(engine.info.device).eval()
+        dtype = getattr(torch, cfg.rollout_dtype)
+        self.model = AutoModelForCausalLM.from_config(engine.hf_config, dtype=dtype).to(engine.info.device).eval()
         self.model.requires_grad_(False)
 
     @torch.no_grad()
