@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import syncwise
+from syncwise.config import load_config
 from syncwise.metrics import read_jsonl
 from syncwise.runtime.launcher import free_port
 
@@ -219,12 +221,23 @@ def test_repeat_task_with_a_warm_start_runs_long_tailed_responses(tmp_path):
 
 def test_bf16_rollout_copy_differs_from_the_trainer_and_the_correction_sees_it(tmp_path):
     """rl.rollout_dtype=bfloat16: the sampler's log-probs differ from the fp32 trainer's by about bf16's
-    resolution (fp32: < 1e-6, test above), and the token-level importance weights move off 1."""
+    resolution (fp32: < 1e-6, test above), and the token-level importance weights move off 1. The copy's
+    bytes come off auto's budget (the CPU tracker does not see them)."""
     _train(tmp_path / "bf16", "rl.rollout_dtype=bfloat16", "rl.loss.rollout_is=token", "train.steps=2",
-           "train.checkpoint_every=0", "train.export=false")
+           "train.checkpoint_every=0", "train.export=false", "sync.memory_budget=1000000000")
+    from transformers import AutoModelForCausalLM
+
+    from syncwise.models import preset_config
+    from syncwise.rl.trainer import load_tokenizer
+
+    config = load_config(Path(syncwise.__file__).parent / "configs" / "grpo.yaml")
+    hf_config = preset_config(config.model.preset, vocab_size=len(load_tokenizer(config)))
+    copy = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)  # as the rollout builds it
+    copy_bytes = sum(t.numel() * t.element_size() for t in (*copy.parameters(), *copy.buffers()))
     for r in read_jsonl(tmp_path / "bf16" / "metrics.jsonl"):
         assert 1e-5 < r["rollout/log_prob_diff"] < 0.05, r["rollout/log_prob_diff"]
         assert r["rollout/is_weight_max"] > 1.0 + 1e-4
+        assert r["memory/budget_bytes"] == 1_000_000_000 - copy_bytes  # the copy comes off auto's CPU budget
 
 
 def test_lora_grpo_resumes_exactly_with_the_base_model_as_kl_reference(tmp_path):

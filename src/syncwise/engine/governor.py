@@ -43,6 +43,14 @@ class MemoryGovernor:
             self.own_budget = resolve_budget(cfg.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             self.auto = AutoSync(estimator, candidates(modes, estimator, Links()), self.own_budget)
 
+    def hold_outside(self, nbytes: int) -> None:
+        """Memory this process keeps outside the engine for the whole job (GRPO's rollout copy). CUDA's
+        allocator peak already counts it; the CPU tensor tracker sees only the engine's tensors, so there it
+        comes off auto's budget."""
+        if self.auto is not None and self.device.type != "cuda":
+            self.own_budget -= nbytes
+            self.auto.budget = self.own_budget
+
     @property
     def first_mode(self) -> SyncChoice | None:
         """The configuration auto measures its first step in (None without auto)."""

@@ -32,6 +32,11 @@ class Rollout:
         self.model = AutoModelForCausalLM.from_config(engine.hf_config, dtype=dtype).to(engine.info.device).eval()
         self.model.requires_grad_(False)
 
+    @property
+    def copy_bytes(self) -> int:
+        """What the rollout copy holds (its parameters and buffers)."""
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+
     @torch.no_grad()
     def sync_weights(self) -> None:
         """Collective: copy the current (sharded) policy into the local inference model, one unit at a time

@@ -157,6 +157,7 @@ class GRPOTrainer:
         if rl.loss.kl_coef > 0 and not self.engine.lora:
             self.reference = Engine(config, build_model(config.model, **overrides), info, trainable=False)
         self.rollout = Rollout(self.engine, self.tokenizer, rl)
+        self.engine.governor.hold_outside(self.rollout.copy_bytes)  # auto's budget knows the copy is there
         self.loss_fn = make_policy_loss(rl.loss, temperature=rl.temperature)
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
         self.resumed_from = self.checkpoints.resolve(train.resume)
