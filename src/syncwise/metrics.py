@@ -116,7 +116,7 @@ def plot_phase_bars(results: dict[str, dict[str, Any]], path: str | Path, phases
     its ``phases``."""
     plt = _pyplot()
     names = list(results)
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(names) + 1.5))
     left = [0.0] * len(names)
     for phase in phases:
         widths = [results[n]["phases_s"][phase] for n in names]
@@ -125,7 +125,7 @@ def plot_phase_bars(results: dict[str, dict[str, Any]], path: str | Path, phases
     ax.invert_yaxis()
     ax.set_xlabel("seconds per GRPO step (median)")
     ax.set_title("where a GRPO step's time goes")
-    ax.legend(loc="lower right", fontsize=8, ncol=4)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return _save(plt, fig, path)
