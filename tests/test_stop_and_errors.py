@@ -291,3 +291,20 @@ def test_error_report_names_the_checkpoint_file(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) <= 3 and "Traceback" not in proc.stderr
     assert lines[0].startswith(f"syncwise: error: {out / 'checkpoints' / 'step_000002' / 'dcp'}: cannot load"), lines
+
+
+def test_ctrl_c_during_the_warm_start_stops_without_a_checkpoint(tmp_path):
+    """rl.warm_start_steps: a stop request is agreed at the next supervised step; nothing is saved yet, and
+    the line says so (exit 130, no traceback, no process left)."""
+    out = tmp_path / "run"
+    job = _start(_train(out, "rl.task=repeat", "rl.warm_start_steps=100000"))
+    while "syncwise train: GRPO on" not in job.stdout.readline():  # set-up done; the warm start follows
+        assert job.poll() is None, job.communicate()
+    ranks = set(child_pids(job.pid, descendants=True))
+    os.killpg(job.pid, signal.SIGINT)
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 130, stderr[-3000:]
+    assert re.search(r"syncwise: stopped by SIGINT after step 0 of 200; during warm-start step \d+ of 100000; "
+                     r"nothing saved", stdout), stdout
+    assert "Traceback" not in stderr and not (out / "checkpoints" / "latest").exists()
+    _assert_all_gone(ranks)

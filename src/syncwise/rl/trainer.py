@@ -3,12 +3,15 @@ engine, checkpoints, logs, plots and a Hugging Face export.
 
 :class:`GRPOTrainer` is one rank's job in four pieces: set-up (``__init__``), :meth:`~GRPOTrainer.step`,
 :meth:`~GRPOTrainer.save` and :meth:`~GRPOTrainer.finish`; :meth:`~GRPOTrainer.run` strings them together.
-One step on every rank::
+Before the first step, optionally ``rl.warm_start_steps`` supervised steps on the task's answers. One step
+on every rank::
 
     rows = prompts for (step, rank)          deterministic: a resumed run sees the same prompts
-    rollout.sync_weights(); generate         samples_per_prompt responses per prompt, local, no collectives
+    rollout.sync_weights()                   one unit at a time (one unit's memory, not the model's)
+    rollout.generate                         samples_per_prompt responses per prompt, local, no collectives
     rewards -> group advantages              GRPO / Dr.GRPO / RLOO within each prompt's group
-    [ref log-probs]                          forward-only pass of a frozen reference (rl.loss.kl_coef > 0)
+    [skip uniform groups], balance ranks     samples move between ranks (rl.balance_ranks; same gradient)
+    [ref log-probs], old log-probs           forward-only passes (a frozen reference with rl.loss.kl_coef > 0)
     engine.train_batch(batch, policy loss)   micro-batched, sync mode from config (auto by default)
 """
 
@@ -250,6 +253,10 @@ class GRPOTrainer:
                      "attention_mask": right_pad([torch.ones_like(s) for s in sequences], width, 0),
                      "loss_mask": right_pad(masks, width, 0)}
             metrics = self.engine.train_batch(batch, sft_loss)
+            if metrics["stop/signal"]:  # agreed by every rank; nothing to keep yet
+                self.close_logs()
+                raise stopped(metrics["stop/signal"], 0, self.config.train.steps,
+                              f"during warm-start step {step + 1} of {steps}; nothing saved")
         if self.info.is_main:
             print(f"syncwise train: warm start: {steps} supervised steps on the task's answers, "
                   f"loss {metrics['loss']:.3f}", flush=True)
