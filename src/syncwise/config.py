@@ -208,6 +208,9 @@ class RLConfig:
     advantage: str = "grpo"  # grpo | drgrpo | rloo
     mini_batches: int = 1  # optimizer steps per pass over a rollout batch (each rank's samples split alike)
     epochs: int = 1  # passes over each rollout batch
+    # On-policy (mini_batches = epochs = 1) the old log-probs are the update's own (TRL's shortcut); true:
+    # take them in a forward-only pass anyway, as verl does
+    old_log_prob_pass: bool = False
     # Before the update, move samples between ranks so each trains on about the same real tokens
     # (Karmarkar-Karp over sequence lengths; one all-gather of the rollout batch). The gradient is unchanged.
     balance_ranks: bool = True

@@ -101,6 +101,9 @@ class Engine:
         # What the next step runs: a concrete mode (and, for partial, its units).
         self.active_mode: SyncChoice = self.governor.first_mode or self._configured_choice()
         self._peak_meter = None  # set by train_batch while a step is metered
+        # Per-sample outputs of the last train_batch (what its loss returned, e.g. ``log_probs`` taken with the
+        # weights before that step), in batch order: an on-policy trainer needs no extra forward for them.
+        self.step_outputs: dict[str, torch.Tensor] = {}
 
     # ----------------------------------------------------------------------------------------------
     # passes over a batch
@@ -217,6 +220,7 @@ class Engine:
                     grad_norm = self.optimizer_step()
             finally:
                 self._peak_meter = None
+            self.step_outputs = result.outputs
             peak, measured = self.governor.local_peak(result, meter)
             metrics, agreed = self._reduce_step(result.metrics, peak, self.governor.own_budget, result.workloads)
         peak, budget, stop = agreed["peak"], agreed["budget"], agreed["stop"]

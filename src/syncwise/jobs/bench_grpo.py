@@ -7,9 +7,10 @@ machine that slows down in between slows every configuration alike. Per configur
 measured steps of every round: the step time and each phase of it (``time/*`` of ``metrics.jsonl``), the
 sampler's response tokens per second of sampling and per second of the whole step (end to end), the
 cross-rank token imbalance before and after balancing, and the mean reward (the same samples per step, so
-it should agree within noise). The first configuration -- Hugging Face ``generate`` and no balancing, the
-path before ``rl.sampler=compact`` and ``rl.balance_ranks`` -- is the reference the others' speed-up is
-measured against. Writes ``bench_grpo.json``, ``bench_grpo.md`` and ``grpo_phases.png`` (stacked phases).
+it should agree within noise). The first configuration -- Hugging Face ``generate``, no balancing and a
+forward-only pass for the old log-probs: the path before ``rl.sampler=compact``, ``rl.balance_ranks`` and
+the on-policy shortcut -- is the reference the others' speed-up is measured against. Writes
+``bench_grpo.json``, ``bench_grpo.md`` and ``grpo_phases.png`` (stacked phases).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from ..runtime.launcher import launch_local
 
 # name -> overrides; the first is the reference.
 GRPO_CONFIGS: dict[str, tuple[str, ...]] = {
-    "generate, unbalanced (before)": ("rl.sampler=generate", "rl.balance_ranks=false"),
+    "generate, unbalanced (before)": ("rl.sampler=generate", "rl.balance_ranks=false", "rl.old_log_prob_pass=true"),
+    "compact sampler, unbalanced, old log-prob pass": ("rl.sampler=compact", "rl.balance_ranks=false",
+                                                       "rl.old_log_prob_pass=true"),
     "compact sampler, unbalanced": ("rl.sampler=compact", "rl.balance_ranks=false"),
     "compact sampler, balanced": ("rl.sampler=compact", "rl.balance_ranks=true"),
     "compact, balanced, skip uniform groups": ("rl.sampler=compact", "rl.balance_ranks=true",

@@ -11,7 +11,8 @@ on every rank::
     rollout.generate                         samples_per_prompt responses per prompt, local, no collectives
     rewards -> group advantages              GRPO / Dr.GRPO / RLOO within each prompt's group
     [skip uniform groups], balance ranks     samples move between ranks (rl.balance_ranks; same gradient)
-    [ref log-probs], old log-probs           forward-only passes (a frozen reference with rl.loss.kl_coef > 0)
+    [ref log-probs], [old log-probs]         forward-only passes (a frozen reference with rl.loss.kl_coef > 0;
+                                             old ones only with several optimizer steps per batch)
     engine.train_batch(batch, policy loss)   micro-batched, sync mode from config (auto by default)
 """
 
@@ -214,13 +215,18 @@ class GRPOTrainer:
         if rl.loss.kl_coef > 0:
             with clock("ref_log_prob"):
                 batch["ref_log_probs"] = self._reference_log_probs(batch)
-        with clock("old_log_prob"):
-            batch["old_log_probs"] = self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
+        # On-policy (one optimizer step per batch) the old log-probs are the update's own, detached: the loss
+        # takes them from its forward (as TRL does), and no separate pass is needed.
+        on_policy = rl.mini_batches == 1 and rl.epochs == 1 and not rl.old_log_prob_pass
+        if not on_policy:
+            with clock("old_log_prob"):
+                batch["old_log_probs"] = self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
         with clock("update"):
             updates = [self.engine.train_batch(part, self.loss_fn) for part in self._mini_batches(batch, step)]
+        before_update = self.engine.step_outputs["log_probs"] if on_policy else batch["old_log_probs"]
         metrics = combine_updates(updates)
         metrics.update(balance_metrics)
-        metrics.update(rollout_stats(sampled, sampler_log_probs, batch["old_log_probs"],
+        metrics.update(rollout_stats(sampled, sampler_log_probs, before_update,
                                      batch["loss_mask"][:, 1:].double(), counts, self.info,
                                      self.config.dist.timeout_s))
         metrics["train/step"] = step + 1
