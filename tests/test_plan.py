@@ -174,9 +174,12 @@ def test_rollout_copy_is_in_every_modes_base_and_sampling_has_its_own_peak():
         assert m.peak_bytes == w.peak_bytes + r.copy_bytes and m.extra_bytes == w.extra_bytes
     # qwen3-4b: 36 layers, 8 KV heads of 128; K and V for 64 x (512 + 1024) tokens in bf16
     assert r.kv_cache_bytes == 2 * 36 * 8 * 128 * 64 * 1536 * 2
-    assert r.scores_bytes == 3 * 64 * 1024 * 151936 * 4  # fp32 scores of every step, kept then log-softmaxed
-    assert not r.fits
+    assert r.scores_bytes == 64 * (151936 * (2 + 8) + 1024 * 4)  # one step's logits (compact sampler)
+    assert r.fits
     assert without.auto_choice == "deferred_unsharded" and plan.auto_choice != "deferred_unsharded"
+    hf = make_plan(PlanInput(**common, **rollout, rollout_sampler="generate")).rollout
+    assert hf.scores_bytes == 3 * 64 * 1024 * 151936 * 4  # generate: fp32 scores of every step, kept
+    assert not hf.fits and hf.kv_cache_bytes == r.kv_cache_bytes
     assert make_plan(PlanInput(**common)).rollout is None
 
 

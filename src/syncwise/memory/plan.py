@@ -7,7 +7,8 @@ model per collective over its group of g ranks: all-gather and reduce-scatter ``
 all-reduce twice that. Memory: parameters, gradients and AdamW state sharded in fp32, plus activations
 you give, plus what the mode holds between micro-batches. For GRPO (``--rollout-sequences``): the rollout
 copy of the whole model, resident on every rank, in every mode's base; and the sampling phase's own peak
-(the copy, the KV cache, the per-step scores ``generate`` keeps), which no sync mode changes.
+(the copy, the KV cache, the logits: one step's with the compact sampler, every step's with ``generate``),
+which no sync mode changes.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class PlanInput:
     rollout_prompt_len: int = 0
     rollout_new_tokens: int = 0
     rollout_dtype: str = "float32"
+    rollout_sampler: str = "compact"  # rl.sampler: compact keeps one step's logits, generate every step's scores
     bandwidth_gbps: float = 100.0  # GB/s per rank within a shard group
     replica_bandwidth_gbps: float | None = None  # GB/s across replicas (default: bandwidth_gbps)
     latency_us: float = 10.0
@@ -109,6 +111,8 @@ class PlanInput:
             raise ValueError("--rollout-sequences, --rollout-prompt-len and --rollout-new-tokens must be >= 0")
         if self.rollout_sequences and not self.rollout_new_tokens:
             raise ValueError("--rollout-sequences needs --rollout-new-tokens (rl.max_new_tokens)")
+        if self.rollout_sampler not in ("compact", "generate"):
+            raise ValueError(f"--rollout-sampler: {self.rollout_sampler!r} is not one of compact, generate")
         if self.rollout_dtype not in DTYPE_BYTES:
             raise ValueError(f"--rollout-dtype: {self.rollout_dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
 
@@ -152,7 +156,7 @@ class RolloutMemory:
 
     copy_bytes: int  # the whole model in the rollout dtype
     kv_cache_bytes: int  # K and V of every layer for every sequence's prompt + new tokens
-    scores_bytes: int  # generate's per-step scores kept (output_scores), stacked and log-softmaxed once more
+    scores_bytes: int  # logits in flight: generate keeps every step's scores; compact one step's
     peak_bytes: int  # sharded params + AdamW + the copy + KV cache + scores
     fits: bool
 
@@ -166,8 +170,10 @@ def rollout_memory(hf_config, inp: PlanInput, num_params: int, resident: int, bu
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     tokens = inp.rollout_sequences * (inp.rollout_prompt_len + inp.rollout_new_tokens)
     kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * tokens * dtype
-    # syncwise.rl.rollout: the scores of every step are kept, stacked, then log-softmaxed in fp32.
-    scores = 3 * inp.rollout_sequences * inp.rollout_new_tokens * cfg.vocab_size * max(dtype, 4)
+    if inp.rollout_sampler == "generate":  # every step's fp32 scores kept, stacked, then log-softmaxed
+        scores = 3 * inp.rollout_sequences * inp.rollout_new_tokens * cfg.vocab_size * 4
+    else:  # one step's logits, their fp32 log-softmax and probabilities; the drawn log-probs
+        scores = inp.rollout_sequences * (cfg.vocab_size * (dtype + 8) + inp.rollout_new_tokens * 4)
     copy = num_params * dtype
     peak = resident + copy + kv + scores
     return RolloutMemory(copy, kv, scores, peak, peak <= budget)
@@ -318,7 +324,8 @@ def format_plan(plan: Plan) -> str:
         r = plan.rollout
         lines += ["", f"sampling ({inp.rollout_sequences} sequences x {inp.rollout_prompt_len} + "
                   f"{inp.rollout_new_tokens} tokens, {inp.rollout_dtype} copy): copy {format_bytes(r.copy_bytes)} + "
-                  f"KV cache {format_bytes(r.kv_cache_bytes)} + kept scores {format_bytes(r.scores_bytes)} -> peak "
+                  f"KV cache {format_bytes(r.kv_cache_bytes)} + logits ({inp.rollout_sampler}) "
+                  f"{format_bytes(r.scores_bytes)} -> peak "
                   f"{format_bytes(r.peak_bytes)} ({'fits' if r.fits else 'does NOT fit'}; the same in every mode)"]
     lines += ["", f"auto would choose: {plan.auto_choice}", f"  {plan.auto_reason}"]
     return "\n".join(lines)
