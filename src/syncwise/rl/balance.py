@@ -88,8 +88,10 @@ def balance_ranks(batch: Batch, pad_id: int, min_rows: int, timeout_s: float) ->
     flat = torch.cat(lengths)
     before = _imbalance([float(n.sum()) for n in lengths])
     parts = karmarkar_karp(flat.double().tolist(), world)
+    if min(len(p) for p in parts) < min_rows:  # a rank would get too few rows
+        return batch, Balance(before, before, 0)
     after = _imbalance([float(flat[torch.tensor(p)].sum()) for p in parts])
-    if min(len(p) for p in parts) < min_rows or after >= before:  # too few rows somewhere, or no better
+    if after >= before:  # no better than it is
         return batch, Balance(before, before, 0)
     owned = _assign(parts, owners, world)
     mine = torch.tensor(sorted(owned[rank]))
