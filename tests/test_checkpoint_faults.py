@@ -165,7 +165,7 @@ def test_training_stops_after_consecutive_non_finite_steps(tmp_path, monkeypatch
 
         def loss_fn(outputs, micro_batch, norm):
             result = inner(outputs, micro_batch, norm)
-            return LossOutput(loss=result.loss * float("nan"), metrics=result.metrics)
+            return LossOutput(loss=result.loss * float("nan"), metrics=result.metrics, outputs=result.outputs)
 
         return loss_fn
 

@@ -223,7 +223,10 @@ class GRPOTrainer:
                 batch["old_log_probs"] = self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
         with clock("update"):
             updates = [self.engine.train_batch(part, self.loss_fn) for part in self._mini_batches(batch, step)]
-        before_update = self.engine.step_outputs["log_probs"] if on_policy else batch["old_log_probs"]
+        before_update = batch["old_log_probs"] if not on_policy else self.engine.step_outputs.get("log_probs")
+        if before_update is None:
+            raise RuntimeError("the policy loss returned no per-sample 'log_probs' output; the on-policy GRPO step "
+                               "takes the old log-probs from it (set rl.old_log_prob_pass=true otherwise)")
         metrics = combine_updates(updates)
         metrics.update(balance_metrics)
         metrics.update(rollout_stats(sampled, sampler_log_probs, before_update,
