@@ -266,12 +266,10 @@ class Config:
         _positive("train.steps", self.train.steps)
         _positive("rl.prompts_per_rank", self.rl.prompts_per_rank)
         _positive("rl.samples_per_prompt", self.rl.samples_per_prompt)
-        if self.rl.warm_start_steps < 0:
-            raise ConfigError(f"rl.warm_start_steps: must be >= 0, got {self.rl.warm_start_steps}")
+        _non_negative("rl.warm_start_steps", self.rl.warm_start_steps)
         if self.rl.warm_start_steps and self.rl.dataset:
             raise ConfigError("rl.warm_start_steps: needs a built-in task's demonstrations, not rl.dataset")
-        if self.rl.max_new_tokens < 0:
-            raise ConfigError(f"rl.max_new_tokens: must be >= 0 (0: the task's), got {self.rl.max_new_tokens}")
+        _non_negative("rl.max_new_tokens", self.rl.max_new_tokens, "0: the task's")
         _positive("rl.temperature", self.rl.temperature)
         _positive("rl.mini_batches", self.rl.mini_batches)
         _positive("rl.epochs", self.rl.epochs)
@@ -286,26 +284,14 @@ class Config:
                 f"rl.samples_per_prompt=1: rl.advantage={self.rl.advantage} compares samples of one prompt, and a "
                 f"group of one has advantage 0 (no gradient, ever); use rl.samples_per_prompt >= 2"
             )
-        if self.train.checkpoint_every < 0:
-            raise ConfigError(f"train.checkpoint_every: must be >= 0, got {self.train.checkpoint_every}")
+        _non_negative("train.checkpoint_every", self.train.checkpoint_every)
         _positive("engine.micro_batch_size", self.engine.micro_batch_size)
-        if self.engine.max_tokens_per_micro_batch < 0:
-            raise ConfigError(
-                f"engine.max_tokens_per_micro_batch: must be >= 0 (0 = fixed size), "
-                f"got {self.engine.max_tokens_per_micro_batch}"
-            )
+        _non_negative("engine.max_tokens_per_micro_batch", self.engine.max_tokens_per_micro_batch, "0 = fixed size")
         _positive("engine.hsdp_replicas", self.engine.hsdp_replicas)
-        if self.engine.logprob_chunk_size < 0:
-            raise ConfigError(
-                f"engine.logprob_chunk_size: must be >= 0 (0 = unchunked), got {self.engine.logprob_chunk_size}"
-            )
+        _non_negative("engine.logprob_chunk_size", self.engine.logprob_chunk_size, "0 = unchunked")
         _positive("dist.nproc", self.dist.nproc)
-        if self.sync.memory_budget < 0:
-            raise ConfigError(
-                f"sync.memory_budget: must be >= 0 (0 = 90% of the device), got {self.sync.memory_budget}"
-            )
-        if self.sync.peak_every < 0:
-            raise ConfigError(f"sync.peak_every: must be >= 0, got {self.sync.peak_every}")
+        _non_negative("sync.memory_budget", self.sync.memory_budget, "0 = 90% of the device")
+        _non_negative("sync.peak_every", self.sync.peak_every)
         reason = unsupported_reason(self.sync.mode, self.engine.strategy, self.engine.hsdp_replicas > 1)
         if reason:
             raise ConfigError(reason)
@@ -346,6 +332,12 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _positive(key: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"{key}: must be > 0, got {value}")
+
+
+def _non_negative(key: str, value: float, zero: str = "") -> None:
+    """``zero``: what 0 means, for the message."""
+    if value < 0:
+        raise ConfigError(f"{key}: must be >= 0{f' ({zero})' if zero else ''}, got {value}")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
