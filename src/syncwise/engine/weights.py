@@ -17,17 +17,8 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
 from ..models import lora as lora_adapters
+from ..models.names import unwrapped_name
 from .wrap import WrappedModel
-
-# Module names wrappers put into parameter names: FSDP1, activation checkpointing, DDP (leading only).
-_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-def plain_name(name: str, ddp: bool) -> str:
-    """A wrapped model's parameter name as the unwrapped model's."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name.removeprefix("module.") if ddp else name
 
 
 def params_by_unit(wrapped: WrappedModel) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
@@ -63,9 +54,9 @@ def _gather_unit(strategy: str, unit: nn.Module, params: list[tuple[str, nn.Para
     ddp = strategy == "ddp"
     if strategy == "fsdp1":
         with FSDP1.summon_full_params(unit, recurse=False, writeback=False):
-            local = {plain_name(n, ddp): p.detach().clone() for n, p in params}
+            local = {unwrapped_name(n, ddp): p.detach().clone() for n, p in params}
     else:
-        local = {plain_name(n, ddp): _full(p) for n, p in params}
+        local = {unwrapped_name(n, ddp): _full(p) for n, p in params}
     return lora_adapters.merged_state_dict(local, adapter_scalings) if adapter_scalings else local
 
 

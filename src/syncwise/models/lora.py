@@ -14,7 +14,6 @@ checkpoint see only those). This module holds what is specific to peft:
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,12 +22,10 @@ import torch
 from torch import nn
 
 from ..config import LoraConfig
+from .names import unwrapped_name
 
 ADAPTER = "default"  # peft's name for the one adapter syncwise builds
 _PEFT_PREFIX = "base_model.model."  # peft's prefix on the adapted model's state-dict keys
-# Wrappers whose prefix torch's state-dict utilities drop (activation checkpointing, FSDP1); module names
-# keep it.
-_WRAPPER_PART = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_fsdp_wrapped_module)(?=\.|$)")
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
@@ -99,7 +96,7 @@ def adapter_scalings(model: nn.Module) -> dict[str, float]:
     for name, module in (peft or model).named_modules():
         scaling = getattr(module, "scaling", None)
         if isinstance(scaling, dict) and ADAPTER in scaling and hasattr(module, "base_layer"):
-            out[_WRAPPER_PART.sub("", name).lstrip(".")] = float(scaling[ADAPTER])
+            out[unwrapped_name(name)] = float(scaling[ADAPTER])
     return out
 
 
