@@ -74,12 +74,8 @@ class Rollout:
             response_masks.append(torch.cat([torch.zeros_like(prompt_ids), torch.ones_like(response_ids)]))
             # Per target (position j predicts token j + 1): the response tokens' sampler log-probs.
             sampler.append(torch.cat([response_log_probs.new_zeros(len(prompt_ids) - 1), response_log_probs]))
-        total = max(len(s) for s in sequences)
-        batch = {
-            "input_ids": right_pad(sequences, total, tok.pad_token_id),
-            "attention_mask": right_pad([torch.ones_like(s) for s in sequences], total, 0),
-            "loss_mask": right_pad(response_masks, total, 0),
-        }
+        batch = response_batch(sequences, response_masks, tok.pad_token_id)
+        total = batch["input_ids"].shape[1]
         info = {
             "rewards": torch.tensor(rewards),
             "responses": responses,
@@ -127,6 +123,16 @@ def _until_eos(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     """The response up to and including its first end-of-sequence token (generate pads after it)."""
     hits = (ids == eos_id).nonzero()
     return ids[: int(hits[0]) + 1] if hits.numel() else ids
+
+
+def response_batch(sequences: list[torch.Tensor], response_masks: list[torch.Tensor], pad_id: int) -> dict:
+    """A right-padded training batch of prompt + response sequences, ``loss_mask`` on the responses."""
+    width = max(len(s) for s in sequences)
+    return {
+        "input_ids": right_pad(sequences, width, pad_id),
+        "attention_mask": right_pad([torch.ones_like(s) for s in sequences], width, 0),
+        "loss_mask": right_pad(response_masks, width, 0),
+    }
 
 
 def right_pad(rows: list[torch.Tensor], width: int, value: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ from ..runtime.signals import stopped
 from .advantages import grpo_advantages, rloo_advantages
 from .balance import Balance, balance_ranks, rank_token_imbalance, select_trained_rows, take_rows, uniform_groups
 from .losses import make_policy_loss
-from .rollout import Rollout, right_pad
+from .rollout import Rollout, response_batch
 from .tasks import builtin_tokenizer, prompt_source
 
 
@@ -257,11 +257,7 @@ class GRPOTrainer:
                 response = tok(self.source.demonstration(row))["input_ids"] + [tok.eos_token_id]
                 sequences.append(torch.tensor(prompt + response))
                 masks.append(torch.tensor([0] * len(prompt) + [1] * len(response)))
-            width = max(len(s) for s in sequences)
-            batch = {"input_ids": right_pad(sequences, width, tok.pad_token_id),
-                     "attention_mask": right_pad([torch.ones_like(s) for s in sequences], width, 0),
-                     "loss_mask": right_pad(masks, width, 0)}
-            metrics = self.engine.train_batch(batch, sft_loss)
+            metrics = self.engine.train_batch(response_batch(sequences, masks, tok.pad_token_id), sft_loss)
             if metrics["stop/signal"]:  # agreed by every rank; nothing to keep yet
                 self.close_logs()
                 raise stopped(metrics["stop/signal"], 0, self.config.train.steps,
