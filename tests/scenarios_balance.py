@@ -10,7 +10,7 @@ from syncwise.config import PolicyLossConfig
 from syncwise.engine import Engine
 from syncwise.models import build_model
 from syncwise.rl.advantages import grpo_advantages
-from syncwise.rl.balance import balance_ranks, select_trained_rows, take_rows
+from syncwise.rl.balance import balance_ranks, select_trained_rows, take_rows, uniform_groups
 from syncwise.rl.losses import make_policy_loss
 
 GROUP = 4
@@ -78,13 +78,15 @@ def balance_suite(info) -> dict:
     # Uniform groups: rank 0 has signal in half its groups, rank 1 in none (it keeps one masked row).
     uniform = {0, 2, 4, 6} if info.rank == 0 else set(range(8))
     batch, rewards = rollout_batch(info.rank, groups=8, seed=2, uniform=uniform)
-    selection = select_trained_rows(rewards, GROUP, min_rows=1, device=info.device, timeout_s=TIMEOUT_S)
+    uniform_mask = uniform_groups(rewards, GROUP)
+    selection = select_trained_rows(uniform_mask, GROUP, min_rows=1, device=info.device, timeout_s=TIMEOUT_S)
     selected = take_rows(batch, selection)
     out["skip"] = {"batch": batch, "selected": selected, "rows": selection.rows, "masked": selection.masked,
-                   "uniform_groups": selection.uniform_groups, "groups": selection.groups,
+                   "uniform_groups": int(uniform_mask.sum()), "groups": len(uniform_mask),
                    "grads": _grads(engine, batch, loss), "selected_grads": _grads(engine, selected, loss)}
     # Every group of every rank uniform: every row trains, as without the option.
     batch, rewards = rollout_batch(info.rank, groups=2, seed=3, uniform={0, 1})
-    everything = select_trained_rows(rewards, GROUP, min_rows=1, device=info.device, timeout_s=TIMEOUT_S)
+    everything = select_trained_rows(uniform_groups(rewards, GROUP), GROUP, min_rows=1, device=info.device,
+                                     timeout_s=TIMEOUT_S)
     out["all_uniform"] = {"rows": everything.rows, "masked": everything.masked}
     return out

@@ -25,8 +25,6 @@ class Selection:
 
     rows: torch.Tensor  # indices into the rank's rollout batch
     masked: torch.Tensor  # of ``rows``: kept only so the rank has something to run (loss mask zeroed)
-    uniform_groups: int  # groups whose rewards were all equal (this rank)
-    groups: int
 
 
 def uniform_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -36,22 +34,22 @@ def uniform_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (grouped == grouped[:, :1]).all(dim=1)
 
 
-def select_trained_rows(rewards: torch.Tensor, group_size: int, min_rows: int, device: torch.device,
+def select_trained_rows(uniform: torch.Tensor, group_size: int, min_rows: int, device: torch.device,
                         timeout_s: float) -> Selection:
-    """Collective (one small all-reduce): the rows of the groups with signal. A rank left with fewer than
+    """Collective (one small all-reduce): the rows of the groups with signal (``uniform``: the groups
+    without, from :func:`uniform_groups`). A rank left with fewer than
     ``min_rows`` rows (one per mini-batch) keeps as many rows of its uniform groups with the loss mask
     zeroed -- they count nowhere -- so every rank still runs the same optimizer steps. If no rank has a group
     with signal, every row trains as without the option (the step is then the KL term's alone)."""
-    uniform = uniform_groups(rewards, group_size)
     signal_rows = (~uniform).repeat_interleave(group_size)
     totals, _ = agree([float(signal_rows.sum())], [], "the uniform-group count all-reduce", device, timeout_s)
-    everything = torch.arange(len(rewards))
+    everything = torch.arange(len(signal_rows))
     if totals[0] == 0:
-        return Selection(everything, torch.zeros(len(rewards), dtype=torch.bool), int(uniform.sum()), len(uniform))
+        return Selection(everything, torch.zeros(len(everything), dtype=torch.bool))
     rows = everything[signal_rows]
     filler = everything[~signal_rows][: max(0, min_rows - len(rows))]
     masked = torch.cat([torch.zeros(len(rows), dtype=torch.bool), torch.ones(len(filler), dtype=torch.bool)])
-    return Selection(torch.cat([rows, filler]), masked, int(uniform.sum()), len(uniform))
+    return Selection(torch.cat([rows, filler]), masked)
 
 
 def take_rows(batch: Batch, selection: Selection) -> Batch:

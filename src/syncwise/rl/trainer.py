@@ -274,10 +274,9 @@ class GRPOTrainer:
         Returns (this rank's batch, the balance metrics, (uniform groups and groups sampled here, samples
         this rank trains on))."""
         rl, timeout_s = self.config.rl, self.config.dist.timeout_s
-        groups = len(rewards) // rl.samples_per_prompt
-        uniform = int(uniform_groups(rewards, rl.samples_per_prompt).sum())
+        uniform = uniform_groups(rewards, rl.samples_per_prompt)
         if rl.skip_uniform_groups:
-            selection = select_trained_rows(rewards, rl.samples_per_prompt, rl.mini_batches, self.info.device,
+            selection = select_trained_rows(uniform, rl.samples_per_prompt, rl.mini_batches, self.info.device,
                                             timeout_s)
             batch = take_rows(batch, selection)
         if rl.balance_ranks and self.info.world_size > 1:
@@ -288,7 +287,7 @@ class GRPOTrainer:
         metrics = {"batch/rank_token_imbalance_before": balance.before,
                    "batch/rank_token_imbalance_after": balance.after, "batch/samples_moved": balance.moved}
         trained = int((batch["loss_mask"].sum(dim=1) > 0).sum())
-        return batch, metrics, (uniform, groups, trained)
+        return batch, metrics, (int(uniform.sum()), len(uniform), trained)
 
     def _reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         temperature = self.config.rl.temperature
