@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from syncwise.checkpoint import CheckpointError, CheckpointManager
-from syncwise.config import load_config
+from syncwise.config import load_config, packaged_config
 from syncwise.engine import Engine
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -171,7 +171,7 @@ def test_training_stops_after_consecutive_non_finite_steps(tmp_path, monkeypatch
 
     monkeypatch.setattr(trainer, "make_policy_loss", nan_policy_loss)
     cfg = load_config(
-        Path(trainer.__file__).parent.parent / "configs" / "grpo.yaml",
+        packaged_config("grpo.yaml"),
         ["engine.strategy=none", "sync.mode=deferred", f"train.out_dir={tmp_path}", "train.progress=false",
          "train.max_consecutive_skips=3", "train.steps=10", "rl.prompts_per_rank=2", "rl.samples_per_prompt=2"],
     )

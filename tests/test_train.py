@@ -13,8 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import syncwise
-from syncwise.config import load_config
+from syncwise.config import load_config, packaged_config
 from syncwise.metrics import read_jsonl
 from syncwise.runtime.launcher import free_port
 
@@ -233,7 +232,7 @@ def test_bf16_rollout_copy_differs_from_the_trainer_and_the_correction_sees_it(t
     from syncwise.models import preset_config
     from syncwise.rl.trainer import load_tokenizer
 
-    config = load_config(Path(syncwise.__file__).parent / "configs" / "grpo.yaml")
+    config = load_config(packaged_config("grpo.yaml"))
     hf_config = preset_config(config.model.preset, vocab_size=len(load_tokenizer(config)))
     copy = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)  # as the rollout builds it
     copy_bytes = sum(t.numel() * t.element_size() for t in (*copy.parameters(), *copy.buffers()))

@@ -340,6 +340,11 @@ def _non_negative(key: str, value: float, zero: str = "") -> None:
         raise ConfigError(f"{key}: must be >= 0{f' ({zero})' if zero else ''}, got {value}")
 
 
+def packaged_config(name: str) -> Path:
+    """A config file shipped with syncwise (``grpo.yaml``: the default ``syncwise train`` job)."""
+    return Path(__file__).parent / "configs" / name
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Build a validated :class:`Config` from an optional YAML file and ``section.key=value`` overrides.
 

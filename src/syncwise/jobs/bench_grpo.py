@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import config_to_dict, load_config
+from ..config import config_to_dict, load_config, packaged_config
 from ..metrics import plot_phase_bars, read_jsonl
 from ..rl.trainer import PHASES, train_worker
 from ..runtime.launcher import launch_local
@@ -62,14 +62,13 @@ class GRPOBenchSpec:
 
 
 def _job_config(spec: GRPOBenchSpec, name: str, out: Path) -> dict[str, Any]:
-    default = Path(__file__).parents[1] / "configs" / "grpo.yaml"
     overrides = [
         "rl.task=repeat", f"rl.warm_start_steps={spec.warm_start_steps}", f"train.steps={spec.steps}",
         f"rl.prompts_per_rank={spec.prompts_per_rank}", f"rl.samples_per_prompt={spec.samples_per_prompt}",
         "train.progress=false", "train.export=false", "train.checkpoint_every=0", f"train.out_dir={out}",
         f"dist.nproc={spec.nproc}", *GRPO_CONFIGS[name], *spec.extra,
     ]
-    return config_to_dict(load_config(default, overrides))
+    return config_to_dict(load_config(packaged_config("grpo.yaml"), overrides))
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

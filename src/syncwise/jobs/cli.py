@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, config_to_dict, load_config
+from ..config import ConfigError, config_to_dict, load_config, packaged_config
 from ..runtime.distributed import launched_by_torchrun
 from ..runtime.launcher import DEBUG_ENV, launch_local, leave, rank_main
 
@@ -32,7 +31,7 @@ def _run_job(worker, args: argparse.Namespace, job: str, default_config: str | N
 
     path, overrides = _split_args(args.args)
     if path is None and default_config is not None:
-        path = str(Path(__file__).parents[1] / "configs" / default_config)
+        path = str(packaged_config(default_config))
     try:
         config = load_config(path, overrides)
         preflight(config, job)
