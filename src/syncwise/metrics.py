@@ -127,5 +127,4 @@ def plot_phase_bars(results: dict[str, dict[str, Any]], path: str | Path, phases
     ax.set_title("where a GRPO step's time goes")
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
     return _save(plt, fig, path)

@@ -35,15 +35,26 @@ def _shape(config, name: str, default: int = 0) -> int:
     return int(value) if value is not None else default
 
 
+def attention_shape(config) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of a Hugging Face config."""
+    heads = _shape(config, "num_attention_heads")
+    kv_heads = _shape(config, "num_key_value_heads", heads)
+    return heads, kv_heads, _shape(config, "head_dim", _shape(config, "hidden_size") // max(heads, 1))
+
+
+def kv_cache_bytes(config, tokens: int, dtype: str) -> int:
+    """Keys and values of every layer for ``tokens`` cached tokens (all sequences together)."""
+    _, kv_heads, head_dim = attention_shape(config)
+    return 2 * _shape(config, "num_hidden_layers") * kv_heads * head_dim * tokens * DTYPE_BYTES[dtype]
+
+
 def estimate_activations(
     config, seq_len: int, micro_batch_size: int = 1, checkpointing: bool = False, dtype: str = "bfloat16",
     logprob_chunk: int = 1024,
 ) -> ActivationEstimate:
     """The activation peak of one micro-batch of ``micro_batch_size`` sequences of ``seq_len`` tokens."""
     hidden = _shape(config, "hidden_size")
-    heads = _shape(config, "num_attention_heads")
-    kv_heads = _shape(config, "num_key_value_heads", heads)
-    head_dim = _shape(config, "head_dim", hidden // max(heads, 1))
+    heads, kv_heads, head_dim = attention_shape(config)
     inter = _shape(config, "intermediate_size", 4 * hidden)
     layers = _shape(config, "num_hidden_layers")
     vocab = _shape(config, "vocab_size")

@@ -24,7 +24,7 @@ from ..config import LoraConfig
 from ..models import meta_model_units
 from ..sync.modes import SyncChoice, SyncMode, spec, supported_modes
 from .accounting import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
-from .activations import estimate_activations
+from .activations import estimate_activations, kv_cache_bytes
 from .autosync import AutoSync
 from .costs import Links, candidates
 from .schedule import step_traffic, unit_traffic
@@ -165,11 +165,8 @@ def rollout_memory(hf_config, inp: PlanInput, num_params: int, resident: int, bu
     """What the rollout adds (see :class:`RolloutMemory`); ``resident``: the sharded state that stays."""
     dtype = DTYPE_BYTES[inp.rollout_dtype]
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    tokens = inp.rollout_sequences * (inp.rollout_prompt_len + inp.rollout_new_tokens)
-    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * tokens * dtype
+    kv = kv_cache_bytes(cfg, inp.rollout_sequences * (inp.rollout_prompt_len + inp.rollout_new_tokens),
+                        inp.rollout_dtype)
     if inp.rollout_sampler == "generate":  # every step's fp32 scores kept, stacked, then log-softmaxed
         scores = 3 * inp.rollout_sequences * inp.rollout_new_tokens * cfg.vocab_size * 4
     else:  # one step's logits, their fp32 log-softmax and probabilities; the drawn log-probs
