@@ -15,13 +15,12 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from ..config import RLConfig
 from ..engine import Engine
 from ..engine.weights import load_by_unit
-from .sampling import sample
+from .sampling import left_padded, sample
 from .tasks import PromptSource
 
 
@@ -90,9 +89,8 @@ class Rollout:
         sequence computed until the longest ends, every step's scores kept). Per sequence: the response up to
         its end-of-sequence token and the log-prob of each token under the temperature-scaled scores."""
         tok, n, device = self.tokenizer, self.cfg.samples_per_prompt, self.engine.info.device
-        width = max(len(p) for p in prompts)
-        input_ids = torch.stack([F.pad(p, (width - len(p), 0), value=tok.pad_token_id) for p in prompts]).to(device)
-        mask = torch.stack([F.pad(torch.ones_like(p), (width - len(p), 0)) for p in prompts]).to(device)
+        input_ids, mask = left_padded(prompts, tok.pad_token_id, device)
+        width = input_ids.shape[1]
         out = self.model.generate(
             input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=self.cfg.temperature, top_k=0,
             top_p=1.0, max_new_tokens=max_new_tokens, num_return_sequences=n, pad_token_id=tok.pad_token_id,

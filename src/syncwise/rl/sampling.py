@@ -33,6 +33,18 @@ class Samples:
     computed_rows: int  # sequence-steps computed (the padded loop's would be sequences x longest response)
 
 
+def left_padded(prompts: list[torch.Tensor], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of the prompts left-padded: every prompt's last token in the last column,
+    where generation continues."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(input_ids)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt):] = prompt.to(device)
+        mask[i, width - len(prompt):] = 1
+    return input_ids, mask
+
+
 @torch.no_grad()
 def sample(
     model: nn.Module, prompts: list[torch.Tensor], samples_per_prompt: int, max_new_tokens: int, temperature: float,
@@ -41,12 +53,7 @@ def sample(
     """``samples_per_prompt`` responses to each prompt (1-D token tensors), drawn from softmax(logits /
     ``temperature``) with torch's global generator."""
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros_like(input_ids)
-    for i, prompt in enumerate(prompts):  # left-padded: every prompt's last token in the last column
-        input_ids[i, width - len(prompt):] = prompt.to(device)
-        mask[i, width - len(prompt):] = 1
+    input_ids, mask = left_padded(prompts, pad_id, device)
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     # transformers >= 5.24 names the argument ``cache`` (``past_key_values`` is deprecated); older ones do not.
