@@ -9,18 +9,20 @@ from syncwise.engine import Engine
 from syncwise.losses import sft_loss
 from syncwise.models import build_model, preset_config
 
-# (preset, tokens per sequence, sequences per micro-batch, activation checkpointing)
-PEAK_SHAPES = [("qwen2-test", 128, 2, False), ("qwen2-tiny", 64, 2, False), ("llama-test", 96, 2, True)]
+# (preset, tokens per sequence, sequences per micro-batch, activation checkpointing, fused LM head)
+PEAK_SHAPES = [("qwen2-test", 128, 2, False, True), ("qwen2-test", 128, 2, False, False),
+               ("qwen2-tiny", 64, 2, False, True), ("llama-test", 96, 2, True, True)]
 MICROBATCHES = 4
 
 
 def measured_peaks(info) -> list[dict]:
     """Each shape's steady-state peak: the second step (AdamW's state exists by then), per_microbatch, fp32."""
     out = []
-    for preset, seq_len, size, checkpointing in PEAK_SHAPES:
+    for preset, seq_len, size, checkpointing, fused in PEAK_SHAPES:
         cfg = load_config(None, [
             f"model.preset={preset}", "sync.mode=per_microbatch", f"engine.micro_batch_size={size}",
             f"engine.activation_checkpointing={str(checkpointing).lower()}", "sync.peak_every=1",
+            f"engine.fused_lm_head={str(fused).lower()}",
         ])
         engine = Engine(cfg, build_model(cfg.model), info)
         vocab = preset_config(preset).vocab_size
@@ -29,5 +31,5 @@ def measured_peaks(info) -> list[dict]:
         engine.train_batch({"input_ids": ids}, sft_loss)
         metrics = engine.train_batch({"input_ids": ids}, sft_loss)
         assert metrics["memory/peak_measured"] == 1 and metrics["train/num_microbatches"] == MICROBATCHES
-        out.append({"shape": (preset, seq_len, size, checkpointing), "peak": metrics["memory/peak_bytes"]})
+        out.append({"shape": (preset, seq_len, size, checkpointing, fused), "peak": metrics["memory/peak_bytes"]})
     return out

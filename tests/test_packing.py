@@ -158,10 +158,10 @@ def test_the_packing_check_shrinks_gpt2_style_configs():
     """A gpt2-medium-shaped config is checked on one narrow layer, not built at full size on every rank."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from syncwise.data.packing import _one_small_layer
+    from syncwise.models import one_small_layer
 
     medium = GPT2Config(n_layer=24, n_embd=1024, n_head=16)
-    small = _one_small_layer(medium.to_dict())
+    small = one_small_layer(medium.to_dict())
     assert (small["n_layer"], small["n_embd"], small["n_head"], small["n_inner"]) == (1, 64, 4, 128)
     assert packs_correctly(GPT2LMHeadModel, medium.to_json_string(), "sdpa") is None
 

@@ -109,10 +109,11 @@ def test_predicted_peak_within_10_percent_of_the_engines_measured_peak(world_siz
     from scenarios_plan import MICROBATCHES, measured_peaks
 
     for row in run_distributed(measured_peaks, world_size)[0]:
-        preset, seq_len, size, checkpointing = row["shape"]
+        preset, seq_len, size, checkpointing, fused = row["shape"]
         plan = make_plan(PlanInput(model=preset, world_size=world_size, microbatches=MICROBATCHES,
                                    param_dtype="float32", reduce_dtype="float32", seq_len=seq_len,
-                                   micro_batch_size=size, activation_checkpointing=checkpointing),
+                                   micro_batch_size=size, activation_checkpointing=checkpointing,
+                                   fused_lm_head=fused),
                          hf_config=preset_config(preset))
         predicted = next(m for m in plan.modes if m.mode == "per_microbatch").peak_bytes
         assert predicted == pytest.approx(row["peak"], rel=0.10), (row["shape"], predicted, row["peak"])

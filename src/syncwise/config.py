@@ -93,6 +93,9 @@ class EngineConfig:
     activation_checkpointing: bool = False
     # Tokens whose fp32 log-softmax over the vocabulary exists at once (log-probs, entropy); 0 = all.
     logprob_chunk_size: int = 1024
+    # Log-probs and entropy straight from the final hidden states, a chunk of tokens at a time: the
+    # [tokens, vocabulary] logits and their gradient never exist at once (models whose forward allows it).
+    fused_lm_head: bool = True
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     # >1 builds a 2-D (replicate x shard) mesh: HSDP with this many replicas.

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .config import AGG_MODES
 
@@ -131,6 +132,43 @@ def _chunks(positions: int, rows: int) -> list[slice]:
     return [slice(start, min(start + step, positions)) for start in range(0, positions, step)]
 
 
+def _chunk_stats(
+    scaled: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(log-sum-exp, log-prob of ``targets``, entropy or None) of one chunk of scaled fp32 logits [..., V]."""
+    lse = torch.logsumexp(scaled, dim=-1)
+    log_probs = scaled.gather(-1, targets[..., None]).squeeze(-1) - lse
+    if not with_entropy:
+        return lse, log_probs, None
+    # H = -sum p log p = lse - sum p x, the sum as a batched dot product (no second temporary)
+    probs = torch.sub(scaled, lse[..., None]).exp_()
+    dots = torch.bmm(probs.reshape(-1, 1, probs.shape[-1]), scaled.reshape(-1, probs.shape[-1], 1))
+    return lse, log_probs, lse - dots.view(lse.shape)
+
+
+def _chunk_logit_grad(
+    scaled: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None, targets: torch.Tensor,
+    grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, temperature: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gradient with respect to one chunk's (unscaled) logits, in fp32, computed in ``out`` when given
+    (it may be ``scaled`` itself): d log p_y / dx = onehot(y) - p, dH / dx = -p (log p + H), both / T."""
+    log_p = torch.sub(scaled, lse[..., None], out=out) if out is not None else scaled - lse[..., None]
+    g = grad_log_probs[..., None].to(log_p.dtype) if grad_log_probs is not None else None
+    if entropy is not None and grad_entropy is not None:
+        factor = (log_p + entropy[..., None]) * grad_entropy[..., None]
+        if g is not None:
+            factor += g
+        log_p.exp_().mul_(factor).neg_()
+    else:
+        log_p.exp_().mul_(-g if g is not None else 0.0)
+    if g is not None:
+        log_p.scatter_add_(-1, targets[..., None], g)
+    if temperature != 1.0:
+        log_p.div_(temperature)
+    return log_p
+
+
 class _TokenStats(torch.autograd.Function):
     """For j < T - 1: log softmax(logits[:, j] / T)[input_ids[:, j + 1]] and, when asked, the entropy of
     softmax(logits[:, j] / T) -- a chunk of positions at a time.
@@ -150,14 +188,12 @@ class _TokenStats(torch.autograd.Function):
         lse = logits.new_empty((rows, width - 1), dtype=dtype)
         entropy = logits.new_empty((rows, width - 1) if with_entropy else (0,), dtype=dtype)
         parts = _chunks(width - 1, rows)
+        targets = input_ids[:, 1:]
         for part in parts:
-            scaled = _scaled(logits[:, part], temperature)
-            lse[:, part] = torch.logsumexp(scaled, dim=-1)
-            log_probs[:, part] = scaled.gather(-1, input_ids[:, 1:][:, part, None]).squeeze(-1) - lse[:, part]
-            if with_entropy:  # H = -Σ p log p = lse - Σ p x, the sum as a batched dot product (no temporary)
-                probs = torch.sub(scaled, lse[:, part, None]).exp_()
-                dots = torch.bmm(probs.reshape(-1, 1, probs.shape[-1]), scaled.reshape(-1, probs.shape[-1], 1))
-                entropy[:, part] = lse[:, part] - dots.view(lse[:, part].shape)
+            stats = _chunk_stats(_scaled(logits[:, part], temperature), targets[:, part], with_entropy)
+            lse[:, part], log_probs[:, part] = stats[0], stats[1]
+            if with_entropy:
+                entropy[:, part] = stats[2]
         ctx.save_for_backward(logits, input_ids, lse, entropy)
         ctx.temperature, ctx.parts, ctx.with_entropy = temperature, parts, with_entropy
         ctx.mark_non_differentiable(input_ids)
@@ -167,31 +203,109 @@ class _TokenStats(torch.autograd.Function):
     def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         logits, input_ids, lse, entropy = ctx.saved_tensors
         targets = input_ids[:, 1:]
-        temperature = ctx.temperature
         grad = torch.empty_like(logits)
         grad[:, -1] = 0  # the last position predicts nothing
         in_place = logits.dtype == lse.dtype  # fp32 logits: the chunk is computed in the gradient itself
-        entropy_grad = ctx.with_entropy and grad_entropy is not None
         for part in ctx.parts:
-            scaled = _scaled(logits[:, part], temperature)
-            shift = lse[:, part, None]
-            chunk = grad[:, part] if in_place else None
-            log_p = torch.sub(scaled, shift, out=chunk) if chunk is not None else scaled - shift
-            g = grad_log_probs[:, part, None].to(log_p.dtype) if grad_log_probs is not None else None
-            if entropy_grad:  # dH/dx = -p (log p + H); d log p_y / dx = onehot(y) - p
-                factor = (log_p + entropy[:, part, None]) * grad_entropy[:, part, None]
-                if g is not None:
-                    factor += g
-                log_p.exp_().mul_(factor).neg_()
-            else:
-                log_p.exp_().mul_(-g if g is not None else 0.0)
-            if g is not None:
-                log_p.scatter_add_(-1, targets[:, part, None], g)
-            if temperature != 1.0:
-                log_p.div_(temperature)
-            if chunk is None:
-                grad[:, part] = log_p
+            chunk = _chunk_logit_grad(
+                _scaled(logits[:, part], ctx.temperature), lse[:, part],
+                entropy[:, part] if ctx.with_entropy else None, targets[:, part],
+                None if grad_log_probs is None else grad_log_probs[:, part],
+                grad_entropy[:, part] if ctx.with_entropy and grad_entropy is not None else None, ctx.temperature,
+                out=grad[:, part] if in_place else None,
+            )
+            if not in_place:
+                grad[:, part] = chunk
         return grad, None, None, None
+
+
+@dataclass
+class LogitsFromHidden:
+    """What stands for a micro-batch's logits under the fused LM head (``engine.fused_lm_head``): the final
+    hidden states [B, T, H] and the output layer's weight [V, H] (and bias) as the model's forward used
+    them. :func:`token_log_probs` and its siblings compute logits from them one chunk of tokens at a time,
+    so neither the [B, T, V] logits nor their gradient ever exist at once."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape the logits would have."""
+        return torch.Size((*self.hidden.shape[:-1], self.weight.shape[0]))
+
+
+class _HeadTokenStats(torch.autograd.Function):
+    """:class:`_TokenStats` from the hidden states: each chunk's logits are ``hidden @ weight.T (+ bias)``,
+    made in forward for its statistics, dropped, and made again in backward, where their gradient turns at
+    once into the chunk's hidden-state gradient and is added into the weight's (and bias's). Kept between
+    forward and backward: the log-sum-exp (and entropy) per position; in flight: one chunk's logits and
+    their gradient -- whatever the length and vocabulary."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor,
+                temperature: float, with_entropy: bool, with_predictions: bool):
+        rows, width, _ = hidden.shape
+        dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        log_probs = hidden.new_empty((rows, width - 1), dtype=dtype)
+        lse = hidden.new_empty((rows, width - 1), dtype=dtype)
+        entropy = hidden.new_empty((rows, width - 1) if with_entropy else (0,), dtype=dtype)
+        predictions = input_ids.new_empty((rows, width - 1) if with_predictions else (0,))
+        parts = _chunks(width - 1, rows)
+        targets = input_ids[:, 1:]
+        for part in parts:
+            logits = F.linear(hidden[:, part], weight, bias)
+            if with_predictions:
+                predictions[:, part] = logits.argmax(-1)
+            stats = _chunk_stats(_scaled(logits, temperature), targets[:, part], with_entropy)
+            lse[:, part], log_probs[:, part] = stats[0], stats[1]
+            if with_entropy:
+                entropy[:, part] = stats[2]
+            del logits, stats
+        ctx.save_for_backward(hidden, weight, bias, input_ids, lse, entropy)
+        ctx.temperature, ctx.parts, ctx.with_entropy = temperature, parts, with_entropy
+        ctx.mark_non_differentiable(predictions)
+        return log_probs, entropy, predictions
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_predictions):
+        hidden, weight, bias, input_ids, lse, entropy = ctx.saved_tensors
+        targets = input_ids[:, 1:]
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        if grad_hidden is not None:
+            grad_hidden[:, -1] = 0  # the last position predicts nothing
+        # Summed over chunks in fp32 (one rounding to a bf16 / fp16 weight's dtype at the end, as one matmul).
+        summed = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros_like(weight, dtype=summed) if want_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=summed) if want_bias else None
+        for part in ctx.parts:
+            h = hidden[:, part]
+            scaled = _scaled(F.linear(h, weight, bias), ctx.temperature)  # a fresh tensor: worked on in place
+            chunk = _chunk_logit_grad(
+                scaled, lse[:, part], entropy[:, part] if ctx.with_entropy else None, targets[:, part],
+                None if grad_log_probs is None else grad_log_probs[:, part],
+                grad_entropy[:, part] if ctx.with_entropy and grad_entropy is not None else None,
+                ctx.temperature, out=scaled,
+            ).to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[:, part] = chunk @ weight
+            flat = chunk.reshape(-1, chunk.shape[-1])
+            if grad_weight is not None:
+                if weight.dtype == summed:
+                    grad_weight.addmm_(flat.T, h.reshape(-1, h.shape[-1]))
+                else:
+                    grad_weight += flat.T @ h.reshape(-1, h.shape[-1])
+            if grad_bias is not None:
+                grad_bias += flat.sum(0, dtype=summed)
+            del scaled, chunk, flat
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None, None, None, None,
+        )
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -200,25 +314,68 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
-def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+Logits = torch.Tensor | LogitsFromHidden
+
+
+def _stats(logits: Logits, input_ids: torch.Tensor, temperature: float, with_entropy: bool,
+           with_predictions: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(log-probs, entropy, predictions) from logits or, under the fused LM head, the hidden states."""
+    if isinstance(logits, LogitsFromHidden):
+        return _HeadTokenStats.apply(logits.hidden, logits.weight, logits.bias, input_ids, float(temperature),
+                                     with_entropy, with_predictions)
+    log_probs, entropy = _TokenStats.apply(logits, input_ids, float(temperature), with_entropy)
+    predictions = None
+    if with_predictions:
+        with torch.no_grad():
+            predictions = logits[:, :-1].argmax(-1)
+    return log_probs, entropy, predictions
+
+
+def token_log_probs(logits: Logits, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probability of each next token under softmax(logits / temperature), shape [B, T-1], in fp32,
-    a chunk of positions at a time (see :func:`logprob_chunking`)."""
-    return _TokenStats.apply(logits, input_ids, float(temperature), False)[0]
+    a chunk of positions at a time (see :func:`logprob_chunking`). ``logits`` may be a
+    :class:`LogitsFromHidden` (the fused LM head)."""
+    return _stats(logits, input_ids, temperature, False)[0]
 
 
 def token_log_probs_and_entropy(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
+    logits: Logits, input_ids: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`token_log_probs` and the entropy of each next-token distribution, [B, T-1] each, from one pass
     (one gradient buffer: asking for them separately would hold two logits-sized gradients)."""
-    return _TokenStats.apply(logits, input_ids, float(temperature), True)
+    log_probs, entropy, _ = _stats(logits, input_ids, temperature, True)
+    return log_probs, entropy
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_log_probs_and_predictions(
+    logits: Logits, input_ids: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_log_probs` and each position's most likely next token (argmax, no gradient), [B, T-1]
+    each -- from one pass over the logits, which under the fused LM head are made only once."""
+    log_probs, _, predictions = _stats(logits, input_ids, temperature, False, with_predictions=True)
+    return log_probs, predictions
+
+
+def token_entropy(logits: Logits, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the next-token distribution softmax(logits / temperature) at each target position,
     [B, T-1], in fp32, a chunk of positions at a time."""
-    ids = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
-    return _TokenStats.apply(logits, ids, float(temperature), True)[1]
+    shape = logits.shape
+    ids = torch.zeros(shape[:2], dtype=torch.long,
+                      device=(logits.hidden if isinstance(logits, LogitsFromHidden) else logits).device)
+    return _stats(logits, ids, temperature, True)[1]
+
+
+def fused_head_ready(loss_fn: LossFn) -> LossFn:
+    """Declare that ``loss_fn`` reads ``outputs.logits`` only through :func:`token_log_probs` and its siblings,
+    so the engine may hand it a :class:`LogitsFromHidden` (``engine.fused_lm_head``); a loss without this
+    mark always gets materialised logits."""
+    loss_fn.fused_head_ready = True  # type: ignore[attr-defined]
+    return loss_fn
+
+
+def takes_fused_head(loss_fn: LossFn | None) -> bool:
+    """Whether ``loss_fn`` (None: the forward-only pass's own log-probs) accepts :class:`LogitsFromHidden`."""
+    return loss_fn is None or bool(getattr(loss_fn, "fused_head_ready", False))
 
 
 def target_sequences(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -285,10 +442,11 @@ def make_sft_loss(agg: str = "token-mean", norm_constant: float = 0.0) -> LossFn
 
     def loss_fn(outputs: Any, micro_batch: dict[str, torch.Tensor], norm: Normalizer) -> LossOutput:
         mask = target_mask(micro_batch)
-        token_loss = -token_log_probs(outputs.logits, micro_batch["input_ids"])
+        log_probs, predictions = token_log_probs_and_predictions(outputs.logits, micro_batch["input_ids"])
+        token_loss = -log_probs
         share = aggregate(token_loss, mask, agg, norm, norm_constant, target_sequences(micro_batch))
         with torch.no_grad():
-            correct = (outputs.logits[:, :-1].argmax(-1) == micro_batch["input_ids"][:, 1:]).float()
+            correct = (predictions == micro_batch["input_ids"][:, 1:]).float()
             accuracy = aggregate(correct, mask, "token-mean", norm)
         return LossOutput(
             loss=share * norm.dp_size,
@@ -296,7 +454,7 @@ def make_sft_loss(agg: str = "token-mean", norm_constant: float = 0.0) -> LossFn
             outputs={"token_loss": token_loss.detach()},
         )
 
-    return loss_fn
+    return fused_head_ready(loss_fn)
 
 
 sft_loss = make_sft_loss("token-mean")

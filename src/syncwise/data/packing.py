@@ -24,6 +24,8 @@ from functools import cache
 
 import torch
 
+from ..models import one_small_layer
+
 Batch = dict[str, torch.Tensor]
 PACKED_KEYS = ("position_ids", "target_sequence")
 
@@ -149,7 +151,7 @@ def packs_correctly(model_class: type, config_json: str, attn_implementation: st
     from .attention import sequence_bounds
 
     try:
-        config = AutoConfig.for_model(**_one_small_layer(json.loads(config_json)))
+        config = AutoConfig.for_model(**one_small_layer(json.loads(config_json)))
         # flash-attention packs through its variable-length kernels, but runs only on a GPU: check sdpa's mask
         config._attn_implementation = "sdpa" if attn_implementation.startswith("flash") else attn_implementation
         with torch.random.fork_rng(devices=[]):
@@ -167,17 +169,3 @@ def packs_correctly(model_class: type, config_json: str, attn_implementation: st
         if not torch.allclose(part, reference, atol=1e-4, rtol=1e-4):
             return f"{model_class.__name__} lets packed sequences attend to each other (its logits differ when packed)"
     return None
-
-
-def _one_small_layer(config: dict) -> dict:
-    """The config with one narrow layer, under the names of Llama-style and GPT-2-style configs alike (the
-    vocabulary is kept: special token ids must stay valid; a sliding window too, shrunk below the check's
-    sequences so that it is exercised)."""
-    small = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 16, "layer_types": None,
-             "n_layer": 1, "n_embd": 64, "n_inner": 128, "n_head": 4}
-    if config.get("sliding_window"):
-        small["sliding_window"] = 4
-    config.update({key: value for key, value in small.items() if key in config})
-    config.pop("architectures", None)
-    return config

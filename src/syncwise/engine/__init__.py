@@ -31,6 +31,7 @@ from ..memory.accounting import sharded_model_of
 from ..memory.schedule import unit_traffic
 from ..memory.units import resolve_deferred_units, unit_names
 from ..models import build_model
+from ..models import head as output_head
 from ..models import lora as lora_adapters
 from ..runtime.distributed import CollectiveTimeout, DistInfo, agree, build_mesh, init_distributed
 from ..runtime.signals import StopRequest
@@ -71,6 +72,8 @@ class Engine:
         # LoRA (peft): only the adapters train, and only they are checkpointed.
         self.lora = lora_adapters.peft_model_of(raw) is not None
         self.packing = config.engine.packing and _packing_works(raw, self.info.is_main)
+        # The fused LM head: log-probs from the hidden states a chunk at a time, no [tokens, vocab] logits.
+        self.fused_head = config.engine.fused_lm_head and _fused_head_works(raw, config, self.info.is_main)
         sharded = config.engine.strategy in SHARDED_STRATEGIES
         mesh = build_mesh(self.info, config.engine.hsdp_replicas) if sharded else None
         hsdp = mesh is not None and mesh.ndim == 2
@@ -141,7 +144,7 @@ class Engine:
             return accumulate(
                 self.model, plan, loss_fn, self._switches_of(self.active_mode), device=self.info.device,
                 timeout_s=self.config.dist.timeout_s, chunk_tokens=self.config.engine.logprob_chunk_size,
-                meter=self._peak_meter,
+                meter=self._peak_meter, fused_head=self.fused_head,
             )
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
@@ -157,7 +160,7 @@ class Engine:
         plan = self._plan(batch, require_tokens=False, loss_fn=loss_fn)
         return forward_only(
             self.model, plan, loss_fn, device=self.info.device, timeout_s=self.config.dist.timeout_s,
-            chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature,
+            chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature, fused_head=self.fused_head,
         )
 
     def _configured_choice(self) -> SyncChoice:
@@ -381,6 +384,21 @@ def _packing_works(model: nn.Module, say: bool) -> bool:
         reason = packs_correctly(type(model), config.to_json_string(), config._attn_implementation)
     if reason and say:
         warnings.warn(f"engine.packing: {reason}; using padded micro-batches", RuntimeWarning, stacklevel=3)
+    return reason is None
+
+
+def _fused_head_works(model: nn.Module, config: Config, say: bool) -> bool:
+    """Whether ``model`` can run with the fused LM head (:mod:`syncwise.models.head`); if so its output layer
+    is installed, if not one message (unless it has no output layer at all: a value head) and the logits are
+    materialised."""
+    reason = output_head.fused_head_unsupported(model)
+    if reason is None and config.engine.strategy == "ddp" and config.engine.find_unused_parameters:
+        # DDP looks for unused parameters in the forward's graph, which the output layer is not in
+        reason = "with engine.find_unused_parameters=true DDP would take the output layer for unused"
+    if reason is None:
+        output_head.install(model)
+    elif say and output_head.output_layer(model) is not None:
+        warnings.warn(f"engine.fused_lm_head: {reason}; materialising the logits", RuntimeWarning, stacklevel=3)
     return reason is None
 
 

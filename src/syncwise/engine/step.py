@@ -12,8 +12,18 @@ from torch import nn
 from ..data.attention import sequence_bounds
 from ..data.batching import MicroBatch, restore_order
 from ..data.packing import unpack
-from ..losses import LossFn, LossOutput, Normalizer, is_maximum, logprob_chunking, token_log_probs
+from ..losses import (
+    LogitsFromHidden,
+    LossFn,
+    LossOutput,
+    Normalizer,
+    is_maximum,
+    logprob_chunking,
+    takes_fused_head,
+    token_log_probs,
+)
 from ..memory.accounting import PeakMeter, grad_bytes, unsharded_param_bytes
+from ..models.head import hidden_states_out
 from ..runtime.distributed import collective_timeout
 from ..sync import fsdp_internals as fsdp
 from ..sync.switches import SwitchesFor, apply_switches
@@ -50,16 +60,21 @@ class ForwardBackwardResult:
 
 def forward_microbatch(
     model: nn.Module, mb: MicroBatch, loss_fn: LossFn | None, norm: Normalizer, device: torch.device,
-    with_log_probs: bool, temperature: float = 1.0,
+    with_log_probs: bool, temperature: float = 1.0, fused_head: bool = False,
 ) -> LossOutput:
     """One micro-batch forward and its loss. A packed micro-batch gives the model restarting
     ``position_ids`` and no attention mask (see :mod:`syncwise.data.packing`). An empty micro-batch (this rank
     has fewer samples than the agreed count) runs a one-token dummy forward whose zero loss still runs
-    every FSDP unit, so the collectives match the other ranks."""
+    every FSDP unit, so the collectives match the other ranks. With ``fused_head`` (a model whose output
+    layer is installed, :mod:`syncwise.models.head`) and a loss that takes it, the loss gets
+    :class:`LogitsFromHidden` as ``outputs.logits``: the logits are made a chunk at a time."""
     data = mb.data
+    fused = fused_head and takes_fused_head(loss_fn)
     if data is None:
-        logits = model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False).logits
-        return LossOutput(loss=logits.float().sum() * 0.0)
+        ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+        model_out = _forward(model, fused, input_ids=ids, use_cache=False)
+        # through the log-prob path, so that every parameter the real micro-batches use gets a gradient
+        return LossOutput(loss=token_log_probs(model_out.logits, ids).sum() * 0.0)
     if mb.packing is not None:
         positions = data["position_ids"]
         inputs = {"position_ids": positions, **sequence_bounds(positions)}
@@ -67,11 +82,22 @@ def forward_microbatch(
         inputs = {"attention_mask": data.get("attention_mask")}
         if inputs["attention_mask"] is not None and _is_hf_model(model):
             inputs["position_ids"] = positions_of(inputs["attention_mask"])
-    model_out = model(input_ids=data["input_ids"], use_cache=False, **inputs)
+    model_out = _forward(model, fused, input_ids=data["input_ids"], use_cache=False, **inputs)
     result = loss_fn(model_out, data, norm) if loss_fn is not None else LossOutput(torch.zeros((), device=device))
     if with_log_probs:
         result.outputs.setdefault("log_probs", token_log_probs(model_out.logits, data["input_ids"], temperature))
     return result
+
+
+def _forward(model: nn.Module, fused: bool, **inputs):
+    """The model's forward; with ``fused``, its ``logits`` are the hidden states and the output layer's
+    weight they still need (:class:`LogitsFromHidden`)."""
+    if not fused:
+        return model(**inputs)
+    with hidden_states_out() as call:
+        model_out = model(**inputs)
+    model_out.logits = LogitsFromHidden(model_out.logits, call.weight, call.bias)
+    return model_out
 
 
 class _Collector:
@@ -110,7 +136,7 @@ class _Collector:
 
 def accumulate(
     model: nn.Module, plan: BatchPlan, loss_fn: LossFn, switches_of: SwitchesOf, *, device: torch.device,
-    timeout_s: float, chunk_tokens: int, meter: PeakMeter | None = None,
+    timeout_s: float, chunk_tokens: int, meter: PeakMeter | None = None, fused_head: bool = False,
 ) -> ForwardBackwardResult:
     """Forward and backward of every micro-batch, each under the switches its mode gives it; gradients
     accumulate into ``.grad`` (or FSDP's unsynced buffers until the syncing micro-batch). Log-probs are
@@ -125,7 +151,8 @@ def accumulate(
         with collective_timeout(what, timeout_s), apply_switches(model, switches_of(i, n)), logprob_chunking(
             chunk_tokens
         ):
-            result = forward_microbatch(model, mb, loss_fn, plan.normalizer, device, with_log_probs=False)
+            result = forward_microbatch(model, mb, loss_fn, plan.normalizer, device, with_log_probs=False,
+                                        fused_head=fused_head)
             result.loss.backward()
         retained = max(retained, grad_bytes(model))
         gathered = max(gathered, unsharded_param_bytes(model))
@@ -136,7 +163,7 @@ def accumulate(
 @torch.no_grad()
 def forward_only(
     model: nn.Module, plan: BatchPlan, loss_fn: LossFn | None, *, device: torch.device, timeout_s: float,
-    chunk_tokens: int, temperature: float = 1.0,
+    chunk_tokens: int, temperature: float = 1.0, fused_head: bool = False,
 ) -> ForwardBackwardResult:
     """Forward of every micro-batch under ``no_grad``, with ``log_probs`` [B, T-1] of softmax(logits /
     ``temperature``) always in the outputs. Gradients and sync switches are never touched; every gathered
@@ -149,7 +176,8 @@ def forward_only(
             what = f"micro-batch {i + 1}/{n} forward (FSDP all-gather)"
             with collective_timeout(what, timeout_s), logprob_chunking(chunk_tokens):
                 result = forward_microbatch(
-                    model, mb, loss_fn, plan.normalizer, device, with_log_probs=True, temperature=temperature
+                    model, mb, loss_fn, plan.normalizer, device, with_log_probs=True, temperature=temperature,
+                    fused_head=fused_head,
                 )
             collected.add(mb, result)
     except BaseException:

@@ -11,6 +11,12 @@ none for fp32 logits, whose chunk gradient is computed in place in the logits' g
 logits the fp32 copy of the chunk and its gradient) or a layer's (about its activations once more: their
 gradients in flight (the MLP's three intermediates and the layer's input and output), or, checkpointed,
 its recomputation, freed as the gradients form).
+
+With the fused LM head (``engine.fused_lm_head``) the logits are never kept: the loss keeps a copy of the
+final hidden states (h per token) and, in its backward, has one chunk of logits in flight (made again from
+the hidden states, their fp32 copy worked into the gradient in place, and for bf16 / fp16 its cast back),
+the hidden states' gradient, and the output layer's gradient summed over the chunks from the start (in
+fp32: V·h·4).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ def kv_cache_bytes(config, tokens: int, dtype: str) -> int:
 
 def estimate_activations(
     config, seq_len: int, micro_batch_size: int = 1, checkpointing: bool = False, dtype: str = "bfloat16",
-    logprob_chunk: int = 1024,
+    logprob_chunk: int = 1024, fused_head: bool = False,
 ) -> ActivationEstimate:
     """The activation peak of one micro-batch of ``micro_batch_size`` sequences of ``seq_len`` tokens."""
     hidden = _shape(config, "hidden_size")
@@ -62,11 +68,18 @@ def estimate_activations(
     size = DTYPE_BYTES[dtype]
     full_layer = tokens * (4 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter) * size
     kept = tokens * hidden * size if checkpointing else full_layer
-    logits = tokens * vocab * size
-    saved = layers * kept + 2 * tokens * hidden * size + logits  # + the final norm, + the logits
     chunk = min(tokens, logprob_chunk) if logprob_chunk > 0 else tokens
-    chunk_work = 0 if dtype == "float32" else 2 * chunk * vocab * 4  # fp32 copy of the chunk, its gradient
-    loss_phase = logits + chunk_work  # + the logits' gradient
+    low_precision = size < 4
+    if fused_head:
+        kept_for_loss = tokens * hidden * size  # the loss's copy of the hidden states
+        chunk_work = chunk * vocab * (size + (4 + size if low_precision else 0))
+        # + the hidden states' gradient, + the output layer's gradient, summed over the chunks (in fp32)
+        loss_phase = chunk_work + tokens * hidden * size + vocab * hidden * 4
+    else:
+        kept_for_loss = tokens * vocab * size  # the logits
+        chunk_work = 2 * chunk * vocab * 4 if low_precision else 0  # fp32 copy of the chunk, its gradient
+        loss_phase = kept_for_loss + chunk_work  # + the logits' gradient
+    saved = layers * kept + 2 * tokens * hidden * size + kept_for_loss  # + the final norm
     # A layer's backward: checkpointed, its recomputed activations once more (freed as the gradients form);
     # otherwise the gradients in flight while its saved activations are freed one by one -- the MLP's
     # (gate, up and their product: 3·i) and the layer's input and output (2·h). Measured against the

@@ -75,6 +75,7 @@ class PlanInput:
     micro_batch_size: int = 1
     activation_checkpointing: bool = False
     logprob_chunk: int = 1024  # tokens whose fp32 log-softmax exists at once (engine.logprob_chunk_size)
+    fused_lm_head: bool = True  # engine.fused_lm_head: no [tokens, vocabulary] logits kept
     lora_rank: int = 0  # > 0: only LoRA adapters of this rank train (model.lora.rank, target all-linear)
     # GRPO's rollout on every rank: sequences sampled at once (rl.prompts_per_rank x rl.samples_per_prompt;
     # 0: no rollout copy), their prompt and new tokens (rl.max_new_tokens), the copy's dtype.
@@ -253,7 +254,7 @@ def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Pla
     in_loss, in_layer = in_flight_bytes(sharded)
     if inp.seq_len:
         act = estimate_activations(hf_config, inp.seq_len, inp.micro_batch_size, inp.activation_checkpointing,
-                                   inp.param_dtype, inp.logprob_chunk)
+                                   inp.param_dtype, inp.logprob_chunk, inp.fused_lm_head)
         activation_bytes = act.peak_bytes
         working = act.saved_bytes + max(act.loss_phase_bytes + in_loss, act.layer_phase_bytes + in_layer)
     else:  # activations as measured (if given), plus the most FSDP2 holds in flight with them
@@ -289,7 +290,8 @@ def format_plan(plan: Plan) -> str:
     mesh = f"{inp.replicas} x {inp.world_size // inp.replicas} (HSDP)" if inp.replicas > 1 else f"{inp.world_size}"
     if inp.seq_len:
         shape = (f"{inp.micro_batch_size} x {inp.seq_len} tokens per micro-batch"
-                 f"{', checkpointed' if inp.activation_checkpointing else ''}")
+                 f"{', checkpointed' if inp.activation_checkpointing else ''}"
+                 f"{'' if inp.fused_lm_head else ', logits materialised'}")
         activations = f" + activations {format_bytes(plan.activation_bytes)} ({shape})"
     else:
         activations = f" + {inp.activation_gib:g} GiB activations" if inp.activation_gib else ""

@@ -105,3 +105,17 @@ def meta_model_units(hf_config, lora: LoraConfig | None = None) -> tuple[nn.Modu
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def one_small_layer(config: dict) -> dict:
+    """A model config (as a dict) with one narrow layer, under the names of Llama-style and GPT-2-style configs
+    alike: what the start-up checks of a kind of model build (the vocabulary is kept: special token ids must
+    stay valid; a sliding window too, shrunk below the checks' sequences so that it is exercised)."""
+    small = {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "layer_types": None,
+             "n_layer": 1, "n_embd": 64, "n_inner": 128, "n_head": 4}
+    if config.get("sliding_window"):
+        small["sliding_window"] = 4
+    config.update({key: value for key, value in small.items() if key in config})
+    config.pop("architectures", None)
+    return config

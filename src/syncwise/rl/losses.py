@@ -28,6 +28,7 @@ from ..losses import (
     LossOutput,
     Normalizer,
     aggregate,
+    fused_head_ready,
     per_position,
     reads,
     sequence_sums,
@@ -193,7 +194,7 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
         keys["ref_log_probs"] = BatchKey(("target",), why=f"the KL penalty (rl.loss.kl_coef={cfg.kl_coef})")
     if cfg.rollout_is != "none":
         keys["rollout_log_probs"] = BatchKey(("target",), why=f"rl.loss.rollout_is={cfg.rollout_is}")
-    return reads(loss_fn, **keys)
+    return fused_head_ready(reads(loss_fn, **keys))
 
 
 @dataclass
