@@ -188,3 +188,32 @@ def test_a_sliding_window_is_honoured_when_packed():
                        **attention.sequence_bounds(positions)).logits[0]
     for part, reference in zip(packed.split([9, 2, 6]), alone, strict=True):
         assert_close(part, reference)
+
+
+@pytest.fixture
+def kernel_choice():
+    from syncwise.data import attention
+
+    yield attention
+    attention.choose_kernel(torch.device("cpu"), torch.float32)  # back to this process's loop
+
+
+def test_the_packed_attention_kernel_is_chosen_once_with_a_line_saying_which(kernel_choice, monkeypatch):
+    """CPU or fp32: the per-sequence loop; CUDA with bf16 / fp16: torch's varlen_attn, else flash-attention's,
+    else the loop -- each choice said in one line, once per process."""
+    attention = kernel_choice
+    cuda = torch.device("cuda")
+    kernel, line = attention.choose_kernel(cuda, torch.float32)
+    assert kernel == "loop" and "need bf16 / fp16 compute, not float32" in line
+    assert attention.choose_kernel(cuda, torch.float32) == ("loop", None)  # said already
+    kernel, line = attention.choose_kernel(cuda, torch.bfloat16)
+    assert (kernel, line) == ("varlen_attn", "packed attention: varlen_attn (torch.nn.attention.varlen, one kernel "
+                                             "per packed row)")
+    monkeypatch.setattr(attention, "_torch_varlen", lambda: None)
+    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object())
+    assert attention.choose_kernel(cuda, torch.float16)[0] == "flash_attn"
+    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: None)
+    assert attention.choose_kernel(cuda, torch.bfloat16)[0] == "loop"
+    kernel, line = attention.choose_kernel(torch.device("cpu"), torch.bfloat16)
+    assert kernel == "loop" and line == "packed attention: loop (no variable-length kernel on cpu)"
+    assert attention.current_kernel() == "loop"

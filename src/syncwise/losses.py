@@ -276,10 +276,10 @@ class _HeadTokenStats(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         if grad_hidden is not None:
             grad_hidden[:, -1] = 0  # the last position predicts nothing
-        # Summed over chunks in fp32 (one rounding to a bf16 / fp16 weight's dtype at the end, as one matmul).
-        summed = torch.promote_types(weight.dtype, torch.float32)
-        grad_weight = torch.zeros_like(weight, dtype=summed) if want_weight else None
-        grad_bias = torch.zeros_like(bias, dtype=summed) if want_bias else None
+        # Summed over the chunks in the weight's own dtype, as Liger's fused linear cross-entropy does: an fp32
+        # sum of a bf16 head would hold V x H x 4 bytes more, more than the bf16 logits it replaces.
+        grad_weight = torch.zeros_like(weight) if want_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.promote_types(bias.dtype, torch.float32)) if want_bias else None
         for part in ctx.parts:
             h = hidden[:, part]
             scaled = _scaled(F.linear(h, weight, bias), ctx.temperature)  # a fresh tensor: worked on in place
@@ -293,16 +293,13 @@ class _HeadTokenStats(torch.autograd.Function):
                 grad_hidden[:, part] = chunk @ weight
             flat = chunk.reshape(-1, chunk.shape[-1])
             if grad_weight is not None:
-                if weight.dtype == summed:
-                    grad_weight.addmm_(flat.T, h.reshape(-1, h.shape[-1]))
-                else:
-                    grad_weight += flat.T @ h.reshape(-1, h.shape[-1])
+                grad_weight.addmm_(flat.T, h.reshape(-1, h.shape[-1]))
             if grad_bias is not None:
-                grad_bias += flat.sum(0, dtype=summed)
+                grad_bias += flat.sum(0, dtype=grad_bias.dtype)
             del scaled, chunk, flat
         return (
             grad_hidden,
-            None if grad_weight is None else grad_weight.to(weight.dtype),
+            grad_weight,
             None if grad_bias is None else grad_bias.to(bias.dtype),
             None, None, None, None,
         )

@@ -1,12 +1,20 @@
 """Variable-length attention for packed rows on any device: ``sdpa_varlen``.
 
 A packed row's attention computed with sdpa and a block-diagonal mask costs N² for N packed tokens,
-which for a few long sequences is more than padding them would have cost. Flash-attention's
-variable-length kernels cost Σ L² instead, but run only on some GPUs. ``sdpa_varlen`` is a transformers
-attention implementation that, given the packed sequences' boundaries (``cu_seq_lens_q``, the keyword
-transformers' flash-attention path reads too), runs causal sdpa on each sequence alone -- Σ L², exactly the
-attention of the sequences unpacked -- and otherwise (padded batches, generation with a cache) is plain
-sdpa with its mask. The engine switches a model from ``sdpa`` to it when it packs.
+which for a few long sequences is more than padding them would have cost. Variable-length kernels cost
+Σ L² instead. ``sdpa_varlen`` is a transformers attention implementation that, given the packed sequences'
+boundaries (``cu_seq_lens_q``, the keyword transformers' flash-attention path reads too), computes each
+sequence's causal attention alone -- Σ L², exactly the attention of the sequences unpacked -- with one of
+three kernels, chosen once at start (:func:`choose_kernel`, one line saying which):
+
+- ``varlen_attn``: torch's variable-length flash kernel (``torch.nn.attention.varlen``), one kernel for the
+  whole packed row -- on CUDA, for bf16 / fp16 compute;
+- ``flash_attn``: flash-attention's ``flash_attn_varlen_func``, where it is installed and torch's is not;
+- ``loop``: one sdpa call per sequence, on any device and dtype (on CPU a little faster than one call with
+  a block-diagonal mask; on a GPU hundreds of small kernels per layer, hence the two above).
+
+Padded batches and generation with a cache get plain sdpa with its mask. The engine switches a model from
+``sdpa`` to ``sdpa_varlen`` when it packs.
 """
 
 from __future__ import annotations
@@ -16,6 +24,48 @@ import torch.nn.functional as F
 from torch import nn
 
 NAME = "sdpa_varlen"
+KERNELS = ("varlen_attn", "flash_attn", "loop")
+_kernel = "loop"  # set by choose_kernel; per process (one device, one compute dtype)
+_said = ""  # the last choice announced
+
+
+def _torch_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch without it
+        return None
+    return varlen_attn
+
+
+def _flash_attn_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def choose_kernel(device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:
+    """The kernel packed rows use from now on in this process (``dtype``: the compute dtype), and a line
+    saying which and why -- None when this process said it already (a second engine, e.g. the reference)."""
+    global _kernel, _said
+    if device.type != "cuda":
+        _kernel, why = "loop", f"no variable-length kernel on {device.type}"
+    elif dtype not in (torch.bfloat16, torch.float16):
+        _kernel, why = "loop", f"the variable-length kernels need bf16 / fp16 compute, not {str(dtype)[6:]}"
+    elif _torch_varlen() is not None:
+        _kernel, why = "varlen_attn", "torch.nn.attention.varlen, one kernel per packed row"
+    elif _flash_attn_varlen() is not None:
+        _kernel, why = "flash_attn", "flash-attention's flash_attn_varlen_func, one kernel per packed row"
+    else:
+        _kernel, why = "loop", "neither torch's varlen_attn nor flash-attention is available"
+    line = f"packed attention: {_kernel} ({why})"
+    line, _said = (None if line == _said else line), line
+    return _kernel, line
+
+
+def current_kernel() -> str:
+    return _kernel
 
 
 def varlen_sdpa_attention(
@@ -28,8 +78,9 @@ def varlen_sdpa_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Per-sequence causal sdpa over a packed row [1, heads, N, dim] split at ``cu_seq_lens_q``; plain
-    sdpa (with ``attention_mask``) for anything else. A ``sliding_window`` (Mistral, Qwen2's sliding
+    """Each sequence's causal attention within a packed row [1, heads, N, dim] split at ``cu_seq_lens_q``,
+    with the kernel :func:`choose_kernel` chose (the loop where it chose none, or for dropout or fp32);
+    plain sdpa (with ``attention_mask``) for anything else. A ``sliding_window`` (Mistral, Qwen2's sliding
     layers) is honoured: a token attends to itself and the ``window - 1`` before it, as transformers'
     own sliding-window mask has it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -38,11 +89,13 @@ def varlen_sdpa_attention(
     if bounds is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    dropout = dropout if module.training else 0.0
+    window = kwargs.get("sliding_window")
+    if _kernel != "loop" and not dropout and query.dtype in (torch.bfloat16, torch.float16):
+        return _one_kernel(query, key, value, bounds, kwargs["max_length_q"], scaling, window), None
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: every query head reads its key/value head
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    dropout = dropout if module.training else 0.0
-    window = kwargs.get("sliding_window")
     parts = []
     for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
         q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
@@ -54,6 +107,20 @@ def varlen_sdpa_attention(
         else:
             parts.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True))
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _one_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, longest: int,
+                scaling: float | None, window: int | None) -> torch.Tensor:
+    """The packed row [1, heads, N, dim] through one variable-length kernel; [1, N, heads, dim] out."""
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, dim]
+    left = window - 1 if window else -1  # a token sees itself and the window - 1 before it
+    if _kernel == "varlen_attn":
+        out = _torch_varlen()(q, k, v, bounds, bounds, longest, longest, scale=scaling, window_size=(left, 0),
+                              enable_gqa=q.shape[1] != k.shape[1])
+    else:
+        out = _flash_attn_varlen()(q, k, v, bounds, bounds, longest, longest, 0.0, softmax_scale=scaling,
+                                   causal=True, window_size=(left, -1 if left < 0 else 0))
+    return out[None]
 
 
 def register() -> None:

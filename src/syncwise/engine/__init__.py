@@ -72,6 +72,11 @@ class Engine:
         # LoRA (peft): only the adapters train, and only they are checkpointed.
         self.lora = lora_adapters.peft_model_of(raw) is not None
         self.packing = config.engine.packing and _packing_works(raw, self.info.is_main)
+        if self.packing:
+            sharded_dtype = config.model.param_dtype if config.engine.strategy in SHARDED_STRATEGIES else None
+            self.attention_kernel, line = attention.choose_kernel(self.info.device, _compute_dtype(raw, sharded_dtype))
+            if line and self.info.is_main:
+                print(f"syncwise: {line}", flush=True)
         # The fused LM head: log-probs from the hidden states a chunk at a time, no [tokens, vocab] logits.
         self.fused_head = config.engine.fused_lm_head and _fused_head_works(raw, config, self.info.is_main)
         sharded = config.engine.strategy in SHARDED_STRATEGIES
@@ -385,6 +390,13 @@ def _packing_works(model: nn.Module, say: bool) -> bool:
     if reason and say:
         warnings.warn(f"engine.packing: {reason}; using padded micro-batches", RuntimeWarning, stacklevel=3)
     return reason is None
+
+
+def _compute_dtype(model: nn.Module, param_dtype: str | None) -> torch.dtype:
+    """The dtype the forward computes in: FSDP's mixed-precision ``param_dtype``, else the parameters'."""
+    if param_dtype is not None:
+        return getattr(torch, param_dtype)
+    return next(model.parameters()).dtype
 
 
 def _fused_head_works(model: nn.Module, config: Config, say: bool) -> bool:

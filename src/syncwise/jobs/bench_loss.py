@@ -4,7 +4,10 @@ Forward and backward from fp32 logits [tokens x vocabulary] (default 4096 x 3200
 measured) of a weighted sum of the token log-probs -- and of log-probs plus entropy -- through syncwise's
 chunked path (:func:`syncwise.losses.token_log_probs`, :func:`~syncwise.losses.token_log_probs_and_entropy`)
 and through the plain one a user would write (``torch.log_softmax(x / T).gather(...)``, entropy
-``-(p * log p).sum(-1)``), at each temperature. Rounds are interleaved; medians; one process, no ranks.
+``-(p * log p).sum(-1)``), at each temperature. With the LM head: from hidden states [tokens x hidden]
+and the head's weight [vocabulary x hidden], ``F.linear`` then the plain path, against ``F.linear`` then
+syncwise's (``engine.fused_lm_head=false``) and against the fused head (:class:`~syncwise.losses.LogitsFromHidden`,
+no [tokens x vocabulary] logits). Rounds are interleaved; medians; one process, no ranks.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from ..losses import logprob_chunking, token_log_probs, token_log_probs_and_entropy
+from ..losses import LogitsFromHidden, logprob_chunking, token_log_probs, token_log_probs_and_entropy
 
 
 @dataclass
@@ -28,6 +32,7 @@ class LossBenchSpec:
     vocab: int = 32000
     temperatures: list[float] = field(default_factory=lambda: [1.0, 0.6])
     chunk: int = 1024  # engine.logprob_chunk_size
+    hidden: int = 512  # the LM head's input width (0: no LM-head rows)
     repeats: int = 5
     out_dir: str = "runs/bench_loss"
 
@@ -36,18 +41,25 @@ class LossBenchSpec:
         return cls(tokens=1024, temperatures=[1.0], repeats=3, out_dir=out_dir)
 
 
-def _cases(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, temperature: float, chunk: int
-           ) -> dict[str, Callable[[], None]]:
-    def plain(entropy: bool) -> None:
-        x = logits.detach().requires_grad_()
+def _cases(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, temperature: float, chunk: int,
+           head: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, Callable[[], None]]:
+    def plain(entropy: bool, with_head: bool = False) -> None:
+        x = _head_logits() if with_head else logits.detach().requires_grad_()
         log_p = torch.log_softmax(x[:, :-1] / temperature, dim=-1)
         out = log_p.gather(-1, ids[:, 1:, None]).squeeze(-1)
         if entropy:
             out = out - (log_p.exp() * log_p).sum(-1)
         (out * weights).sum().backward()
 
-    def chunked(entropy: bool) -> None:
-        x = logits.detach().requires_grad_()
+    def _head_logits() -> torch.Tensor:
+        hidden, weight = (t.detach().requires_grad_() for t in head)
+        return F.linear(hidden, weight)
+
+    def chunked(entropy: bool, with_head: str = "") -> None:
+        if with_head == "fused":
+            x = LogitsFromHidden(*(t.detach().requires_grad_() for t in head))
+        else:
+            x = _head_logits() if with_head else logits.detach().requires_grad_()
         with logprob_chunking(chunk):
             if entropy:
                 log_probs, ent = token_log_probs_and_entropy(x, ids, temperature)
@@ -56,8 +68,14 @@ def _cases(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tempe
                 out = token_log_probs(x, ids, temperature)
         (out * weights).sum().backward()
 
-    return {"plain log-probs": lambda: plain(False), "syncwise log-probs": lambda: chunked(False),
-            "plain log-probs + entropy": lambda: plain(True), "syncwise log-probs + entropy": lambda: chunked(True)}
+    cases = {"plain log-probs": lambda: plain(False), "syncwise log-probs": lambda: chunked(False),
+             "plain log-probs + entropy": lambda: plain(True), "syncwise log-probs + entropy": lambda: chunked(True)}
+    if head is not None:
+        for what, entropy in (("log-probs", False), ("log-probs + entropy", True)):
+            cases[f"plain LM head + {what}"] = lambda e=entropy: plain(e, with_head=True)
+            cases[f"syncwise LM head + {what}, logits materialised"] = lambda e=entropy: chunked(e, "materialised")
+            cases[f"syncwise LM head + {what}, fused"] = lambda e=entropy: chunked(e, "fused")
+    return cases
 
 
 def run_loss_bench(spec: LossBenchSpec) -> list[dict[str, Any]]:
@@ -65,9 +83,13 @@ def run_loss_bench(spec: LossBenchSpec) -> list[dict[str, Any]]:
     logits = torch.randn(1, spec.tokens, spec.vocab, generator=gen)
     ids = torch.randint(0, spec.vocab, (1, spec.tokens), generator=gen)
     weights = torch.randn(1, spec.tokens - 1, generator=gen)
+    head = None
+    if spec.hidden:  # scaled so that the logits have unit variance, like those above
+        head = (torch.randn(1, spec.tokens, spec.hidden, generator=gen),
+                torch.randn(spec.vocab, spec.hidden, generator=gen) / spec.hidden**0.5)
     records = []
     for temperature in spec.temperatures:
-        cases = _cases(logits, ids, weights, temperature, spec.chunk)
+        cases = _cases(logits, ids, weights, temperature, spec.chunk, head)
         times: dict[str, list[float]] = {name: [] for name in cases}
         for round_index in range(spec.repeats + 1):  # the first round warms up
             for name, run in cases.items():
@@ -76,14 +98,20 @@ def run_loss_bench(spec: LossBenchSpec) -> list[dict[str, Any]]:
                 if round_index:
                     times[name].append(time.perf_counter() - start)
         for what in ("log-probs", "log-probs + entropy"):
-            plain, ours = statistics.median(times[f"plain {what}"]), statistics.median(times[f"syncwise {what}"])
-            records.append({"what": what, "temperature": temperature, "plain_s": plain, "syncwise_s": ours,
-                            "ratio": ours / plain, "threads": torch.get_num_threads()})
+            rows = [(what, f"plain {what}")]
+            if head is not None:
+                rows += [(f"LM head + {what}, {how}", f"plain LM head + {what}") for how in ("logits materialised",
+                                                                                          "fused")]
+            for name, reference in rows:
+                plain, ours = statistics.median(times[reference]), statistics.median(times[f"syncwise {name}"])
+                records.append({"what": name, "temperature": temperature, "plain_s": plain, "syncwise_s": ours,
+                                "ratio": ours / plain, "threads": torch.get_num_threads()})
     return records
 
 
 def markdown_table(records: list[dict[str, Any]], spec: LossBenchSpec) -> str:
-    lines = [f"forward + backward from fp32 logits [{spec.tokens} x {spec.vocab}], chunk {spec.chunk}, "
+    head = f"; LM head rows from hidden states [{spec.tokens} x {spec.hidden}]" if spec.hidden else ""
+    lines = [f"forward + backward from fp32 logits [{spec.tokens} x {spec.vocab}]{head}, chunk {spec.chunk}, "
              f"{records[0]['threads'] if records else 0} thread(s), median of {spec.repeats}",
              "", "| what | T | plain s | syncwise s | syncwise / plain |", "|---|---|---|---|---|"]
     for r in records:

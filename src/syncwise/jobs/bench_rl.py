@@ -39,6 +39,14 @@ RL_CONFIGS: dict[str, tuple[str, ...]] = {
     "packed, 512-token cap, deferred_unsharded": (
         "engine.packing=true", "engine.max_tokens_per_micro_batch=512", "sync.mode=deferred_unsharded",
     ),
+    "packed, 512-token cap, logits materialised": (
+        "engine.packing=true", "engine.max_tokens_per_micro_batch=512", "sync.mode=deferred",
+        "engine.fused_lm_head=false",
+    ),
+    "packed, 512-token cap, deferred_unsharded, logits materialised": (
+        "engine.packing=true", "engine.max_tokens_per_micro_batch=512", "sync.mode=deferred_unsharded",
+        "engine.fused_lm_head=false",
+    ),
     "padded, 4 per micro-batch, checkpointed": (
         "engine.packing=false", "engine.micro_batch_size=4", "sync.mode=deferred",
         "engine.activation_checkpointing=true",
@@ -49,6 +57,7 @@ RL_CONFIGS: dict[str, tuple[str, ...]] = {
     ),
 }
 UNIFORM_CONFIGS = ("padded, 4 per micro-batch", "packed, 4 per micro-batch")
+MATERIALISED = ", logits materialised"  # engine.fused_lm_head=false: the same configuration with the logits kept
 # Hand-written baseline -> (the engine configuration it mirrors, its sync mode, its token cap).
 HAND_WRITTEN: dict[str, tuple[str, str, int]] = {
     "hand-written packed loop, 512-token cap": ("packed, 512-token cap", "deferred", 512),
@@ -217,10 +226,16 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
         base = speed.get((r["preset"], r["data"]))
         r["throughput_vs_padded"] = r["real_tokens_per_s"] / base if base else None
     steps = {(r["preset"], r["config"]): r["step_time_median_s"] for r in records if r["data"] == "rl"}
+    peaks = {(r["preset"], r["config"]): r["peak_bytes"] for r in records if r["data"] == "rl"}
     for r in records:
         for name, (mirrors, _, _) in HAND_WRITTEN.items():
             if r["config"] == mirrors and r["data"] == "rl" and (r["preset"], name) in steps:
                 r["engine_vs_hand_written"] = r["step_time_median_s"] / steps[(r["preset"], name)]
+        materialised = (r["preset"], r["config"] + MATERIALISED)
+        if r["data"] == "rl" and materialised in steps:
+            r["fused_vs_materialised"] = r["step_time_median_s"] / steps[materialised]
+            if r["peak_bytes"] and peaks[materialised]:
+                r["fused_peak_saved_bytes"] = peaks[materialised] - r["peak_bytes"]
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
@@ -256,6 +271,12 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
         if "engine_vs_hand_written" in r:
             lines.append(f"{r['preset']}: engine / hand-written packed loop step time, {r['sync_mode']} "
                          f"{r['engine_vs_hand_written']:.3f} (target <= 1.03)")
+    for r in records:
+        if "fused_vs_materialised" in r:
+            saved = r.get("fused_peak_saved_bytes")
+            lines.append(f"{r['preset']}: fused LM head / materialised logits step time, {r['sync_mode']} "
+                         f"{r['fused_vs_materialised']:.3f} (target <= 1.00)"
+                         + (f"; peak {saved / 2**20:+.1f} MiB lower" if saved is not None else ""))
     engine_rows = [r for r in records if r["data"] == "rl" and r["config"] not in HAND_WRITTEN]
     best = max(engine_rows, key=lambda r: r["real_tokens_per_s"], default=None)
     if best:

@@ -15,8 +15,7 @@ its recomputation, freed as the gradients form).
 With the fused LM head (``engine.fused_lm_head``) the logits are never kept: the loss keeps a copy of the
 final hidden states (h per token) and, in its backward, has one chunk of logits in flight (made again from
 the hidden states, their fp32 copy worked into the gradient in place, and for bf16 / fp16 its cast back),
-the hidden states' gradient, and the output layer's gradient summed over the chunks from the start (in
-fp32: V·h·4).
+the hidden states' gradient, and the output layer's gradient (V·h), summed over the chunks from the start.
 """
 
 from __future__ import annotations
@@ -56,9 +55,10 @@ def kv_cache_bytes(config, tokens: int, dtype: str) -> int:
 
 def estimate_activations(
     config, seq_len: int, micro_batch_size: int = 1, checkpointing: bool = False, dtype: str = "bfloat16",
-    logprob_chunk: int = 1024, fused_head: bool = False,
+    logprob_chunk: int = 1024, fused_head: bool = False, head_trains: bool = True,
 ) -> ActivationEstimate:
-    """The activation peak of one micro-batch of ``micro_batch_size`` sequences of ``seq_len`` tokens."""
+    """The activation peak of one micro-batch of ``micro_batch_size`` sequences of ``seq_len`` tokens
+    (``head_trains``: the output layer has a gradient -- not under LoRA)."""
     hidden = _shape(config, "hidden_size")
     heads, kv_heads, head_dim = attention_shape(config)
     inter = _shape(config, "intermediate_size", 4 * hidden)
@@ -73,8 +73,8 @@ def estimate_activations(
     if fused_head:
         kept_for_loss = tokens * hidden * size  # the loss's copy of the hidden states
         chunk_work = chunk * vocab * (size + (4 + size if low_precision else 0))
-        # + the hidden states' gradient, + the output layer's gradient, summed over the chunks (in fp32)
-        loss_phase = chunk_work + tokens * hidden * size + vocab * hidden * 4
+        # + the hidden states' gradient, + the output layer's gradient, summed over the chunks from the start
+        loss_phase = chunk_work + tokens * hidden * size + (vocab * hidden * size if head_trains else 0)
     else:
         kept_for_loss = tokens * vocab * size  # the logits
         chunk_work = 2 * chunk * vocab * 4 if low_precision else 0  # fp32 copy of the chunk, its gradient

@@ -254,7 +254,8 @@ def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Pla
     in_loss, in_layer = in_flight_bytes(sharded)
     if inp.seq_len:
         act = estimate_activations(hf_config, inp.seq_len, inp.micro_batch_size, inp.activation_checkpointing,
-                                   inp.param_dtype, inp.logprob_chunk, inp.fused_lm_head)
+                                   inp.param_dtype, inp.logprob_chunk, inp.fused_lm_head,
+                                   head_trains=not inp.lora_rank)
         activation_bytes = act.peak_bytes
         working = act.saved_bytes + max(act.loss_phase_bytes + in_loss, act.layer_phase_bytes + in_layer)
     else:  # activations as measured (if given), plus the most FSDP2 holds in flight with them
