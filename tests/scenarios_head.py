@@ -1,5 +1,5 @@
 """The fused LM head against materialised logits on real gloo ranks: the same gradients, log-probs and
-collectives, for every strategy, packed and padded, SFT and a policy loss with entropy, KL and temperature."""
+collectives, for every strategy, packed and padded, SFT and the policy losses with entropy, KL and temperature."""
 
 from __future__ import annotations
 
@@ -17,7 +17,15 @@ TEMPERATURE = 0.7
 def _loss(kind: str):
     if kind == "sft":
         return make_sft_loss("token-mean")
-    return make_policy_loss(PolicyLossConfig(kind="ppo", entropy_coef=0.01, kl_coef=0.05), temperature=TEMPERATURE)
+    return make_policy_loss(PolicyLossConfig(kind=kind, entropy_coef=0.01, kl_coef=0.05), temperature=TEMPERATURE)
+
+
+ALL_KINDS = ("sft", "ppo", "gspo", "pg", "cispo")
+
+
+def kinds_of(case: str) -> tuple[str, ...]:
+    """Every loss on the main case; SFT and PPO (entropy, KL, temperature) on the others."""
+    return ALL_KINDS if case == "fsdp2_deferred" else ("sft", "ppo")
 
 
 # name -> (strategy, mode, extra config, model overrides)
@@ -41,7 +49,7 @@ def head_suite(info, cases: list[str]) -> dict:
     batch["ref_log_probs"] = batch["old_log_probs"] + 0.05
     for case in cases:
         strategy, mode, extra, overrides = HEAD_CASES[case]
-        for kind in ("sft", "ppo"):
+        for kind in kinds_of(case):
             for packing in ("true", "false"):
                 for fused in ("true", "false"):
                     cfg = engine_config(strategy, mode, f"engine.packing={packing}", f"engine.fused_lm_head={fused}",

@@ -78,6 +78,7 @@ def test_bench_rl_workload_smoke(tmp_path):
     summary = (out / "bench_rl.md").read_text()
     assert "packed / padded real tokens per second" in summary and "target >= 1.70" in summary
     assert "engine / hand-written packed loop step time, deferred " in summary
+    assert "fused LM head / materialised logits step time, deferred " in summary
 
 
 def test_bench_loss_workload(tmp_path):
@@ -90,9 +91,13 @@ def test_bench_loss_workload(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads((tmp_path / "bench_loss.json").read_text())["records"]
-    assert {(r["what"], r["temperature"]) for r in records} == {("log-probs", 1.0), ("log-probs + entropy", 1.0)}
+    whats = {"log-probs", "log-probs + entropy"}
+    whats |= {f"{head} + {what}, {how}" for what in whats for head in ("LM head", "frozen LM head")
+              for how in ("logits materialised", "fused")}
+    assert {(r["what"], r["temperature"]) for r in records} == {(what, 1.0) for what in whats}
     assert all(r["plain_s"] > 0 and r["syncwise_s"] > 0 and r["ratio"] > 0 for r in records)
-    assert "slowest syncwise / plain ratio" in (tmp_path / "bench_loss.md").read_text()
+    summary = (tmp_path / "bench_loss.md").read_text()
+    assert "slowest syncwise / plain ratio" in summary and "LM head + log-probs, T 1.0: fused / materialised" in summary
 
 
 def test_bench_grpo_workload_quick(tmp_path):

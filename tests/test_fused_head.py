@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from dist_harness import run_distributed
 from numerics import FP32_RTOL, assert_all_close, assert_close
-from scenarios_head import HEAD_CASES, head_suite
+from scenarios_head import HEAD_CASES, head_suite, kinds_of
 from syncwise.config import load_config
 from syncwise.losses import (
     LogitsFromHidden,
@@ -29,6 +29,7 @@ from syncwise.models import build_model, preset_config
 from syncwise.models.head import fused_head_unsupported
 
 CASES = list(HEAD_CASES)
+CASE_KINDS = [(case, kind) for case in CASES for kind in kinds_of(case)]
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -64,12 +65,29 @@ def test_values_and_gradients_equal_those_of_materialised_logits(bias, temperatu
     assert fused.shape == logits.shape
 
 
-def test_frozen_output_layer_gets_no_gradient():
-    hidden = torch.randn(1, 9, 8, requires_grad=True)
-    weight = torch.randn(11, 8)
-    lp = token_log_probs(LogitsFromHidden(hidden, weight), torch.randint(0, 11, (1, 9)))
-    (grad,) = torch.autograd.grad(lp.sum(), [hidden])
-    assert grad.shape == hidden.shape and float(grad[:, -1].abs().max()) == 0.0
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_a_frozen_output_layer_gives_the_hidden_states_the_same_gradient(entropy, temperature):
+    """LoRA's case: no gradient for the layer, so no logits are made in backward; the hidden states' gradient
+    from forward's expectations equals the materialised path's."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 23, 12, generator=gen, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(29, 12, generator=gen, dtype=torch.float64)
+    bias = torch.randn(29, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, 29, (2, 23), generator=gen)
+    g_lp, g_ent = torch.randn(2, 2, 22, generator=gen, dtype=torch.float64)
+
+    def objective(logits):
+        if entropy:
+            lp, ent = token_log_probs_and_entropy(logits, ids, temperature)
+            return (lp * g_lp + ent * g_ent).sum()
+        return (token_log_probs(logits, ids, temperature) * g_lp).sum()
+
+    (ref,) = torch.autograd.grad(objective(F.linear(hidden, weight, bias)), [hidden])
+    with logprob_chunking(5):
+        (got,) = torch.autograd.grad(objective(LogitsFromHidden(hidden, weight, bias)), [hidden])
+    assert_close(got, ref, 1e-12, "hidden-state gradient")
+    assert float(got[:, -1].abs().max()) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +95,7 @@ def results():
     return run_distributed(head_suite, 2, CASES)[0]
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("kind", ["sft", "ppo"])
+@pytest.mark.parametrize(("case", "kind"), CASE_KINDS)
 @pytest.mark.parametrize("packing", ["true", "false"])
 def test_engine_gradients_and_collectives_equal_with_and_without_the_fused_head(results, case, kind, packing):
     on, off = results[(case, kind, packing, "true")], results[(case, kind, packing, "false")]
@@ -138,3 +155,20 @@ def test_where_the_model_does_not_allow_it():
                                               "model.lora.target_modules=q_proj,lm_head"]).model)
     assert "not a plain nn.Linear" in fused_head_unsupported(lora)
     assert fused_head_unsupported(build_model(load_config(None, ["model.preset=qwen2-test"]).model)) is None
+
+
+def test_an_installed_model_still_copies_and_gives_logits_outside_the_engine():
+    import copy
+
+    from syncwise.models.head import hidden_states_out, install
+
+    model = build_model(load_config(None, ["model.preset=qwen2-test"]).model)
+    ids = torch.randint(1, 500, (1, 6))
+    before = model(input_ids=ids).logits
+    install(model)
+    twin = copy.deepcopy(model)
+    assert torch.equal(twin(input_ids=ids).logits, before) and torch.equal(model(input_ids=ids).logits, before)
+    with hidden_states_out() as call:
+        hidden = model(input_ids=ids).logits
+    assert call.weight is model.lm_head.weight and hidden.shape == (1, 6, model.config.hidden_size)
+    assert model.state_dict().keys() == twin.state_dict().keys() and "lm_head.weight" in model.state_dict()

@@ -241,7 +241,12 @@ class _HeadTokenStats(torch.autograd.Function):
     made in forward for its statistics, dropped, and made again in backward, where their gradient turns at
     once into the chunk's hidden-state gradient and is added into the weight's (and bias's). Kept between
     forward and backward: the log-sum-exp (and entropy) per position; in flight: one chunk's logits and
-    their gradient -- whatever the length and vocabulary."""
+    their gradient -- whatever the length and vocabulary.
+
+    A frozen output layer (LoRA, a reference model's pass under autograd) needs only the hidden states'
+    gradient, which is linear in the incoming one: forward then also keeps E_p[W] = p @ W per position (and
+    E_p[log p · W] with entropy), [tokens, hidden] each, and backward makes no logits at all -- as many
+    matrix multiplies as materialised logits cost, not one more."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor,
@@ -254,24 +259,39 @@ class _HeadTokenStats(torch.autograd.Function):
         predictions = input_ids.new_empty((rows, width - 1) if with_predictions else (0,))
         parts = _chunks(width - 1, rows)
         targets = input_ids[:, 1:]
+        # the hidden states need a gradient, the layer's parameters none: keep E_p[W] (and E_p[log p W])
+        frozen = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
+        expected = hidden.new_zeros((2 if with_entropy else 1, *hidden.shape), dtype=dtype) if frozen else None
         for part in parts:
             logits = F.linear(hidden[:, part], weight, bias)
             if with_predictions:
                 predictions[:, part] = logits.argmax(-1)
-            stats = _chunk_stats(_scaled(logits, temperature), targets[:, part], with_entropy)
+            scaled = _scaled(logits, temperature)
+            stats = _chunk_stats(scaled, targets[:, part], with_entropy)
             lse[:, part], log_probs[:, part] = stats[0], stats[1]
             if with_entropy:
                 entropy[:, part] = stats[2]
-            del logits, stats
-        ctx.save_for_backward(hidden, weight, bias, input_ids, lse, entropy)
+            if expected is not None:
+                log_p = torch.sub(scaled, stats[0][..., None])
+                probs = log_p.exp()  # in the weight's dtype for the multiply, as autograd's gradient would be
+                expected[0, :, part] = probs.to(weight.dtype) @ weight
+                if with_entropy:
+                    expected[1, :, part] = probs.mul_(log_p).to(weight.dtype) @ weight
+                del log_p, probs
+            del logits, scaled, stats
+        ctx.save_for_backward(hidden, weight, bias, input_ids, lse, entropy, expected)
         ctx.temperature, ctx.parts, ctx.with_entropy = temperature, parts, with_entropy
         ctx.mark_non_differentiable(predictions)
         return log_probs, entropy, predictions
 
     @staticmethod
     def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_predictions):
-        hidden, weight, bias, input_ids, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, input_ids, lse, entropy, expected = ctx.saved_tensors
         targets = input_ids[:, 1:]
+        if expected is not None:
+            return (_frozen_head_hidden_grad(hidden, weight, targets, entropy if ctx.with_entropy else None,
+                                             expected, grad_log_probs, grad_entropy, ctx.temperature),
+                    None, None, None, None, None, None)
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         if grad_hidden is not None:
@@ -303,6 +323,22 @@ class _HeadTokenStats(torch.autograd.Function):
             None if grad_bias is None else grad_bias.to(bias.dtype),
             None, None, None, None,
         )
+
+
+def _frozen_head_hidden_grad(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, entropy: torch.Tensor | None,
+    expected: torch.Tensor, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, temperature: float,
+) -> torch.Tensor:
+    """The hidden states' gradient through a frozen output layer, from forward's expectations:
+    d log p_y / dh = (W_y - E_p[W]) / T and dH / dh = -(E_p[log p W] + H E_p[W]) / T."""
+    grad = torch.zeros_like(expected[0])
+    if grad_log_probs is not None:
+        grad[:, :-1] += grad_log_probs[..., None] * (F.embedding(targets, weight).to(grad.dtype) - expected[0, :, :-1])
+    if entropy is not None and grad_entropy is not None:
+        grad[:, :-1] -= grad_entropy[..., None] * (expected[1, :, :-1] + entropy[..., None] * expected[0, :, :-1])
+    if temperature != 1.0:
+        grad /= temperature
+    return grad.to(hidden.dtype)
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 NAME = "sdpa_varlen"
-KERNELS = ("varlen_attn", "flash_attn", "loop")
 _kernel = "loop"  # set by choose_kernel; per process (one device, one compute dtype)
 _said = ""  # the last choice announced
 

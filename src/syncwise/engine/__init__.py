@@ -72,6 +72,7 @@ class Engine:
         # LoRA (peft): only the adapters train, and only they are checkpointed.
         self.lora = lora_adapters.peft_model_of(raw) is not None
         self.packing = config.engine.packing and _packing_works(raw, self.info.is_main)
+        self.attention_kernel = "none"  # packed rows' kernel (syncwise.data.attention); none without packing
         if self.packing:
             sharded_dtype = config.model.param_dtype if config.engine.strategy in SHARDED_STRATEGIES else None
             self.attention_kernel, line = attention.choose_kernel(self.info.device, _compute_dtype(raw, sharded_dtype))

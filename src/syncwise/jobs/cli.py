@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, help="untimed rounds first")
     bench.add_argument("--seq-len", type=int, help="tokens per sample (default 64)")
     bench.add_argument("--sequences", type=int, help="rl workload: sequences per rank (default 32)")
+    bench.add_argument("--profile", action="store_true",
+                       help="rl workload: torch.profiler's top operators of one packed step, fused LM head on / off")
     plan = sub.add_parser("plan", help="what each sync mode costs for a model and cluster (no job is run)")
     plan.add_argument("model", help="built-in shape (qwen3-4b, llama-3-8b, ...) or a local HF model dir / config.json")
     plan.add_argument("--world-size", type=int, default=8)
@@ -175,6 +177,11 @@ def _run_bench(args: argparse.Namespace) -> int:
         if args.repeats is not None:
             spec.rounds = args.repeats
         return bench_grpo(spec)
+    if args.workload == "rl" and args.profile:  # one process, no ranks
+        from .bench_rl import profile_packed_step
+
+        out = args.out if args.out != "runs/bench" else "runs/bench_rl"
+        return profile_packed_step(*(args.presets or ["qwen2-20m"])[:1], sequences=args.sequences or 32, out_dir=out)
     worker, spec = bench_job(args)
     return _launch(worker, args.nproc, dataclasses.asdict(spec))
 

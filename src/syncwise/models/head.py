@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cache
-from types import MethodType
 
 import torch
 from torch import nn
@@ -48,14 +47,18 @@ def output_layer(model: nn.Module) -> nn.Module | None:
     return get() if callable(get) else None
 
 
-def _forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-    call = _CALL.get()
-    if call is None:
-        return nn.Linear.forward(self, hidden)
-    call.weight, call.bias = self.weight, self.bias
-    # a copy ([tokens, hidden]: small beside the logits it replaces): FSDP2 warns of a view returned by the
-    # root's forward, whose in-place change would skip its pre-backward hook
-    return hidden.clone()
+class FusableLinear(nn.Linear):
+    """An output layer :func:`install` made fusable: a plain linear layer, except inside
+    :func:`hidden_states_out`. (A class, not a patched method: the model still copies and pickles.)"""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        call = _CALL.get()
+        if call is None:
+            return super().forward(hidden)
+        call.weight, call.bias = self.weight, self.bias
+        # a copy ([tokens, hidden]: small beside the logits it replaces): FSDP2 warns of a view returned by the
+        # root's forward, whose in-place change would skip its pre-backward hook
+        return hidden.clone()
 
 
 def fused_head_unsupported(model: nn.Module) -> str | None:
@@ -63,7 +66,7 @@ def fused_head_unsupported(model: nn.Module) -> str | None:
     head = output_layer(model)
     if head is None:
         return f"{type(base_model_of(model)).__name__} has no output embeddings (a value head or a plain module)"
-    if type(head) is not nn.Linear:
+    if type(head) not in (nn.Linear, FusableLinear):
         return f"its output layer is a {type(head).__name__}, not a plain nn.Linear (e.g. LoRA on lm_head)"
     base = base_model_of(getattr(model, "module", model))
     config = getattr(base, "config", None)
@@ -75,8 +78,7 @@ def fused_head_unsupported(model: nn.Module) -> str | None:
 def install(model: nn.Module) -> None:
     """Make the output layer return its input inside :func:`hidden_states_out` (a plain linear layer
     elsewhere: generation, export, a user's own forward). Parameters and state-dict keys are unchanged."""
-    head = output_layer(model)
-    head.forward = MethodType(_forward, head)
+    output_layer(model).__class__ = FusableLinear
 
 
 @contextmanager
