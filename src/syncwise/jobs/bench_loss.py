@@ -141,7 +141,7 @@ def bench_loss(spec: LossBenchSpec) -> int:
         if what.endswith(", fused"):
             materialised = by_name[(what.replace(", fused", ", logits materialised"), temperature)]
             lines.append(f"{what.removesuffix(', fused')}, T {temperature}: fused / materialised logits "
-                         f"{fused / materialised:.3f} (one more multiply of the head's size, no [tokens x V] logits)")
+                         f"{fused / materialised:.3f}")
     (out / "bench_loss.md").write_text(table + "\n\n" + "".join(f"- {line}\n" for line in lines))
     print(table, *lines, f"written: {out / 'bench_loss.json'}, {out / 'bench_loss.md'}", sep="\n", flush=True)
     return 0
