@@ -246,7 +246,7 @@ class _HeadTokenStats(torch.autograd.Function):
     A frozen output layer (LoRA, a reference model's pass under autograd) needs only the hidden states'
     gradient, which is linear in the incoming one: forward then also keeps E_p[W] = p @ W per position (and
     E_p[log p · W] with entropy), [tokens, hidden] each, and backward makes no logits at all -- as many
-    matrix multiplies as materialised logits cost, not one more."""
+    matrix multiplies as materialised logits cost (one more in forward with entropy)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor,
