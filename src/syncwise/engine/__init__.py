@@ -30,7 +30,7 @@ from ..losses import LossFn, is_maximum
 from ..memory.accounting import sharded_model_of
 from ..memory.schedule import unit_traffic
 from ..memory.units import resolve_deferred_units, unit_names
-from ..models import build_model
+from ..models import build_model, hf_config_of
 from ..models import head as output_head
 from ..models import lora as lora_adapters
 from ..runtime.distributed import CollectiveTimeout, DistInfo, agree, build_mesh, init_distributed
@@ -45,7 +45,7 @@ from .optim import build_optimizer, build_scheduler, clip_and_step, global_grad_
 from .planning import BatchPlan, plan_batch
 from .step import ForwardBackwardResult, accumulate, forward_only
 from .weights import full_weights_by_unit
-from .wrap import WrappedModel, wrap_model
+from .wrap import DTYPE_BY_NAME, WrappedModel, wrap_model
 
 __all__ = ["CollectiveTimeout", "Engine", "ForwardBackwardResult", "SyncNoOpError", "build_optimizer",
            "build_scheduler"]
@@ -72,15 +72,15 @@ class Engine:
         # LoRA (peft): only the adapters train, and only they are checkpointed.
         self.lora = lora_adapters.peft_model_of(raw) is not None
         self.packing = config.engine.packing and _packing_works(raw, self.info.is_main)
+        sharded = config.engine.strategy in SHARDED_STRATEGIES
         self.attention_kernel = "none"  # packed rows' kernel (syncwise.data.attention); none without packing
-        if self.packing:
-            sharded_dtype = config.model.param_dtype if config.engine.strategy in SHARDED_STRATEGIES else None
-            self.attention_kernel, line = attention.choose_kernel(self.info.device, _compute_dtype(raw, sharded_dtype))
+        if self.packing:  # computed in FSDP's mixed-precision dtype, else in the parameters'
+            compute_dtype = DTYPE_BY_NAME[config.model.param_dtype] if sharded else next(raw.parameters()).dtype
+            self.attention_kernel, line = attention.choose_kernel(self.info.device, compute_dtype)
             if line and self.info.is_main:
                 print(f"syncwise: {line}", flush=True)
         # The fused LM head: log-probs from the hidden states a chunk at a time, no [tokens, vocab] logits.
         self.fused_head = config.engine.fused_lm_head and _fused_head_works(raw, config, self.info.is_main)
-        sharded = config.engine.strategy in SHARDED_STRATEGIES
         mesh = build_mesh(self.info, config.engine.hsdp_replicas) if sharded else None
         hsdp = mesh is not None and mesh.ndim == 2
         check_mode(self.sync_mode, config.engine.strategy, hsdp)
@@ -380,8 +380,8 @@ def _packing_works(model: nn.Module, say: bool) -> bool:
     from ..data.packing import packs_correctly
 
     model = lora_adapters.base_model_of(model)  # a peft model packs as the model it adapts
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_json_string"):
+    config = hf_config_of(model)
+    if config is None:
         reason = f"{type(model).__name__} is not a Hugging Face model (packing needs position_ids support)"
     else:
         if config._attn_implementation == "sdpa":
@@ -391,13 +391,6 @@ def _packing_works(model: nn.Module, say: bool) -> bool:
     if reason and say:
         warnings.warn(f"engine.packing: {reason}; using padded micro-batches", RuntimeWarning, stacklevel=3)
     return reason is None
-
-
-def _compute_dtype(model: nn.Module, param_dtype: str | None) -> torch.dtype:
-    """The dtype the forward computes in: FSDP's mixed-precision ``param_dtype``, else the parameters'."""
-    if param_dtype is not None:
-        return getattr(torch, param_dtype)
-    return next(model.parameters()).dtype
 
 
 def _fused_head_works(model: nn.Module, config: Config, say: bool) -> bool:

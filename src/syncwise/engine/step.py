@@ -23,6 +23,7 @@ from ..losses import (
     token_log_probs,
 )
 from ..memory.accounting import PeakMeter, grad_bytes, unsharded_param_bytes
+from ..models import hf_config_of
 from ..models.head import hidden_states_out
 from ..runtime.distributed import collective_timeout
 from ..sync import fsdp_internals as fsdp
@@ -34,12 +35,6 @@ def positions_of(attention_mask: torch.Tensor) -> torch.Tensor:
     """Each token's position within its sequence (as ``generate`` numbers them): left padding does not shift
     a row, so learned absolute positions (GPT-2) see each sequence as they would alone."""
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-
-def _is_hf_model(model: nn.Module) -> bool:
-    """A Hugging Face model (under DDP / FSDP1, the wrapped one): it takes ``position_ids``."""
-    config = getattr(getattr(model, "module", model), "config", None)
-    return hasattr(config, "to_json_string")
 
 
 SwitchesOf = Callable[[int, int], SwitchesFor]  # (micro-batch index, count) -> switches per unit
@@ -80,7 +75,7 @@ def forward_microbatch(
         inputs = {"position_ids": positions, **sequence_bounds(positions)}
     else:
         inputs = {"attention_mask": data.get("attention_mask")}
-        if inputs["attention_mask"] is not None and _is_hf_model(model):
+        if inputs["attention_mask"] is not None and hf_config_of(model) is not None:  # takes position_ids
             inputs["position_ids"] = positions_of(inputs["attention_mask"])
     model_out = _forward(model, fused, input_ids=data["input_ids"], use_cache=False, **inputs)
     result = loss_fn(model_out, data, norm) if loss_fn is not None else LossOutput(torch.zeros((), device=device))

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ..config import LoraConfig, ModelConfig
-from .lora import apply_lora
+from .lora import apply_lora, base_model_of
 
 # Tiny shapes for CPU jobs, tests and benchmarks.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -119,3 +119,14 @@ def one_small_layer(config: dict) -> dict:
     config.update({key: value for key, value in small.items() if key in config})
     config.pop("architectures", None)
     return config
+
+
+def unwrapped_model(model: nn.Module) -> nn.Module:
+    """The model under DDP / FSDP1's ``.module`` and peft's wrapper (FSDP2 wraps in place)."""
+    return base_model_of(getattr(model, "module", model))
+
+
+def hf_config_of(model: nn.Module) -> Any | None:
+    """The Hugging Face config of ``model`` (under its wrappers), or None for a model that is not one."""
+    config = getattr(unwrapped_model(model), "config", None)
+    return config if hasattr(config, "to_json_string") else None

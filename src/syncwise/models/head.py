@@ -25,8 +25,7 @@ from functools import cache
 import torch
 from torch import nn
 
-from . import one_small_layer
-from .lora import base_model_of
+from . import hf_config_of, one_small_layer, unwrapped_model
 
 
 @dataclass
@@ -42,8 +41,7 @@ _CALL: ContextVar[HeadCall | None] = ContextVar("syncwise_fused_head_call", defa
 
 def output_layer(model: nn.Module) -> nn.Module | None:
     """The causal LM's output layer (under DDP / FSDP1 wrappers and peft), or None if it has none."""
-    model = base_model_of(getattr(model, "module", model))
-    get = getattr(model, "get_output_embeddings", None)
+    get = getattr(unwrapped_model(model), "get_output_embeddings", None)
     return get() if callable(get) else None
 
 
@@ -63,14 +61,12 @@ class FusableLinear(nn.Linear):
 
 def fused_head_unsupported(model: nn.Module) -> str | None:
     """Why ``model`` cannot run with the fused LM head, or None (then :func:`install` may be called)."""
-    head = output_layer(model)
+    base, head, config = unwrapped_model(model), output_layer(model), hf_config_of(model)
     if head is None:
-        return f"{type(base_model_of(model)).__name__} has no output embeddings (a value head or a plain module)"
+        return f"{type(base).__name__} has no output embeddings (a value head or a plain module)"
     if type(head) not in (nn.Linear, FusableLinear):
         return f"its output layer is a {type(head).__name__}, not a plain nn.Linear (e.g. LoRA on lm_head)"
-    base = base_model_of(getattr(model, "module", model))
-    config = getattr(base, "config", None)
-    if config is None or not hasattr(config, "to_json_string"):
+    if config is None:
         return f"{type(base).__name__} is not a Hugging Face model"
     return head_passes_through(type(base), config.to_json_string())
 

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from ..engine.step import positions_of
+
 COMPACT_FRACTION = 8  # compact when at least 1/8 of the active sequences have ended
 
 
@@ -54,7 +56,7 @@ def sample(
     ``temperature``) with torch's global generator."""
     device = next(model.parameters()).device
     input_ids, mask = left_padded(prompts, pad_id, device)
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    positions = positions_of(mask)
     cache = DynamicCache(config=model.config)
     # transformers >= 5.24 names the argument ``cache`` (``past_key_values`` is deprecated); older ones do not.
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
