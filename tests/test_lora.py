@@ -138,18 +138,19 @@ def test_merged_state_dict_gives_the_adapted_model():
     from scenarios import engine_config, make_batch
     from scenarios_lora import LORA, lora_model
     from syncwise.models import build_model
-    from syncwise.models.lora import adapter_scalings, merged_state_dict
+    from syncwise.models.lora import LoraMerge
 
     cfg = engine_config("none", "deferred", *LORA)
     adapted = lora_model(cfg).eval()
     plain = build_model(load_config(None, ["model.preset=qwen2-test"]).model).eval()
-    plain.load_state_dict(merged_state_dict(adapted.state_dict(), adapter_scalings(adapted)))
+    merge = LoraMerge(adapted)
+    plain.load_state_dict(merge.merged(adapted.state_dict()))
     batch = make_batch(seed=3)
     with torch.no_grad():
         want = adapted(input_ids=batch["input_ids"]).logits
         got = plain(input_ids=batch["input_ids"]).logits
     assert_close(got, want, FP32_RTOL, "merged")
-    assert set(adapter_scalings(adapted).values()) == {8 / RANK}
+    assert set(merge.scalings.values()) == {8 / RANK} and not merge.unties
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from .engine import Engine
 from .models import lora as lora_adapters
+from .models import uninitialised_model
 from .runtime.distributed import rank_and_world
 
 LATEST = "latest"
@@ -250,10 +251,10 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | N
     """Collective: write a Hugging Face model (safetensors + config) and tokenizer to ``out_dir`` on rank 0.
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
 
-    With LoRA, ``out_dir`` holds the merged model (each adapted weight ``W + s·B·A``) and ``out_dir/adapter``
-    the peft adapter folder (``PeftModel.from_pretrained(base, out_dir/"adapter")``); its base is
-    ``base_path`` (``model.path``) or, for a model built from a preset, the base weights written to
-    ``out_dir/base``."""
+    With LoRA, ``out_dir`` holds the merged model (each adapted weight plus its peft layer's delta; untied
+    where an adapter sits on a tied embedding) and ``out_dir/adapter`` the peft adapter folder
+    (``PeftModel.from_pretrained(base, out_dir/"adapter")``); its base is ``base_path`` (``model.path``) or,
+    for a model built from a preset, the base weights written to ``out_dir/base``."""
     # Offloading gathers the full weights to rank 0's host memory; on a CPU run they are there already, and
     # FSDP1's offload path segfaults on CPU (torch 2.13, in _full_post_state_dict_hook).
     full = engine.full_model_state(cpu_offload=engine.info.device.type != "cpu", merge=False)
@@ -264,8 +265,8 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | N
 
         hf_logging.disable_progress_bar()  # a one-shard bar would break into the job's own
         out.mkdir(parents=True, exist_ok=True)
-        merged = lora_adapters.merged_state_dict(full, engine.adapter_scalings)
-        _plain_model(engine, merged).save_pretrained(out, safe_serialization=True)
+        merged = engine.lora_merge.merged(full) if engine.lora else full
+        _plain_model(engine.plain_hf_config, merged).save_pretrained(out, safe_serialization=True)
         if engine.lora:
             _save_adapter(engine, full, out, base_path)
         if tokenizer is not None:
@@ -274,10 +275,8 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | N
     return out if rank == 0 else None
 
 
-def _plain_model(engine: Engine, state: dict[str, torch.Tensor]):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(engine.hf_config)
+def _plain_model(hf_config, state: dict[str, torch.Tensor]):
+    model = uninitialised_model(hf_config)
     model.load_state_dict(state)
     return model
 
@@ -289,8 +288,7 @@ def _save_adapter(engine: Engine, full: dict[str, torch.Tensor], out: Path, base
     live = lora_adapters.peft_model_of(engine.model)
     adapter_config = copy.deepcopy(live.peft_config[lora_adapters.ADAPTER])
     adapter_config.base_model_name_or_path = None  # set below, once peft has read the (nameless) base
-    unscaled = dict.fromkeys(engine.adapter_scalings, 0.0)  # W + 0·B·A: the base weights
-    base = _plain_model(engine, lora_adapters.merged_state_dict(full, unscaled))
+    base = _plain_model(engine.hf_config, engine.lora_merge.merged(full, deltas=False))
     if base_path:
         base_name = str(Path(base_path).resolve())
     else:  # built from a preset: nowhere else to load the base from

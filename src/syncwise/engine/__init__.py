@@ -71,6 +71,10 @@ class Engine:
         self.hf_config = getattr(raw, "config", None)  # None for a plain nn.Module
         # LoRA (peft): only the adapters train, and only they are checkpointed.
         self.lora = lora_adapters.peft_model_of(raw) is not None
+        # How the adapters merge into the plain model (rollout copy, export): each peft layer's own delta.
+        self.lora_merge = lora_adapters.LoraMerge(raw) if self.lora else None
+        # The plain model the merged weights fit (untied where an adapter sits on a tied embedding).
+        self.plain_hf_config = self.lora_merge.plain_config(self.hf_config) if self.lora else self.hf_config
         self.packing = config.engine.packing and _packing_works(raw, self.info.is_main)
         sharded = config.engine.strategy in SHARDED_STRATEGIES
         self.attention_kernel = "none"  # packed rows' kernel (syncwise.data.attention); none without packing
@@ -88,8 +92,6 @@ class Engine:
             raw.requires_grad_(False)
         self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh)
         self.model = self.wrapped.module
-        # Each adapted layer's state-dict key -> alpha / r: fixed once built (merges for rollout and export).
-        self.adapter_scalings = lora_adapters.adapter_scalings(self.model) if self.lora else {}
         self.trainable = trainable
         self.optimizer = build_optimizer(self.model.parameters(), config.optim) if trainable else None
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps) if trainable else None
@@ -325,20 +327,21 @@ class Engine:
 
     def full_model_state(self, cpu_offload: bool = False, merge: bool = True) -> dict[str, torch.Tensor]:
         """Collective: the whole model's unsharded weights, keyed as the plain Hugging Face model's (LoRA
-        adapters merged into their weights, ``W + s·B·A``), for the rollout copy and the export.
+        adapters merged into their weights by :class:`~syncwise.models.lora.LoraMerge`), for the rollout copy and
+        the export (a model to load them into: ``plain_hf_config``).
         ``cpu_offload``: gathered to rank 0's host memory only. ``merge=False``: LoRA's keys as peft's."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
         if not self.lora or not merge or not full:  # offloaded: only rank 0 receives the weights
             return full
-        return lora_adapters.merged_state_dict(full, self.adapter_scalings)
+        return self.lora_merge.merged(full)
 
     def full_weights_by_unit(self) -> Iterator[dict[str, torch.Tensor]]:
         """Collective (every rank must consume it all): the model's unsharded weights one wrapping unit at a
         time, keyed as the plain Hugging Face model's (LoRA merged) -- for refreshing the rollout copy with
         one unit's extra memory instead of the whole model's (see :mod:`syncwise.engine.weights`)."""
-        return full_weights_by_unit(self.wrapped, self.adapter_scalings)
+        return full_weights_by_unit(self.wrapped, self.lora_merge)
 
     def engine_state(self) -> dict[str, Any]:
         """Everything else a resumed run needs to continue exactly (JSON-serialisable): the step count,

@@ -37,27 +37,27 @@ def params_by_unit(wrapped: WrappedModel) -> list[tuple[nn.Module, list[tuple[st
 
 
 def full_weights_by_unit(
-    wrapped: WrappedModel, adapter_scalings: dict[str, float]
+    wrapped: WrappedModel, lora_merge: lora_adapters.LoraMerge | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Per unit, its parameters unsharded and keyed as the plain model's (LoRA: merged, ``W + s·B·A``, keyed
-    as the base model's; the adapters of a layer live in that layer's unit). Drop each dict before asking
-    for the next: that is what keeps the peak at one unit."""
+    """Per unit, its parameters unsharded and keyed as the plain model's (LoRA: merged by ``lora_merge``,
+    keyed as the base model's; the adapters of a layer live in that layer's unit). Drop each dict before
+    asking for the next: that is what keeps the peak at one unit."""
     for unit, params in params_by_unit(wrapped):
         # Not under torch.no_grad(): its generator wrapper keeps the last dict until the next one exists.
         if params:
-            yield _gather_unit(wrapped.strategy, unit, params, adapter_scalings)
+            yield _gather_unit(wrapped.strategy, unit, params, lora_merge)
 
 
 @torch.no_grad()
 def _gather_unit(strategy: str, unit: nn.Module, params: list[tuple[str, nn.Parameter]],
-                 adapter_scalings: dict[str, float]) -> dict[str, torch.Tensor]:
+                 lora_merge: lora_adapters.LoraMerge | None) -> dict[str, torch.Tensor]:
     ddp = strategy == "ddp"
     if strategy == "fsdp1":
         with FSDP1.summon_full_params(unit, recurse=False, writeback=False):
             local = {unwrapped_name(n, ddp): p.detach().clone() for n, p in params}
     else:
         local = {unwrapped_name(n, ddp): _full(p) for n, p in params}
-    return lora_adapters.merged_state_dict(local, adapter_scalings) if adapter_scalings else local
+    return lora_merge.merged(local) if lora_merge is not None else local
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:

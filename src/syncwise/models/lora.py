@@ -7,7 +7,7 @@ checkpoint see only those). This module holds what is specific to peft:
 
 - :func:`apply_lora`: the adapters, initialised alike on every rank;
 - :func:`peft_model_of`, :func:`base_model_of`: the peft model inside a wrapper, and the model it adapts;
-- :func:`merged_state_dict`: a peft state dict as the plain model's, each adapted weight ``W + s·B·A``
+- :class:`LoraMerge`: a peft state dict as the plain model's, each adapted weight plus its peft layer's own delta
   (the rollout copy and the export need no peft);
 - :func:`adapters_disabled`: the base model alone, for the KL reference (no second model in memory).
 """
@@ -88,34 +88,106 @@ def adapters_disabled(module: nn.Module) -> Iterator[None]:
         yield
 
 
-def adapter_scalings(model: nn.Module) -> dict[str, float]:
-    """Each adapted layer's state-dict key prefix (peft's, checkpoint wrappers dropped) -> its scaling s
-    (``lora_alpha / r``, as peft computed it)."""
-    out: dict[str, float] = {}
-    peft = peft_model_of(model)
-    for name, module in (peft or model).named_modules():
-        scaling = getattr(module, "scaling", None)
-        if isinstance(scaling, dict) and ADAPTER in scaling and hasattr(module, "base_layer"):
-            out[unwrapped_name(name)] = float(scaling[ADAPTER])
-    return out
+class LoraMerge:
+    """How the adapted model's weights become the plain model's, for the rollout copy and the export.
+
+    Each peft layer is asked for its own delta (``get_delta_weight``, run on the gathered adapter tensors), so
+    every layer kind merges as peft merges it: ``nn.Linear``, GPT-2's ``Conv1D`` (``fan_in_fan_out``: its
+    weight is [in, out]) and embeddings (``lora_embedding_A/B``). Tied embeddings are one tensor: merging an
+    adapter on ``lm_head`` into it would change the input embeddings too, so a model whose tied weight is
+    adapted is merged *untied* (:attr:`unties`; :meth:`plain_config` says so to the copy and the export).
+    Built once from the peft model before it is wrapped (the layer objects stay the same under FSDP/DDP).
+    """
+
+    def __init__(self, model: nn.Module):
+        peft = peft_model_of(model)
+        if peft is None:
+            raise ValueError(f"{type(model).__name__} has no LoRA adapters to merge")
+        self._layers: dict[str, tuple[nn.Module, tuple[str, ...]]] = {}  # prefix -> (peft layer, adapter keys)
+        for name, module in peft.named_modules():
+            if hasattr(module, "get_delta_weight") and hasattr(module, "base_layer") \
+                    and ADAPTER in getattr(module, "scaling", {}):
+                keys = tuple(k for k, _ in module.named_parameters() if not k.startswith("base_layer."))
+                self._layers[unwrapped_name(name)] = (module, keys)
+        by_tensor: dict[int, list[str]] = {}
+        for name, param in peft.named_parameters(remove_duplicate=False):
+            by_tensor.setdefault(id(param), []).append(unwrapped_name(name))
+        # a tied tensor's other names -> the one named_parameters (and so a unit's gather) keeps
+        self._aliases = {alias: names[0] for names in by_tensor.values() for alias in names[1:]}
+        tied = set(self._aliases) | set(self._aliases.values())
+        self.unties = any(f"{layer}.base_layer.weight" in tied for layer in self._layers)
+
+    @property
+    def scalings(self) -> dict[str, float]:
+        """Each adapted layer's state-dict prefix -> its scaling (``lora_alpha / r``, as peft computed it)."""
+        return {name: float(module.scaling[ADAPTER]) for name, (module, _) in self._layers.items()}
+
+    def plain_config(self, hf_config):
+        """The Hugging Face config of the model the merged weights fit: untied where :attr:`unties`."""
+        if not self.unties or hf_config is None:
+            return hf_config
+        import copy
+
+        plain = copy.deepcopy(hf_config)
+        plain.tie_word_embeddings = False
+        return plain
+
+    def merged(self, state: dict[str, torch.Tensor], deltas: bool = True) -> dict[str, torch.Tensor]:
+        """``state`` (peft's keys; the whole model or one unit's share) as the plain model's: each adapted
+        weight plus its layer's delta (in fp32, then the weight's dtype; ``deltas=False``: the base weights),
+        adapter tensors dropped, peft's prefix removed; where the merge unties, each tied name gets its own."""
+        out: dict[str, torch.Tensor] = {}
+        names = list(state)
+        if self.unties:  # a gathered unit names a tied tensor once: its other names too
+            names += [alias for alias, kept in self._aliases.items() if kept in state and alias not in state]
+        for key in names:
+            value = state[key] if key in state else state[self._aliases[key]]
+            layer, leaf = self._layer_of(key)
+            if layer is not None:
+                if not leaf.startswith("base_layer."):
+                    continue  # the adapter's own tensors
+                leaf = leaf.removeprefix("base_layer.")
+                if leaf == "weight" and deltas:
+                    value = (value.float() + self._delta(layer, state).float()).to(value.dtype)
+                key = f"{layer}.{leaf}"
+            out[key.removeprefix(_PEFT_PREFIX)] = value
+        return out
+
+    def _layer_of(self, key: str) -> tuple[str | None, str]:
+        """The adapted layer whose tensor ``key`` is, and the rest of the key (else None, key)."""
+        prefix = key
+        while "." in prefix:
+            prefix = prefix.rpartition(".")[0]
+            if prefix in self._layers:
+                return prefix, key[len(prefix) + 1 :]
+        return None, key
+
+    def _delta(self, layer: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        module, keys = self._layers[layer]
+        missing = [f"{layer}.{k}" for k in keys if f"{layer}.{k}" not in state]
+        if missing:
+            raise KeyError(f"LoRA merge: {layer}'s adapter tensors {missing} are not beside its weight")
+        with torch.no_grad(), _swapped(module, {k: state[f"{layer}.{k}"] for k in keys}):
+            return module.get_delta_weight(ADAPTER)
 
 
-def merged_state_dict(state: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
-    """A full peft state dict as the base model's own: every adapted weight merged, ``W + s·B·A`` (in fp32,
-    then the weight's dtype), adapter tensors dropped, peft's key prefixes removed. ``scalings`` from
-    :func:`adapter_scalings`. A state dict without adapters comes back unchanged."""
-    if not scalings:
-        return state
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        if ".lora_A." in key or ".lora_B." in key or ".lora_dropout." in key:
-            continue
-        layer, _, leaf = key.rpartition(".base_layer.")
-        if leaf and layer in scalings:
-            if leaf == "weight":
-                a = state[f"{layer}.lora_A.{ADAPTER}.weight"].float()
-                b = state[f"{layer}.lora_B.{ADAPTER}.weight"].float()
-                value = (value.float() + scalings[layer] * (b @ a)).to(value.dtype)
-            key = f"{layer}.{leaf}"
-        out[key.removeprefix(_PEFT_PREFIX)] = value
-    return out
+@contextmanager
+def _swapped(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``module``'s tensors of these (relative) names replaced for the duration -- the gathered adapter
+    tensors in place of FSDP's shards -- so peft's own code computes the delta. No forward runs (forward hooks,
+    e.g. a memory tracker's, stay out of it); FSDP1 keeps its views as plain attributes, hence either store."""
+    saved = []
+    try:
+        for name, value in tensors.items():
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            store = owner._parameters if leaf in owner._parameters else owner.__dict__
+            saved.append((store, leaf, store.get(leaf)))
+            store[leaf] = value
+        yield
+    finally:
+        for store, leaf, original in reversed(saved):
+            if original is None:
+                store.pop(leaf, None)
+            else:
+                store[leaf] = original

@@ -15,11 +15,12 @@ import time
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from ..config import RLConfig
 from ..engine import Engine
 from ..engine.weights import load_by_unit
+from ..models import uninitialised_model
 from .sampling import left_padded, sample
 from .tasks import PromptSource
 
@@ -27,9 +28,9 @@ from .tasks import PromptSource
 class Rollout:
     def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, cfg: RLConfig):
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
-        dtype = getattr(torch, cfg.rollout_dtype)
-        self.model = AutoModelForCausalLM.from_config(engine.hf_config, dtype=dtype).to(engine.info.device).eval()
-        self.model.requires_grad_(False)
+        # Built uninitialised: the first refresh writes every parameter (load_by_unit checks it).
+        self.model = uninitialised_model(engine.plain_hf_config, getattr(torch, cfg.rollout_dtype), engine.info.device)
+        self.model.eval().requires_grad_(False)
 
     @property
     def copy_bytes(self) -> int:
