@@ -73,3 +73,24 @@ def test_same_seed_same_samples(setup):
         torch.manual_seed(3)
         runs.append(sample(model, prompts, SAMPLES, MAX_NEW, 1.0, tok.eos_token_id, tok.pad_token_id).tokens)
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_prefill_makes_logits_for_the_last_position_only(setup):
+    """Issue 28.4: the prefill's LM head output is [prompts, 1, vocab], never [prompts, prompt length, vocab]."""
+    tok, model, prompts = setup
+    shapes = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)))
+    try:
+        torch.manual_seed(1)
+        sample(model, prompts, SAMPLES, 3, 1.0, tok.eos_token_id, tok.pad_token_id)
+    finally:
+        hook.remove()
+    assert shapes[0] == (len(prompts), 1, len(tok))
+    assert all(shape[1] == 1 for shape in shapes)
+
+
+def test_empty_prompt_is_a_clear_error(setup):
+    """Issue 28.7: an empty prompt names itself instead of a negative-dimension crash."""
+    tok, model, prompts = setup
+    with pytest.raises(ValueError, match=r"prompt\(s\) \[1\] have no tokens"):
+        sample(model, [prompts[0], prompts[0][:0]], 2, 3, 1.0, tok.eos_token_id, tok.pad_token_id)

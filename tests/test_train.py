@@ -3,6 +3,7 @@ rank, Hugging Face export, TensorBoard logs, and a two-node torchrun launch on l
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -105,6 +106,19 @@ def test_resumed_run_reproduces_the_uninterrupted_parameters_exactly(runs):
     assert [r["train/step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     reference = read_jsonl(runs["root"] / "full" / "metrics.jsonl")
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in reference]
+    # the resumed run summarises the whole job from metrics.jsonl, not its own 3 steps
+    summary = [line for line in runs["resumed"].stdout.splitlines() if line.startswith("mean reward:")]
+    want = [line for line in runs["full"].stdout.splitlines() if line.startswith("mean reward:")]
+    assert summary[0].split(";")[0] == want[0].split(";")[0] and "first 6 steps" in summary[0]
+
+
+def test_job_history_keeps_the_last_row_of_each_step(tmp_path):
+    from syncwise.metrics import job_history
+
+    log = tmp_path / "metrics.jsonl"
+    steps = [(1, 0), (2, 0), (3, 0), (2, 1), (3, 1)]  # a run logged 3 steps, was resumed from step 1
+    log.write_text("\n".join(json.dumps({"train/step": s, "v": v}) for s, v in steps))
+    assert [(r["train/step"], r["v"]) for r in job_history(log)] == [(1, 0), (2, 1), (3, 1)]
 
 
 @pytest.mark.parametrize(("strategy", "mode"), [("fsdp2", "per_microbatch"), ("fsdp1", "per_microbatch"),
@@ -247,7 +261,11 @@ def test_lora_grpo_resumes_exactly_with_the_base_model_as_kl_reference(tmp_path)
     second engine), checkpoints hold the adapters only, a resumed run ends with the uninterrupted run's
     merged weights, and the adapter folder is exported beside them."""
     lora = ["model.lora.rank=8", "rl.loss.kl_coef=0.05", "train.checkpoint_every=2"]
-    _train(tmp_path / "full", "train.steps=4", *lora)
+    first = _train(tmp_path / "full", "train.steps=4", *lora)
+    # the fused head steps aside for the adapter on lm_head: said once, as the reason, with no source line
+    assert first.stderr.count("syncwise: warning: engine.fused_lm_head: a LoRA adapter sits on the output "
+                              "layer") == 1, first.stderr
+    assert "Engine(" not in first.stderr and "Warning" not in first.stderr
     _train(tmp_path / "split", "train.steps=2", *lora)
     _train(tmp_path / "split", "train.steps=4", "train.resume=auto", *lora)
     full, resumed = _weights(tmp_path / "full" / "export"), _weights(tmp_path / "split" / "export")

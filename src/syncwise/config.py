@@ -221,7 +221,8 @@ class RLConfig:
     # itself; a resumed run skips it). 0: none.
     warm_start_steps: int = 0
     # Leave out groups whose rewards are all equal (zero advantage: no policy-gradient signal), as DAPO's
-    # dynamic sampling does; the loss is normalised over the samples that train.
+    # dynamic sampling does; the loss is normalised over the samples that train. With kl_coef or entropy_coef
+    # > 0 their KL and entropy terms are dropped too (the update is then not the full batch's).
     skip_uniform_groups: bool = False
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 

@@ -27,6 +27,13 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def job_history(path: str | Path, step_key: str = "train/step") -> list[dict[str, Any]]:
+    """Every step of a job from its JSONL log, across resumes: the log is appended by each run, and a run
+    resumed from an earlier checkpoint logs its steps again, so the last row of each step counts."""
+    rows = {row[step_key]: row for row in read_jsonl(path) if step_key in row}
+    return [rows[step] for step in sorted(rows)]
+
+
 def format_step(metrics: dict[str, Any], total_steps: int) -> str:
     """``step 3/30 loss 2.1043 grad_norm 0.812 | AG 36 RS 5 AR 3 (deferred) | 0.21 s``"""
     return (

@@ -170,7 +170,8 @@ def rollout_memory(hf_config, inp: PlanInput, num_params: int, resident: int, bu
                         inp.rollout_dtype)
     if inp.rollout_sampler == "generate":  # every step's fp32 scores kept, stacked, then log-softmaxed
         scores = 3 * inp.rollout_sequences * inp.rollout_new_tokens * cfg.vocab_size * 4
-    else:  # one step's logits, their fp32 log-softmax and probabilities; the drawn log-probs
+    else:  # one step's logits, their fp32 log-softmax and probabilities; the drawn log-probs (the prefill's
+        # logits are the last position's only, one row per prompt: fewer than a step's)
         scores = inp.rollout_sequences * (cfg.vocab_size * (dtype + 8) + inp.rollout_new_tokens * 4)
     copy = num_params * dtype
     peak = resident + copy + kv + scores

@@ -64,8 +64,10 @@ def fused_head_unsupported(model: nn.Module) -> str | None:
     base, head, config = unwrapped_model(model), output_layer(model), hf_config_of(model)
     if head is None:
         return f"{type(base).__name__} has no output embeddings (a value head or a plain module)"
+    if hasattr(head, "base_layer") and hasattr(head, "get_delta_weight"):  # peft's layer is also called Linear
+        return "a LoRA adapter sits on the output layer (model.lora.target_modules names it)"
     if type(head) not in (nn.Linear, FusableLinear):
-        return f"its output layer is a {type(head).__name__}, not a plain nn.Linear (e.g. LoRA on lm_head)"
+        return f"its output layer is a {type(head).__name__}, not a plain nn.Linear"
     if config is None:
         return f"{type(base).__name__} is not a Hugging Face model"
     return head_passes_through(type(base), config.to_json_string())

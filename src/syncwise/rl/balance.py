@@ -3,8 +3,9 @@ samples moved between ranks so every rank has about the same real tokens (``rl.b
 
 Both change *which* rank computes *which* sample, never the update: the engine normalises the loss over the
 global batch (every rank, every micro-batch), so the gradient of a rebalanced batch equals the unbalanced
-one's, and leaving out a group whose advantages are all zero changes only the normaliser -- to the
-full-batch one over the samples that train, as DAPO's dynamic sampling does.
+one's. Leaving out a group whose advantages are all zero removes no policy-gradient term and changes the
+normaliser to the full-batch one over the samples that train, as DAPO's dynamic sampling does -- but with
+``rl.loss.kl_coef`` or ``rl.loss.entropy_coef`` > 0 those samples' KL and entropy gradients are dropped too.
 """
 
 from __future__ import annotations

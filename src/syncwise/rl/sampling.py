@@ -8,7 +8,8 @@ spent on sequences that have already ended, and the kept scores outgrow the KV c
 Here the prompts' KV cache is computed once and repeated for their samples; whenever an eighth of the
 active sequences has ended, the cache and the batch are compacted to the ones still running. The
 distribution is the one ``generate`` samples from with ``do_sample=True, top_k=0, top_p=1``:
-softmax(logits / temperature).
+softmax(logits / temperature). The prefill keeps only each prompt's last position's logits (``logits_to_keep=1``,
+as ``generate`` does): the rest would be [prompts, prompt length, vocabulary] for nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ class Samples:
 
 def left_padded(prompts: list[torch.Tensor], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) of the prompts left-padded: every prompt's last token in the last column,
-    where generation continues."""
+    where generation continues. Both samplers start here, so an empty prompt stops here with its index."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+        raise ValueError(f"sampling: prompt(s) {empty[:5]} have no tokens; a response needs a prompt to follow"
+                         if prompts else "sampling: no prompts")
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros_like(input_ids)
@@ -58,10 +63,13 @@ def sample(
     input_ids, mask = left_padded(prompts, pad_id, device)
     positions = positions_of(mask)
     cache = DynamicCache(config=model.config)
+    accepted = inspect.signature(model.forward).parameters
     # transformers >= 5.24 names the argument ``cache`` (``past_key_values`` is deprecated); older ones do not.
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_arg = "cache" if "cache" in accepted else "past_key_values"
+    # The prefill needs only the last position's logits: [prompts, vocab], not [prompts, prompt length, vocab].
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                   **{cache_arg: cache}).logits[:, -1]
+                   **{cache_arg: cache}, **last_only).logits[:, -1]
     # Each prompt's samples share its prefill.
     n = samples_per_prompt
     cache.batch_repeat_interleave(n)

@@ -33,7 +33,7 @@ from ..checkpoint import CheckpointManager, export_hf
 from ..config import Config, config_to_dict, load_config_dict
 from ..engine import Engine
 from ..losses import is_maximum, sft_loss
-from ..metrics import JsonlLogger, TensorBoardLogger, plot_curves, plot_phases
+from ..metrics import JsonlLogger, TensorBoardLogger, job_history, plot_curves, plot_phases
 from ..models import build_model
 from ..models.lora import adapters_disabled
 from ..runtime.distributed import DistInfo, agree, init_distributed, run_rank
@@ -337,10 +337,11 @@ class GRPOTrainer:
         if self.config.train.export:
             export_hf(self.engine, self.tokenizer, self.out_dir / "export", base_path=self.config.model.path)
         self.close_logs()
-        if self.info.is_main and self.history:
-            plot_curves(self.history, self.out_dir / "curves.png")
-            plot_phases(self.history, self.out_dir / "phases.png", [f"time/{phase}_s" for phase in PHASES])
-            _print_summary(self.history, self.out_dir)
+        if self.info.is_main and self.history:  # the whole job's steps (a resumed run's memory has its own only)
+            history = job_history(self.out_dir / "metrics.jsonl")
+            plot_curves(history, self.out_dir / "curves.png")
+            plot_phases(history, self.out_dir / "phases.png", [f"time/{phase}_s" for phase in PHASES])
+            _print_summary(history, self.out_dir)
 
     def run(self) -> list[dict[str, Any]]:
         """Train from the start (or the resumed) step to ``train.steps``; rank 0 returns every step's metrics."""

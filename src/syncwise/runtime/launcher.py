@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing import resource_tracker
@@ -85,6 +86,7 @@ def rank_main(fn: Callable[..., Any], *args: Any) -> int:
 
     StopRequest.install()
     _adopt_earlier_stop()
+    warnings.formatwarning = _one_line_warning
     # tqdm's default lock is a multiprocessing semaphore, which a rank that ends with ``os._exit`` would
     # leave behind (the resource tracker then warns at exit); one rank's bars need only a thread lock.
     tqdm.set_lock(threading.RLock())
@@ -106,6 +108,18 @@ def rank_main(fn: Callable[..., Any], *args: Any) -> int:
             if debug_enabled():
                 print(report.traceback, file=sys.stderr, flush=True)
         return 1
+
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
+_python_formatwarning = warnings.formatwarning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """syncwise's own warnings as one line a user reads (not the source line that raised them); other
+    libraries' as Python prints them."""
+    if str(Path(filename).resolve()).startswith(_PACKAGE_DIR):
+        return f"syncwise: warning: {message}\n"
+    return _python_formatwarning(message, category, filename, lineno, line)
 
 
 def leave(code: int) -> None:
