@@ -144,6 +144,58 @@ def _wait_for_ranks(job: subprocess.Popen, count: int = 2) -> set[int]:
         time.sleep(0.01)
 
 
+def _importing_torch(pid: int) -> bool:
+    """Whether the process has begun loading torch's library (its memory map): the command line has read
+    the config and is importing the job."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_ctrl_c_before_the_ranks_exist_is_one_line_and_130(tmp_path):
+    """Issue 28.6: Ctrl-C while the command line imports torch and the job (no rank exists yet) ends with
+    one line and 130, never a KeyboardInterrupt traceback."""
+    job = _start(_train(tmp_path / "run"))
+    while not _importing_torch(job.pid):  # an event, not a time
+        assert job.poll() is None, job.communicate()
+        time.sleep(0.001)
+    os.killpg(job.pid, signal.SIGINT)
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert ("syncwise: stopped by SIGINT before the job started" in stderr
+            or "syncwise: stopped by SIGINT after step" in stdout), (stdout, stderr)
+
+
+def test_keyboard_interrupt_while_importing_the_job_is_one_line(monkeypatch, capsys):
+    """The same, pinned where the signal lands most often: while the job's module (torch) is imported."""
+    from syncwise.jobs import cli
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    assert cli.main(["train", "train.steps=1"]) == 130
+    err = capsys.readouterr().err
+    assert err == "syncwise: stopped by SIGINT before the job started; nothing was trained or saved\n"
+
+
+def test_help_and_config_errors_do_not_import_torch():
+    """Issue 28.6: ``--help``, a config error and a ``plan`` argument error are answered without torch."""
+    code = ("import sys; from syncwise.jobs.cli import main\n"
+            "for argv in (['train', 'no.such=1'], ['sft', 'sft.bad=1'], ['plan', 'x', '--rollout-sampler', 'y']):\n"
+            "    assert main(argv) == 2\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "unknown key 'no'" in proc.stderr and "--rollout-sampler" in proc.stderr
+    for argv in (["train", "--help"], ["plan", "--help"]):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "syncwise", *argv], env=ENV,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and " torch\n" not in proc.stderr and "| torch\n" not in proc.stderr
+
+
 @pytest.mark.parametrize(("signame", "target"), [("SIGINT", "group"), ("SIGTERM", "launcher")])
 def test_signal_while_ranks_still_import_is_a_clean_stop(tmp_path, signame, target):
     """Ctrl-C (or SIGTERM) the moment the ranks exist, before they could install a handler: the launcher

@@ -7,12 +7,12 @@ made (``torchrun --nproc-per-node 2 -m syncwise sft ...``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from typing import Any
 
 from ..config import ConfigError, config_to_dict, load_config, packaged_config
-from ..runtime.distributed import launched_by_torchrun
 from ..runtime.launcher import DEBUG_ENV, launch_local, leave, rank_main
 
 
@@ -24,9 +24,10 @@ def _split_args(values: list[str]) -> tuple[str | None, list[str]]:
     return path, values
 
 
-def _run_job(worker, args: argparse.Namespace, job: str, default_config: str | None = None) -> int:
-    """Load and check the config, check what the job was given, then run it. Exit status: 0, 2 for a
-    mistake found before any rank started, 1 for an error in a rank, 130 / 143 after Ctrl-C / SIGTERM."""
+def _run_job(worker_path: str, args: argparse.Namespace, job: str, default_config: str | None = None) -> int:
+    """Load and check the config, check what the job was given, then run it (``worker_path``,
+    ``module:function``, is imported only then: a config error is answered without torch). Exit status: 0,
+    2 for a mistake found before any rank started, 1 for an error in a rank, 130 / 143 after Ctrl-C / SIGTERM."""
     from .preflight import PreflightError, preflight
 
     path, overrides = _split_args(args.args)
@@ -40,11 +41,15 @@ def _run_job(worker, args: argparse.Namespace, job: str, default_config: str | N
             kind = "config error" if isinstance(exc, ConfigError) else "error"
             print(f"syncwise: {kind}: {exc}", file=sys.stderr)
         return 2
+    module, _, name = worker_path.partition(":")
+    worker = getattr(importlib.import_module(module), name)
     return _launch(worker, config.dist.nproc, config_to_dict(config))
 
 
 def _launch(worker, nproc: int, payload: dict) -> int:
     """Run ``worker(payload)`` as this torchrun rank, or spawn ``nproc`` local ranks; the exit status."""
+    from ..runtime.distributed import launched_by_torchrun  # torch: only once a job really starts
+
     if not launched_by_torchrun():
         return launch_local(worker, nproc, payload).exit_code
     leave(rank_main(worker, payload))
@@ -52,6 +57,16 @@ def _launch(worker, nproc: int, payload: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; its exit status. A Ctrl-C before the job's ranks exist (while the config is read or
+    torch is imported) is one line and 130, as after them."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("syncwise: stopped by SIGINT before the job started; nothing was trained or saved", file=sys.stderr)
+        return 128 + 2
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.debug:
@@ -59,13 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return _run_plan(args)
     if args.command == "train":
-        from ..rl.trainer import train_worker
-
-        return _run_job(train_worker, args, "train", default_config="grpo.yaml")
+        return _run_job("syncwise.rl.trainer:train_worker", args, "train", default_config="grpo.yaml")
     if args.command == "sft":
-        from .sft import sft_worker
-
-        return _run_job(sft_worker, args, "sft")
+        return _run_job("syncwise.jobs.sft:sft_worker", args, "sft")
     if args.command == "bench":
         return _run_bench(args)
     return 1  # pragma: no cover - argparse rejects unknown commands
@@ -135,12 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from ..memory.plan import PlanInput, format_plan, load_hf_config, make_plan, plan_to_json
+    from ..memory.plan_input import PlanInput  # torch-free: a bad argument is answered at once
 
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "json", "debug", "calibrate", "nproc")}
     try:
         inp = PlanInput(**fields)
         inp.validate()
+        from ..memory.plan import format_plan, load_hf_config, make_plan, plan_to_json
+
         hf_config = load_hf_config(inp.model)  # a wrong model name fails before any sweep
         if args.calibrate and args.nproc < 2:
             raise ValueError(f"--calibrate needs --nproc >= 2, got {args.nproc}")

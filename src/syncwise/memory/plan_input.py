@@ -1,0 +1,95 @@
+"""What ``syncwise plan`` is asked (:class:`PlanInput`) and the shapes it knows by name -- torch-free, so
+the command line rejects a bad argument before importing torch or transformers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import DTYPES, LoraConfig
+
+# Shapes of common models, from their public config.json files (weights are never needed).
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-4b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass
+class PlanInput:
+    model: str
+    world_size: int = 8
+    replicas: int = 1  # > 1: HSDP with this many replicas of world_size / replicas shards
+    microbatches: int = 8
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    device_memory_gib: float = 80.0
+    budget_fraction: float = 0.9
+    activation_gib: float = 0.0  # per rank, for one micro-batch (what a profile of your job shows)
+    seq_len: int = 0  # > 0: estimate activations from the model's shapes instead (tokens per sequence)
+    micro_batch_size: int = 1
+    activation_checkpointing: bool = False
+    logprob_chunk: int = 1024  # tokens whose fp32 log-softmax exists at once (engine.logprob_chunk_size)
+    fused_lm_head: bool = True  # engine.fused_lm_head: no [tokens, vocabulary] logits kept
+    lora_rank: int = 0  # > 0: only LoRA adapters of this rank train (model.lora.rank, target all-linear)
+    # GRPO's rollout on every rank: sequences sampled at once (rl.prompts_per_rank x rl.samples_per_prompt;
+    # 0: no rollout copy), their prompt and new tokens (rl.max_new_tokens), the copy's dtype.
+    rollout_sequences: int = 0
+    rollout_prompt_len: int = 0
+    rollout_new_tokens: int = 0
+    rollout_dtype: str = "float32"
+    rollout_sampler: str = "compact"  # rl.sampler: compact keeps one step's logits, generate every step's scores
+    bandwidth_gbps: float = 100.0  # GB/s per rank within a shard group
+    replica_bandwidth_gbps: float | None = None  # GB/s across replicas (default: bandwidth_gbps)
+    latency_us: float = 10.0
+
+    def validate(self) -> None:
+        if self.world_size < 1 or self.replicas < 1 or self.world_size % self.replicas:
+            raise ValueError(f"--replicas {self.replicas} must divide --world-size {self.world_size}")
+        if self.microbatches < 1:
+            raise ValueError("--microbatches must be >= 1")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"--{name.replace('_', '-')}: {getattr(self, name)!r} is not one of "
+                                 f"{', '.join(DTYPES)}")
+        if self.bandwidth_gbps <= 0 or self.device_memory_gib <= 0:
+            raise ValueError("--bandwidth-gbps and --device-memory-gib must be > 0")
+        if not 0 < self.budget_fraction <= 1:
+            raise ValueError(f"--budget-fraction must be in (0, 1], got {self.budget_fraction}")
+        if self.latency_us < 0 or self.activation_gib < 0:
+            raise ValueError("--latency-us and --activation-gib must be >= 0")
+        if self.seq_len < 0 or self.micro_batch_size < 1 or self.logprob_chunk < 0:
+            raise ValueError("--seq-len must be >= 0, --micro-batch-size >= 1, --logprob-chunk >= 0")
+        if self.replica_bandwidth_gbps is not None and self.replica_bandwidth_gbps <= 0:
+            raise ValueError("--replica-bandwidth-gbps must be > 0")
+        LoraConfig(rank=self.lora_rank).validate(prefix="--lora-")  # >= 0; peft installed
+        if min(self.rollout_sequences, self.rollout_prompt_len, self.rollout_new_tokens) < 0:
+            raise ValueError("--rollout-sequences, --rollout-prompt-len and --rollout-new-tokens must be >= 0")
+        if self.rollout_sequences and not self.rollout_new_tokens:
+            raise ValueError("--rollout-sequences needs --rollout-new-tokens (rl.max_new_tokens)")
+        if self.rollout_sampler not in ("compact", "generate"):
+            raise ValueError(f"--rollout-sampler: {self.rollout_sampler!r} is not one of compact, generate")
+        if self.rollout_dtype not in DTYPES:
+            raise ValueError(f"--rollout-dtype: {self.rollout_dtype!r} is not one of {', '.join(DTYPES)}")
