@@ -9,8 +9,8 @@ from scenarios import VOCAB, engine_config, full_grads
 from syncwise.config import PolicyLossConfig
 from syncwise.engine import Engine
 from syncwise.models import build_model
-from syncwise.rl.advantages import grpo_advantages
-from syncwise.rl.balance import balance_ranks, select_trained_rows, take_rows, uniform_groups
+from syncwise.rl.advantages import grpo_advantages, uniform_groups
+from syncwise.rl.balance import balance_ranks, select_trained_rows, take_rows
 from syncwise.rl.losses import make_policy_loss
 
 GROUP = 4
@@ -74,6 +74,10 @@ def balance_suite(info) -> dict:
     out["refused"] = refused
     # Already balanced: nothing moves.
     out["again"] = balance_ranks(balanced, pad_id=0, min_rows=1, timeout_s=TIMEOUT_S)[1]
+    # A gain below rl.balance_min_gain: nothing moves, and the batch is this rank's own.
+    kept, out["small_gain"] = balance_ranks(batch, pad_id=0, min_rows=1, timeout_s=TIMEOUT_S,
+                                            min_gain=out["balance"]["stats"].before - 1.0 + 0.01)
+    out["small_gain_kept"] = kept is batch
 
     # Uniform groups: rank 0 has signal in half its groups, rank 1 in none (it keeps one masked row).
     uniform = {0, 2, 4, 6} if info.rank == 0 else set(range(8))

@@ -12,7 +12,7 @@ from dist_harness import run_distributed
 from numerics import assert_all_close
 from scenarios_balance import GROUP, balance_suite
 from syncwise.data.batching import karmarkar_karp
-from syncwise.rl.balance import uniform_groups
+from syncwise.rl.advantages import uniform_groups
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,12 @@ def test_balanced_gradient_equals_the_unbalanced_one(ranks):
 def test_balance_refused_when_a_rank_would_get_too_few_rows_or_nothing_improves(ranks):
     for stats in (ranks[0]["refused"], ranks[0]["again"]):
         assert stats.moved == 0 and stats.after == stats.before
+
+
+def test_balance_refused_below_the_minimum_gain(ranks):
+    """rl.balance_min_gain: a gain smaller than asked for moves nothing (the batch stays as it is)."""
+    for rank in ranks:
+        assert rank["small_gain"].moved == 0 and rank["small_gain"].before > 1.5 and rank["small_gain_kept"]
 
 
 def test_karmarkar_karp_on_a_long_tail_beats_5_percent():

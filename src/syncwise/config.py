@@ -215,8 +215,12 @@ class RLConfig:
     # take them in a forward-only pass anyway, as verl does
     old_log_prob_pass: bool = False
     # Before the update, move samples between ranks so each trains on about the same real tokens
-    # (Karmarkar-Karp over sequence lengths; one all-gather of the rollout batch). The gradient is unchanged.
+    # (Karmarkar-Karp over sequence lengths, all-gathered; the rows that move travel in one all-to-all). The
+    # gradient is unchanged.
     balance_ranks: bool = True
+    # Move only when that lowers the imbalance (busiest rank's real tokens / the mean) by at least this much:
+    # below it the exchange costs more than the ranks would wait.
+    balance_min_gain: float = 0.02
     # Supervised steps on the built-in task's correct responses before GRPO (a warm start the job runs
     # itself; a resumed run skips it). 0: none.
     warm_start_steps: int = 0
@@ -271,6 +275,7 @@ class Config:
         _positive("rl.prompts_per_rank", self.rl.prompts_per_rank)
         _positive("rl.samples_per_prompt", self.rl.samples_per_prompt)
         _non_negative("rl.warm_start_steps", self.rl.warm_start_steps)
+        _non_negative("rl.balance_min_gain", self.rl.balance_min_gain)
         if self.rl.warm_start_steps and self.rl.dataset:
             raise ConfigError("rl.warm_start_steps: needs a built-in task's demonstrations, not rl.dataset")
         _non_negative("rl.max_new_tokens", self.rl.max_new_tokens, "0: the task's")

@@ -15,10 +15,18 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.double().view(-1, group_size)
 
 
+def uniform_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[groups] bool: the groups (``group_size`` consecutive samples) whose rewards are all equal -- their
+    group-relative advantages are exactly zero, so the policy-gradient term learns nothing from them. The one
+    place this is decided: the advantages zero them, ``rl.skip_uniform_groups`` leaves them out."""
+    grouped = rewards.reshape(-1, group_size)
+    return (grouped == grouped[:, :1]).all(dim=1)
+
+
 def _centred(groups: torch.Tensor, baseline: torch.Tensor) -> torch.Tensor:
     """``groups - baseline``, exactly 0 in a group whose rewards are all equal: rounding in the mean
     (fp32 0.7 x 8 has mean 0.69999993) must not turn a group without signal into a systematic push."""
-    uniform = (groups == groups[:, :1]).all(dim=1, keepdim=True)
+    uniform = uniform_groups(groups, groups.shape[1])[:, None]
     return torch.where(uniform, torch.zeros_like(groups), groups - baseline)
 
 

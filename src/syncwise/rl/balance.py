@@ -10,13 +10,14 @@ normaliser to the full-batch one over the samples that train, as DAPO's dynamic 
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..data.batching import Batch, karmarkar_karp, sequence_lengths
+from ..data.batching import Batch, sequence_lengths
 from ..runtime.distributed import agree, collective_timeout
 
 
@@ -28,17 +29,10 @@ class Selection:
     masked: torch.Tensor  # of ``rows``: kept only so the rank has something to run (loss mask zeroed)
 
 
-def uniform_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[groups] bool: the groups (``group_size`` consecutive samples) whose rewards are all equal -- their
-    group-relative advantages are zero, so the policy-gradient term learns nothing from them."""
-    grouped = rewards.view(-1, group_size)
-    return (grouped == grouped[:, :1]).all(dim=1)
-
-
 def select_trained_rows(uniform: torch.Tensor, group_size: int, min_rows: int, device: torch.device,
                         timeout_s: float) -> Selection:
     """Collective (one small all-reduce): the rows of the groups with signal (``uniform``: the groups
-    without, from :func:`uniform_groups`). A rank left with fewer than
+    without, from :func:`syncwise.rl.advantages.uniform_groups`). A rank left with fewer than
     ``min_rows`` rows (one per mini-batch) keeps as many rows of its uniform groups with the loss mask
     zeroed -- they count nowhere -- so every rank still runs the same optimizer steps. If no rank has a group
     with signal, every row trains as without the option (the step is then the KL term's alone)."""
@@ -70,52 +64,97 @@ class Balance:
     moved: int  # samples that changed rank
 
 
-def balance_ranks(batch: Batch, pad_id: int, min_rows: int, timeout_s: float) -> tuple[Batch, Balance]:
-    """Collective (one all-gather of every rank's batch): this rank's share of the global batch after a
-    Karmarkar-Karp partition of all sequences by length, so each rank's real tokens are close to the mean.
+def balance_ranks(batch: Batch, pad_id: int, min_rows: int, timeout_s: float,
+                  min_gain: float = 0.0) -> tuple[Batch, Balance]:
+    """Collective: this rank's share of the global batch after samples moved between ranks (the fewest that
+    bring each rank's real tokens close to the mean, :func:`_fewest_moves`).
 
     ``batch`` holds one row per sample ([B], [B, T] or [B, T-1] tensors, right-padded: the rollout's
-    layout); the result has the same keys. The partition is computed alike on every rank from what the
-    all-gather returned. If it would leave a rank with fewer than ``min_rows`` samples, or balance no better
-    than the batch already is, nothing moves."""
+    layout); the result has the same keys. Every rank's sequence lengths are all-gathered (one small
+    collective) and the moves are computed alike on every rank; no rank is left with fewer than ``min_rows``
+    samples, and nothing moves if that would lower the imbalance (busiest rank's tokens / the mean) by less
+    than ``min_gain``. Otherwise only the rows that change rank travel, in one all-to-all (plus one of their
+    sizes). Rows come out in global order: rank 0's first, each rank's in its own order."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    gathered: list[Batch | None] = [None] * world
-    with collective_timeout("the cross-rank balance all-gather", timeout_s):
-        dist.all_gather_object(gathered, {k: v.cpu() for k, v in batch.items()})
-    lengths = [sequence_lengths(b) for b in gathered]
+    own = sequence_lengths(batch)
+    gathered: list[list[int] | None] = [None] * world
+    with collective_timeout("the cross-rank balance all-gather of sequence lengths", timeout_s):
+        dist.all_gather_object(gathered, own.tolist())
+    lengths = [torch.tensor(n, dtype=torch.long) for n in gathered]
     owners = torch.cat([torch.full((len(n),), r) for r, n in enumerate(lengths)])
     flat = torch.cat(lengths)
     before = _imbalance([float(n.sum()) for n in lengths])
-    parts = karmarkar_karp(flat.double().tolist(), world)
-    if min(len(p) for p in parts) < min_rows:  # a rank would get too few rows
-        return batch, Balance(before, before, 0)
-    after = _imbalance([float(flat[torch.tensor(p)].sum()) for p in parts])
-    if after >= before:  # no better than it is
-        return batch, Balance(before, before, 0)
-    owned = _assign(parts, owners, world)
-    mine = torch.tensor(sorted(owned[rank]))
-    width = max(b["input_ids"].shape[1] for b in gathered)
-    merged = {key: torch.cat([_pad_columns(b[key], width - b["input_ids"].shape[1],
-                                           pad_id if key == "input_ids" else 0) for b in gathered])
-              for key in batch}
-    shared = {key: value[mine] for key, value in merged.items()}
-    moved = sum(int((owners[torch.tensor(p)] != r).sum()) for r, p in enumerate(owned))
-    return _trim_right(shared, int(flat[mine].max())), Balance(before, after, moved)
+    destination = _fewest_moves(flat, owners, world, min_rows)
+    after = _imbalance([float(flat[destination == r].sum()) for r in range(world)])
+    if before - after < max(min_gain, 1e-12):
+        return batch, Balance(before, before, 0)  # too little to gain
+    first = [0, *torch.cumsum(torch.tensor([len(n) for n in lengths]), 0).tolist()]  # rank r's rows start here
+    mine = destination[first[rank] : first[rank + 1]]  # where each of this rank's rows goes
+    received = _exchange(batch, mine, rank, world, timeout_s)
+    pieces = [(torch.arange(first[r], first[r + 1])[destination[first[r] : first[r + 1]] == rank], rows)
+              for r, rows in received.items()]
+    shared = _merged(pieces, batch, pad_id)
+    moved = int((destination != owners).sum())
+    return _trim_right(shared, int(flat[destination == rank].max())), Balance(before, after, moved)
 
 
-def _assign(parts: list[list[int]], owners: torch.Tensor, world: int) -> list[list[int]]:
-    """Which rank takes which part: greedily the pairs that keep the most samples where they are (fewest
-    moved), ties by index -- the same answer on every rank."""
-    overlap = [[int((owners[torch.tensor(p, dtype=torch.long)] == r).sum()) for r in range(world)] for p in parts]
-    pairs = sorted(((overlap[p][r], p, r) for p in range(len(parts)) for r in range(world)),
-                   key=lambda x: (-x[0], x[1], x[2]))
-    owned: list[list[int] | None] = [None] * world
-    taken = set()
-    for _, p, r in pairs:
-        if owned[r] is None and p not in taken:
-            owned[r] = parts[p]
-            taken.add(p)
-    return owned  # type: ignore[return-value]
+def _exchange(batch: Batch, destination: torch.Tensor, rank: int, world: int,
+              timeout_s: float) -> dict[int, Batch]:
+    """Collective (two all-to-alls: sizes, then bytes): each rank sends every other rank the rows bound for
+    it and keeps its own. Returns, per source rank, the rows this rank receives from it (its own included)."""
+    payloads = []
+    for r in range(world):
+        rows = (destination == r).nonzero().squeeze(1)
+        payloads.append(b"" if r == rank or not len(rows) else
+                        pickle.dumps({k: v[rows].cpu() for k, v in batch.items()}))
+    send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long)
+    recv_sizes = torch.empty_like(send_sizes)
+    with collective_timeout("the cross-rank balance all-to-all", timeout_s):
+        dist.all_to_all_single(recv_sizes, send_sizes)
+        sent = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8) if sum(send_sizes) else \
+            torch.empty(0, dtype=torch.uint8)
+        got = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+        dist.all_to_all_single(got, sent, recv_sizes.tolist(), send_sizes.tolist())
+    out: dict[int, Batch] = {}
+    for r, chunk in enumerate(got.split(recv_sizes.tolist())):
+        if r == rank:
+            kept = (destination == rank).nonzero().squeeze(1)
+            out[r] = {k: v[kept] for k, v in batch.items()}
+        elif len(chunk):
+            out[r] = pickle.loads(chunk.numpy().tobytes())  # from a rank of this job
+    return out
+
+
+def _merged(pieces: list[tuple[torch.Tensor, Batch]], like: Batch, pad_id: int) -> Batch:
+    """The received rows as one right-padded batch, ordered by their global index."""
+    pieces = [(index, rows) for index, rows in pieces if len(index)]
+    width = max(rows["input_ids"].shape[1] for _, rows in pieces)
+    order = torch.cat([index for index, _ in pieces]).argsort()
+    return {key: torch.cat([_pad_columns(rows[key], width - rows["input_ids"].shape[1],
+                                         pad_id if key == "input_ids" else 0) for _, rows in pieces])[order]
+            for key in like}
+
+
+def _fewest_moves(lengths: torch.Tensor, owners: torch.Tensor, world: int, min_rows: int) -> torch.Tensor:
+    """Each sample's rank after balancing, moving as few as it takes: from where the samples are, move
+    one sample at a time from the busiest rank to the least busy -- the one whose length comes closest to
+    halving their gap -- while that lowers the busiest rank's load and leaves it ``min_rows`` samples. (A
+    partition from scratch, Karmarkar-Karp, balances as well on long-tailed lengths but moves about half the
+    samples: 30 of 64 to go from 1.019 to 1.000.) Deterministic: the same answer on every rank."""
+    destination = owners.clone()
+    loads = torch.zeros(world, dtype=torch.float64).index_add_(0, owners, lengths.double())
+    for _ in range(len(lengths)):
+        busiest, lightest = int(loads.argmax()), int(loads.argmin())
+        gap = float(loads[busiest] - loads[lightest])
+        candidates = ((destination == busiest) & (lengths < gap)).nonzero().squeeze(1)
+        if not len(candidates) or int((destination == busiest).sum()) <= min_rows:
+            break
+        # closest to half the gap; ties to the lowest index
+        best = int(candidates[(lengths[candidates].double() - gap / 2).abs().argmin()])
+        destination[best] = lightest
+        loads[busiest] -= float(lengths[best])
+        loads[lightest] += float(lengths[best])
+    return destination
 
 
 def rank_token_imbalance(batch: Batch, device: torch.device, timeout_s: float) -> float:

@@ -38,8 +38,8 @@ from ..models import build_model
 from ..models.lora import adapters_disabled
 from ..runtime.distributed import DistInfo, agree, init_distributed, run_rank
 from ..runtime.signals import stopped
-from .advantages import grpo_advantages, rloo_advantages
-from .balance import Balance, balance_ranks, rank_token_imbalance, select_trained_rows, take_rows, uniform_groups
+from .advantages import grpo_advantages, rloo_advantages, uniform_groups
+from .balance import Balance, balance_ranks, rank_token_imbalance, select_trained_rows, take_rows
 from .losses import make_policy_loss
 from .rollout import Rollout, response_batch
 from .tasks import builtin_tokenizer, prompt_source
@@ -280,7 +280,8 @@ class GRPOTrainer:
                                             timeout_s)
             batch = take_rows(batch, selection)
         if rl.balance_ranks and self.info.world_size > 1:
-            batch, balance = balance_ranks(batch, self.tokenizer.pad_token_id, rl.mini_batches, timeout_s)
+            batch, balance = balance_ranks(batch, self.tokenizer.pad_token_id, rl.mini_batches, timeout_s,
+                                           rl.balance_min_gain)
         else:  # measured all the same, so runs with and without balancing compare
             imbalance = rank_token_imbalance(batch, self.info.device, timeout_s)
             balance = Balance(imbalance, imbalance, 0)
