@@ -62,7 +62,7 @@ def head_suite(info, cases: list[str]) -> dict:
                         result = engine.forward_backward_batch(batch, _loss(kind))
                     log_probs = engine.forward_batch(batch, temperature=TEMPERATURE).outputs["log_probs"]
                     out[(case, kind, packing, fused)] = {
-                        "grads": full_grads(engine), "counts": dict(counts.counts), "fused": engine.fused_head,
+                        "grads": full_grads(engine), "counts": dict(counts.counts), "fused": engine.features.fused_head,
                         "tied": tied, "metrics": result.metrics, "log_probs": log_probs,
                         "microbatches": result.num_microbatches,
                     }

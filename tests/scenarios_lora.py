@@ -77,7 +77,7 @@ def lora_case(info, strategy: str, mode: str, *extra: str, reference_pass: bool 
         "adapters_moved": max((after[k] - before[k]).abs().max().item() for k in after if ".lora_" in k),
         "metrics": metrics,
         "trainable": sorted(trainable),
-        "packing": engine.packing,
+        "packing": engine.features.packing,
         "retained": result.retained_grad_bytes,
         "predicted_retained": engine.memory_model.retained_grad_bytes(engine.active_mode, NUM_MICROBATCHES),
         "num_units": engine.wrapped.num_units,

@@ -70,12 +70,12 @@ def merge_case(info, root: Path, name: str) -> dict:
     model = _randomised_adapters(build_model(cfg.model))
     reference = _logits(model.eval(), _inputs())  # the peft model itself, before wrapping
     engine = Engine(cfg, model, info)
-    copy = uninitialised_model(engine.plain_hf_config)
+    copy = uninitialised_model(engine.features.plain_hf_config)
     from syncwise.engine.weights import load_by_unit
 
     load_by_unit(copy, engine.full_weights_by_unit())
     out = {"refreshed": _logits(copy.eval(), _inputs()), "adapter_model": reference,
-           "unties": engine.lora_merge.unties}
+           "unties": engine.features.lora_merge.unties}
     export_hf(engine, None, root / f"export_{name}", base_path=str(path))
     if info.rank == 0:
         from peft import AutoPeftModelForCausalLM

@@ -38,9 +38,9 @@ def refresh_case(info, strategy: str, *extra: str) -> dict:
     cfg = engine_config(strategy, "per_microbatch", *extra)
     engine = Engine(cfg, build_model(cfg.model, num_hidden_layers=LAYERS), info)
     _perturb(engine)
-    copy = AutoModelForCausalLM.from_config(engine.plain_hf_config)
+    copy = AutoModelForCausalLM.from_config(engine.features.plain_hf_config)
     expected = engine.full_model_state()  # the whole model at once (the old path)
-    load_by_unit(copy, full_weights_by_unit(engine.wrapped, engine.lora_merge))
+    load_by_unit(copy, full_weights_by_unit(engine.wrapped, engine.features.lora_merge))
     state = copy.state_dict()
     out = {
         "mismatched": sorted(k for k in expected if not torch.equal(state[k], expected[k])),
@@ -53,7 +53,7 @@ def refresh_case(info, strategy: str, *extra: str) -> dict:
         out["largest_unit_bytes"] = max(unit_bytes)
         out["model_bytes"] = sum(p.numel() * p.element_size() for p in copy.parameters())
         out["by_unit_extra"] = _peak_extra(
-            lambda: load_by_unit(copy, full_weights_by_unit(engine.wrapped, engine.lora_merge)),
+            lambda: load_by_unit(copy, full_weights_by_unit(engine.wrapped, engine.features.lora_merge)),
             copy, engine.model)
         out["whole_model_extra"] = _peak_extra(lambda: copy.load_state_dict(engine.full_model_state()),
                                                copy, engine.model)

@@ -120,7 +120,7 @@ def _measured_peak(fused: bool, vocab: int, tokens: int, chunk: int) -> int:
     ids = torch.randint(1, vocab, (4, tokens // 2), generator=torch.Generator().manual_seed(0))
     engine.train_batch({"input_ids": ids}, sft_loss)
     metrics = engine.train_batch({"input_ids": ids}, sft_loss)  # AdamW's state exists by now
-    assert metrics["memory/peak_measured"] == 1 and engine.fused_head == fused
+    assert metrics["memory/peak_measured"] == 1 and engine.features.fused_head == fused
     return int(metrics["memory/peak_bytes"])
 
 
@@ -153,7 +153,7 @@ def test_where_the_model_does_not_allow_it():
         warnings.simplefilter("ignore")
         lora = build_model(load_config(None, ["model.preset=qwen2-test", "model.lora.rank=4",
                                               "model.lora.target_modules=q_proj,lm_head"]).model)
-    assert "not a plain nn.Linear" in fused_head_unsupported(lora)
+    assert fused_head_unsupported(lora) == "a LoRA adapter sits on the output layer (model.lora.target_modules names it)"
     assert fused_head_unsupported(build_model(load_config(None, ["model.preset=qwen2-test"]).model)) is None
 
 

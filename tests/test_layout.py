@@ -24,3 +24,15 @@ def test_the_layers_contract_is_kept():
     proc = subprocess.run([str(lint)], capture_output=True, text=True, timeout=300, cwd=SRC.parents[1])
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "Contracts: 1 kept, 0 broken." in proc.stdout
+
+
+def test_the_engine_class_keeps_its_shape():
+    """Issue 28.13: the Engine holds the pieces together in at most 300 lines; what a model supports
+    (packing, the attention kernel, the fused head, LoRA) is decided in engine/features.py, not inline."""
+    import ast
+
+    source = (SRC / "engine" / "__init__.py").read_text()
+    engine = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    assert engine.end_lineno - engine.lineno + 1 <= 300
+    for decision in ("packs_correctly", "choose_kernel", "fused_head_unsupported", "LoraMerge", "peft_model_of"):
+        assert decision not in source, decision

@@ -75,7 +75,7 @@ def test_a_model_that_cannot_pack_gets_a_message_and_the_padded_path():
 
     with pytest.warns(RuntimeWarning, match="engine.packing: Plain is not a Hugging Face model"):
         engine = Engine(load_config(None, ["engine.strategy=none"]), Plain())
-    assert engine.packing is False
+    assert engine.features.packing is False
 
 
 @pytest.fixture(scope="module")

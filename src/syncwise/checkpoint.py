@@ -265,9 +265,9 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | N
 
         hf_logging.disable_progress_bar()  # a one-shard bar would break into the job's own
         out.mkdir(parents=True, exist_ok=True)
-        merged = engine.lora_merge.merged(full) if engine.lora else full
-        _plain_model(engine.plain_hf_config, merged).save_pretrained(out, safe_serialization=True)
-        if engine.lora:
+        merged = engine.features.lora_merge.merged(full) if engine.features.lora else full
+        _plain_model(engine.features.plain_hf_config, merged).save_pretrained(out, safe_serialization=True)
+        if engine.features.lora:
             _save_adapter(engine, full, out, base_path)
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
@@ -288,7 +288,7 @@ def _save_adapter(engine: Engine, full: dict[str, torch.Tensor], out: Path, base
     live = lora_adapters.peft_model_of(engine.model)
     adapter_config = copy.deepcopy(live.peft_config[lora_adapters.ADAPTER])
     adapter_config.base_model_name_or_path = None  # set below, once peft has read the (nameless) base
-    base = _plain_model(engine.hf_config, engine.lora_merge.merged(full, deltas=False))
+    base = _plain_model(engine.features.hf_config, engine.features.lora_merge.merged(full, deltas=False))
     if base_path:
         base_name = str(Path(base_path).resolve())
     else:  # built from a preset: nowhere else to load the base from

@@ -15,7 +15,6 @@ One optimizer step (:meth:`Engine.train_batch`), and the module each part lives 
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
@@ -26,26 +25,25 @@ from torch import nn
 from ..config import SHARDED_STRATEGIES, Config
 from ..data import attention
 from ..data.batching import Batch
-from ..losses import LossFn, is_maximum
+from ..losses import LossFn
 from ..memory.accounting import sharded_model_of
 from ..memory.schedule import unit_traffic
 from ..memory.units import resolve_deferred_units, unit_names
-from ..models import build_model, hf_config_of
-from ..models import head as output_head
-from ..models import lora as lora_adapters
-from ..runtime.distributed import CollectiveTimeout, DistInfo, agree, build_mesh, init_distributed
-from ..runtime.signals import StopRequest
+from ..models import build_model
+from ..runtime.distributed import CollectiveTimeout, DistInfo, build_mesh, init_distributed
 from ..sync import fsdp_internals as fsdp
 from ..sync.counting import CollectiveCounter
 from ..sync.modes import Switches, SyncChoice, SyncMode, as_choice, check_mode, spec, supported_modes
 from ..sync.switches import SwitchesFor
 from .audit import StepAudit, SyncNoOpError
+from .features import ModelFeatures, model_features
 from .governor import MemoryGovernor
 from .optim import build_optimizer, build_scheduler, clip_and_step, global_grad_norm
 from .planning import BatchPlan, plan_batch
+from .reduce import reduce_step
 from .step import ForwardBackwardResult, accumulate, forward_only
 from .weights import full_weights_by_unit
-from .wrap import DTYPE_BY_NAME, WrappedModel, wrap_model
+from .wrap import WrappedModel, wrap_model
 
 __all__ = ["CollectiveTimeout", "Engine", "ForwardBackwardResult", "SyncNoOpError", "build_optimizer",
            "build_scheduler"]
@@ -57,34 +55,21 @@ class Engine:
     Build it inside an initialised process group (``syncwise.runtime.distributed.init_distributed`` or the local
     launcher). ``model`` defaults to the one ``config.model`` describes; pass your own (fp32, on CPU,
     identical on every rank) to wrap it instead. ``trainable=False`` builds a forward-only engine (a frozen
-    reference model: no optimizer); ``total_steps`` sets the length of ``optim.schedule=cosine``.
+    reference model: no optimizer); ``total_steps`` sets the length of ``optim.schedule=cosine``;
+    ``features``: what the model supports (:func:`~syncwise.engine.features.model_features`, the default).
     """
 
     def __init__(
         self, config: Config, model: nn.Module | None = None, info: DistInfo | None = None, *,
-        trainable: bool = True, total_steps: int | None = None,
+        trainable: bool = True, total_steps: int | None = None, features: ModelFeatures | None = None,
     ):
         self.config = config.validate()
         self.info = info or init_distributed(config.dist.backend, config.dist.timeout_s)
         self.sync_mode = SyncMode(config.sync.mode)  # as configured; may be AUTO
         raw = model if model is not None else build_model(config.model)
-        self.hf_config = getattr(raw, "config", None)  # None for a plain nn.Module
-        # LoRA (peft): only the adapters train, and only they are checkpointed.
-        self.lora = lora_adapters.peft_model_of(raw) is not None
-        # How the adapters merge into the plain model (rollout copy, export): each peft layer's own delta.
-        self.lora_merge = lora_adapters.LoraMerge(raw) if self.lora else None
-        # The plain model the merged weights fit (untied where an adapter sits on a tied embedding).
-        self.plain_hf_config = self.lora_merge.plain_config(self.hf_config) if self.lora else self.hf_config
-        self.packing = config.engine.packing and _packing_works(raw, self.info.is_main)
+        # What this model supports (packing, its attention kernel, the fused head, LoRA), decided once.
+        self.features = features or model_features(raw, config, self.info.device, self.info.is_main)
         sharded = config.engine.strategy in SHARDED_STRATEGIES
-        self.attention_kernel = "none"  # packed rows' kernel (syncwise.data.attention); none without packing
-        if self.packing:  # computed in FSDP's mixed-precision dtype, else in the parameters'
-            compute_dtype = DTYPE_BY_NAME[config.model.param_dtype] if sharded else next(raw.parameters()).dtype
-            self.attention_kernel, line = attention.choose_kernel(self.info.device, compute_dtype)
-            if line and self.info.is_main:
-                print(f"syncwise: {line}", flush=True)
-        # The fused LM head: log-probs from the hidden states a chunk at a time, no [tokens, vocab] logits.
-        self.fused_head = config.engine.fused_lm_head and _fused_head_works(raw, config, self.info.is_main)
         mesh = build_mesh(self.info, config.engine.hsdp_replicas) if sharded else None
         hsdp = mesh is not None and mesh.ndim == 2
         check_mode(self.sync_mode, config.engine.strategy, hsdp)
@@ -121,10 +106,10 @@ class Engine:
     # ----------------------------------------------------------------------------------------------
     def _plan(self, batch: Batch, require_tokens: bool, loss_fn: LossFn | None = None) -> BatchPlan:
         batch = {k: v.to(self.info.device) for k, v in batch.items()} if _is_batch(batch) else batch
-        hf = self.hf_config
+        hf = self.features.hf_config
         return plan_batch(
             batch, self.config.engine, dp_size=self.wrapped.dp_size, device=self.info.device,
-            timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, packing=self.packing,
+            timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, packing=self.features.packing,
             varlen_attention=str(getattr(hf, "_attn_implementation", "")).startswith(("flash", attention.NAME)),
             vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
             loss_fn=loss_fn,
@@ -152,7 +137,7 @@ class Engine:
             return accumulate(
                 self.model, plan, loss_fn, self._switches_of(self.active_mode), device=self.info.device,
                 timeout_s=self.config.dist.timeout_s, chunk_tokens=self.config.engine.logprob_chunk_size,
-                meter=self._peak_meter, fused_head=self.fused_head,
+                meter=self._peak_meter, fused_head=self.features.fused_head,
             )
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
@@ -168,7 +153,8 @@ class Engine:
         plan = self._plan(batch, require_tokens=False, loss_fn=loss_fn)
         return forward_only(
             self.model, plan, loss_fn, device=self.info.device, timeout_s=self.config.dist.timeout_s,
-            chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature, fused_head=self.fused_head,
+            chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature,
+            fused_head=self.features.fused_head,
         )
 
     def _configured_choice(self) -> SyncChoice:
@@ -233,7 +219,8 @@ class Engine:
                 self._peak_meter = None
             self.step_outputs = result.outputs
             peak, measured = self.governor.local_peak(result, meter)
-            metrics, agreed = self._reduce_step(result.metrics, peak, self.governor.own_budget, result.workloads)
+            metrics, agreed = reduce_step(result.metrics, peak, self.governor.own_budget, result.workloads,
+                                          self.info.device, self.config.dist.timeout_s)
         peak, budget, stop = agreed["peak"], agreed["budget"], agreed["stop"]
         memory, next_mode = self.governor.after_step(result, peak, budget, measured, mode, self.info.is_main)
         if next_mode is not None:
@@ -257,32 +244,6 @@ class Engine:
             metrics.update(self.audit.check(counter.totals.counts, mode, result.num_microbatches))
         return metrics
 
-    def _reduce_step(
-        self, local: dict[str, float], peak: int | None, budget: int, loads: list[float] = ()
-    ) -> tuple[dict[str, float], dict[str, Any]]:
-        """One all-reduce for a step's loss metrics (summed) and what every rank must decide alike: the
-        memory peak (the max over ranks) and auto's budget (the min), so auto chooses the same mode
-        everywhere, and a stop signal received by any rank (see :mod:`syncwise.runtime.signals`); plus each
-        rank's micro-batch workloads, for the cross-rank balance. Keys are sorted so every rank packs
-        alike. Returns (metrics, agreed: peak, budget, stop, cross_rank_imbalance)."""
-        summed = sorted(k for k in local if not is_maximum(k))
-        maxima = sorted(k for k in local if is_maximum(k))
-        own = [float(peak or 0), float(budget), float(StopRequest.received), *(local[k] for k in maxima), *loads]
-        totals, per_rank = agree(
-            [local[k] for k in summed], own, "the metrics all-reduce (end of the step)", self.info.device,
-            self.config.dist.timeout_s,
-        )
-        metrics = dict(zip(summed, totals.tolist(), strict=True))
-        metrics |= dict(zip(maxima, per_rank[:, 3 : 3 + len(maxima)].max(dim=0).values.tolist(), strict=True))
-        work = per_rank[:, 3 + len(maxima) :]  # [rank, micro-batch]: all wait for the slowest at each collective
-        mean = float(work.mean(dim=0).sum())
-        return metrics, {
-            "peak": int(per_rank[:, 0].max()) if peak is not None else None,
-            "budget": int(per_rank[:, 1].min()),
-            "stop": int(per_rank[:, 2].max()),
-            "cross_rank_imbalance": float(work.max(dim=0).values.sum()) / mean if mean > 0 else 1.0,
-        }
-
     def expected_collectives(
         self, num_microbatches: int, mode: SyncMode | SyncChoice | None = None
     ) -> dict[str, int] | None:
@@ -297,14 +258,15 @@ class Engine:
     def eval_batch(self, batch: Batch, loss_fn: LossFn | None = None) -> ForwardBackwardResult:
         """Forward-only pass with its loss metrics reduced over ranks. Never touches gradients or sync state."""
         result = self.forward_batch(batch, loss_fn)
-        result.metrics = self._reduce_step(result.metrics, None, 0)[0]
+        result.metrics = reduce_step(result.metrics, None, 0, (), self.info.device, self.config.dist.timeout_s)[0]
         return result
 
     def _state_options(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         # LoRA: the frozen base is rebuilt from model.path / the preset; a checkpoint holds the adapters.
-        return StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
+        lora = self.features.lora
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state (sharded DTensors under FSDP2), for ``torch.distributed.checkpoint``.
@@ -327,21 +289,21 @@ class Engine:
 
     def full_model_state(self, cpu_offload: bool = False, merge: bool = True) -> dict[str, torch.Tensor]:
         """Collective: the whole model's unsharded weights, keyed as the plain Hugging Face model's (LoRA
-        adapters merged into their weights by :class:`~syncwise.models.lora.LoraMerge`), for the rollout copy and
-        the export (a model to load them into: ``plain_hf_config``).
+        adapters merged into their weights as peft merges them: ``features.lora_merge``), for the rollout copy and
+        the export (a model to load them into: ``features.plain_hf_config``).
         ``cpu_offload``: gathered to rank 0's host memory only. ``merge=False``: LoRA's keys as peft's."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
-        if not self.lora or not merge or not full:  # offloaded: only rank 0 receives the weights
+        if not self.features.lora or not merge or not full:  # offloaded: only rank 0 receives the weights
             return full
-        return self.lora_merge.merged(full)
+        return self.features.lora_merge.merged(full)
 
     def full_weights_by_unit(self) -> Iterator[dict[str, torch.Tensor]]:
         """Collective (every rank must consume it all): the model's unsharded weights one wrapping unit at a
         time, keyed as the plain Hugging Face model's (LoRA merged) -- for refreshing the rollout copy with
         one unit's extra memory instead of the whole model's (see :mod:`syncwise.engine.weights`)."""
-        return full_weights_by_unit(self.wrapped, self.lora_merge)
+        return full_weights_by_unit(self.wrapped, self.features.lora_merge)
 
     def engine_state(self) -> dict[str, Any]:
         """Everything else a resumed run needs to continue exactly (JSON-serialisable): the step count,
@@ -374,41 +336,6 @@ class Engine:
         elif self.info.is_main:
             print(f"syncwise: the checkpoint's sync mode {saved.label} cannot run here "
                   f"(engine.strategy={self.config.engine.strategy}); sync.mode=auto decides again", flush=True)
-
-
-def _packing_works(model: nn.Module, say: bool) -> bool:
-    """Whether ``model`` keeps packed sequences apart (checked once per kind of model); if not, one message
-    and the padded path. An sdpa model is switched to ``sdpa_varlen`` (:mod:`syncwise.data.attention`): a
-    packed row's attention then costs what its sequences' would alone."""
-    from ..data.packing import packs_correctly
-
-    model = lora_adapters.base_model_of(model)  # a peft model packs as the model it adapts
-    config = hf_config_of(model)
-    if config is None:
-        reason = f"{type(model).__name__} is not a Hugging Face model (packing needs position_ids support)"
-    else:
-        if config._attn_implementation == "sdpa":
-            attention.register()
-            model.set_attn_implementation(attention.NAME)
-        reason = packs_correctly(type(model), config.to_json_string(), config._attn_implementation)
-    if reason and say:
-        warnings.warn(f"engine.packing: {reason}; using padded micro-batches", RuntimeWarning, stacklevel=3)
-    return reason is None
-
-
-def _fused_head_works(model: nn.Module, config: Config, say: bool) -> bool:
-    """Whether ``model`` can run with the fused LM head (:mod:`syncwise.models.head`); if so its output layer
-    is installed, if not one message (unless it has no output layer at all: a value head) and the logits are
-    materialised."""
-    reason = output_head.fused_head_unsupported(model)
-    if reason is None and config.engine.strategy == "ddp" and config.engine.find_unused_parameters:
-        # DDP looks for unused parameters in the forward's graph, which the output layer is not in
-        reason = "with engine.find_unused_parameters=true DDP would take the output layer for unused"
-    if reason is None:
-        output_head.install(model)
-    elif say and output_head.output_layer(model) is not None:
-        warnings.warn(f"engine.fused_lm_head: {reason}; materialising the logits", RuntimeWarning, stacklevel=3)
-    return reason is None
 
 
 def _is_batch(batch: Any) -> bool:

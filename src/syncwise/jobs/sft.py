@@ -45,7 +45,7 @@ def run_sft(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]
     """Train ``config.sft.steps`` steps; rank 0 prints each step and appends it to ``metrics.jsonl``."""
     info = info or init_distributed(config.dist.backend, config.dist.timeout_s)
     engine = Engine(config, info=info)
-    vocab_size = engine.hf_config.vocab_size
+    vocab_size = engine.features.hf_config.vocab_size
     out_dir = Path(config.sft.out_dir)
     logger = None
     if info.is_main:

@@ -29,7 +29,8 @@ class Rollout:
     def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, cfg: RLConfig):
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         # Built uninitialised: the first refresh writes every parameter (load_by_unit checks it).
-        self.model = uninitialised_model(engine.plain_hf_config, getattr(torch, cfg.rollout_dtype), engine.info.device)
+        self.model = uninitialised_model(engine.features.plain_hf_config, getattr(torch, cfg.rollout_dtype),
+                                         engine.info.device)
         self.model.eval().requires_grad_(False)
 
     @property

@@ -158,7 +158,7 @@ class GRPOTrainer:
         # The KL reference: a frozen copy of the initial model, or with LoRA the policy's own base model with
         # its adapters switched off (no second model in memory).
         self.reference = None
-        if rl.loss.kl_coef > 0 and not self.engine.lora:
+        if rl.loss.kl_coef > 0 and not self.engine.features.lora:
             self.reference = Engine(config, build_model(config.model, **overrides), info, trainable=False)
         self.rollout = Rollout(self.engine, self.tokenizer, rl)
         self.engine.governor.hold_outside(self.rollout.copy_bytes)  # auto's budget knows the copy is there

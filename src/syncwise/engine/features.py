@@ -1,0 +1,89 @@
+"""What a model supports, decided once before it is wrapped (:func:`model_features`): packed rows and the
+attention kernel that runs them, the fused LM head, LoRA and how its adapters merge. The Engine receives
+the answer (:class:`ModelFeatures`) and asks nothing of the model again."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..config import SHARDED_STRATEGIES, Config
+from ..data import attention
+from ..models import head as output_head
+from ..models import hf_config_of
+from ..models import lora as lora_adapters
+from .wrap import DTYPE_BY_NAME
+
+
+@dataclass(frozen=True)
+class ModelFeatures:
+    hf_config: Any  # the model's Hugging Face config; None for a plain nn.Module
+    packing: bool  # packed rows keep sequences apart (else padded micro-batches)
+    attention_kernel: str  # packed rows' kernel (syncwise.data.attention); "none" without packing
+    fused_head: bool  # log-probs from the hidden states a chunk at a time, no [tokens, vocab] logits
+    lora_merge: lora_adapters.LoraMerge | None  # LoRA (peft): how the adapters merge; None without
+
+    @property
+    def lora(self) -> bool:
+        """Only the adapters train, and only they are checkpointed."""
+        return self.lora_merge is not None
+
+    @property
+    def plain_hf_config(self) -> Any:
+        """The config of the plain model the (merged) weights fit: the rollout copy's and the export's
+        (untied where an adapter sits on a tied embedding)."""
+        return self.lora_merge.plain_config(self.hf_config) if self.lora_merge else self.hf_config
+
+
+def model_features(model: nn.Module, config: Config, device, say: bool) -> ModelFeatures:
+    """Decide what ``model`` supports under ``config`` (installing the packed-attention kernel and the fused
+    head's output layer where they apply); ``say``: this rank prints the one-line reasons."""
+    packing = config.engine.packing and _packing_works(model, say)
+    kernel = "none"
+    if packing:  # computed in FSDP's mixed-precision dtype, else in the parameters'
+        sharded = config.engine.strategy in SHARDED_STRATEGIES
+        compute_dtype = DTYPE_BY_NAME[config.model.param_dtype] if sharded else next(model.parameters()).dtype
+        kernel, line = attention.choose_kernel(device, compute_dtype)
+        if line and say:
+            print(f"syncwise: {line}", flush=True)
+    fused = config.engine.fused_lm_head and _fused_head_works(model, config, say)
+    merge = lora_adapters.LoraMerge(model) if lora_adapters.peft_model_of(model) is not None else None
+    return ModelFeatures(getattr(model, "config", None), packing, kernel, fused, merge)
+
+
+def _packing_works(model: nn.Module, say: bool) -> bool:
+    """Whether ``model`` keeps packed sequences apart (checked once per kind of model); if not, one message
+    and the padded path. An sdpa model is switched to ``sdpa_varlen`` (:mod:`syncwise.data.attention`): a
+    packed row's attention then costs what its sequences' would alone."""
+    from ..data.packing import packs_correctly
+
+    model = lora_adapters.base_model_of(model)  # a peft model packs as the model it adapts
+    config = hf_config_of(model)
+    if config is None:
+        reason = f"{type(model).__name__} is not a Hugging Face model (packing needs position_ids support)"
+    else:
+        if config._attn_implementation == "sdpa":
+            attention.register()
+            model.set_attn_implementation(attention.NAME)
+        reason = packs_correctly(type(model), config.to_json_string(), config._attn_implementation)
+    if reason and say:
+        warnings.warn(f"engine.packing: {reason}; using padded micro-batches", RuntimeWarning, stacklevel=4)
+    return reason is None
+
+
+def _fused_head_works(model: nn.Module, config: Config, say: bool) -> bool:
+    """Whether ``model`` can run with the fused LM head (:mod:`syncwise.models.head`); if so its output layer
+    is installed, if not one message (unless it has no output layer at all: a value head) and the logits are
+    materialised."""
+    reason = output_head.fused_head_unsupported(model)
+    if reason is None and config.engine.strategy == "ddp" and config.engine.find_unused_parameters:
+        # DDP looks for unused parameters in the forward's graph, which the output layer is not in
+        reason = "with engine.find_unused_parameters=true DDP would take the output layer for unused"
+    if reason is None:
+        output_head.install(model)
+    elif say and output_head.output_layer(model) is not None:
+        warnings.warn(f"engine.fused_lm_head: {reason}; materialising the logits", RuntimeWarning, stacklevel=4)
+    return reason is None
