@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from syncwise.memory.schedule import expected_collectives
 
 
@@ -121,5 +123,13 @@ def test_bench_grpo_workload_quick(tmp_path):
         assert (r["imbalance_after"] <= r["imbalance_before"]) if balanced else (
             r["imbalance_after"] == r["imbalance_before"])
     assert results[QUICK_CONFIGS[0]]["speedup"] == 1.0
-    assert "| generate, unbalanced (before) |" in (out / "bench_grpo.md").read_text()
+    # like with like (issue 28.5): the compact configurations did the very same work, response for response;
+    # the headline is end-to-end tokens/s, so a configuration that samples shorter responses gains nothing
+    first, *others = QUICK_CONFIGS[1:]
+    assert all(results[name]["same_responses_as"] == first for name in others)
+    assert results[first]["response_tokens"] == results[others[0]]["response_tokens"]
+    for r in results.values():
+        assert r["speedup"] == pytest.approx(r["end_to_end_tokens_per_s"]
+                                             / results[QUICK_CONFIGS[0]]["end_to_end_tokens_per_s"])
+    assert "| 1. generate, unbalanced (before) |" in (out / "bench_grpo.md").read_text()
     assert (out / "grpo_phases.png").stat().st_size > 10_000

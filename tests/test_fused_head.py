@@ -153,7 +153,8 @@ def test_where_the_model_does_not_allow_it():
         warnings.simplefilter("ignore")
         lora = build_model(load_config(None, ["model.preset=qwen2-test", "model.lora.rank=4",
                                               "model.lora.target_modules=q_proj,lm_head"]).model)
-    assert fused_head_unsupported(lora) == "a LoRA adapter sits on the output layer (model.lora.target_modules names it)"
+    assert fused_head_unsupported(lora) == (
+        "a LoRA adapter sits on the output layer (model.lora.target_modules names it)")
     assert fused_head_unsupported(build_model(load_config(None, ["model.preset=qwen2-test"]).model)) is None
 
 

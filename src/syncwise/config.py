@@ -310,7 +310,7 @@ class Config:
         if isinstance(units, int) and units < 0:
             raise ConfigError(f"sync.deferred_units: must be >= 0, got {units}")
         _positive("dist.timeout_s", self.dist.timeout_s)
-        _positive("optim.lr", self.optim.lr)
+        _non_negative("optim.lr", self.optim.lr, "0: the weights never move, as bench --workload grpo runs")
         _positive("sft.steps", self.sft.steps)
         _positive("sft.batch_size", self.sft.batch_size)
         _positive("sft.min_len", self.sft.min_len)

@@ -1,16 +1,20 @@
 """``syncwise bench --workload grpo``: whole GRPO steps on the long-tailed ``repeat`` task, phase by phase.
 
-Each configuration is a real ``syncwise train`` job (the default job's model and optimizer, the ``repeat``
-task after a short supervised warm start, the same seed, prompts and samples per step) started on fresh
-local ranks; the first ``warmup`` steps of each are left out. Rounds are interleaved (A B C, A B C) so a
-machine that slows down in between slows every configuration alike. Per configuration, medians over the
-measured steps of every round: the step time and each phase of it (``time/*`` of ``metrics.jsonl``), the
-sampler's response tokens per second of sampling and per second of the whole step (end to end), the
-cross-rank token imbalance before and after balancing, and the mean reward (the same samples per step, so
-it should agree within noise). The first configuration -- Hugging Face ``generate``, no balancing and a
-forward-only pass for the old log-probs: the path before ``rl.sampler=compact``, ``rl.balance_ranks`` and
-the on-policy shortcut -- is the reference the others' speed-up is measured against. Writes
-``bench_grpo.json``, ``bench_grpo.md`` and ``grpo_phases.png`` (stacked phases).
+Like is compared with like. One preparatory job warms the default job's model up on the ``repeat`` task
+(supervised steps on its answers, so responses follow the task's long-tailed counts) and exports it; every
+configuration is then a real ``syncwise train`` job from that export with the learning rate at 0 (every
+step still computes its gradient and optimizer step), the same seed and prompts, started on fresh local
+ranks. The weights never move, so configurations with the same sampler sample *identical* responses at
+every step (the table says so: ``same responses``); the two samplers draw from the same distribution with
+different streams, so their responses differ in the draw, not in kind. The headline is the ratio of real
+(response) tokens per second end to end, which counts the work actually done; the step-time ratio is
+shown beside it. The first ``warmup`` steps of each job are left out; rounds are interleaved (A B C, A B C)
+so a machine that slows down in between slows every configuration alike. Per configuration, medians over
+the measured steps of every round: the step time and each phase of it (``time/*`` of ``metrics.jsonl``),
+response tokens per second of sampling and end to end, and the cross-rank token imbalance before and after
+balancing. The first configuration -- Hugging Face ``generate``, no balancing and a forward-only pass for
+the old log-probs: the path before ``rl.sampler=compact``, ``rl.balance_ranks`` and the on-policy
+shortcut -- is the reference. Writes ``bench_grpo.json``, ``bench_grpo.md`` and ``grpo_phases.png``.
 """
 
 from __future__ import annotations
@@ -61,14 +65,20 @@ class GRPOBenchSpec:
                    samples_per_prompt=4, configs=list(QUICK_CONFIGS))
 
 
-def _job_config(spec: GRPOBenchSpec, name: str, out: Path) -> dict[str, Any]:
-    overrides = [
-        "rl.task=repeat", f"rl.warm_start_steps={spec.warm_start_steps}", f"train.steps={spec.steps}",
-        f"rl.prompts_per_rank={spec.prompts_per_rank}", f"rl.samples_per_prompt={spec.samples_per_prompt}",
-        "train.progress=false", "train.export=false", "train.checkpoint_every=0", f"train.out_dir={out}",
-        f"dist.nproc={spec.nproc}", *GRPO_CONFIGS[name], *spec.extra,
+def _job_config(spec: GRPOBenchSpec, name: str | None, out: Path, start: Path | None = None) -> dict[str, Any]:
+    """A configuration's job from the warmed-up ``start`` export, learning rate 0; or (``name`` None) the
+    preparatory job: the warm start and one step, exported."""
+    common = [
+        "rl.task=repeat", f"rl.prompts_per_rank={spec.prompts_per_rank}",
+        f"rl.samples_per_prompt={spec.samples_per_prompt}", "train.progress=false", "train.checkpoint_every=0",
+        f"train.out_dir={out}", f"dist.nproc={spec.nproc}",
     ]
-    return config_to_dict(load_config(packaged_config("grpo.yaml"), overrides))
+    if name is None:
+        overrides = [*common, f"rl.warm_start_steps={spec.warm_start_steps}", "train.steps=1", "train.export=true"]
+    else:
+        overrides = [*common, f"model.path={start}", "rl.warm_start_steps=0", "optim.lr=0", "optim.warmup_steps=0",
+                     f"train.steps={spec.steps}", "train.export=false", *GRPO_CONFIGS[name]]
+    return config_to_dict(load_config(packaged_config("grpo.yaml"), [*overrides, *spec.extra]))
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -79,6 +89,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     tokens = sum(r["rollout/response_tokens"] for r in rows)
     return {
         "steps": len(rows),
+        "response_tokens": [r["rollout/response_tokens"] for r in rows],  # per step: which work was done
         "step_s": median("time/step_s"),
         "phases_s": {phase: median(f"time/{phase}_s") for phase in PHASES},
         "rollout_tokens_per_s": tokens / sum(r["time/rollout_s"] for r in rows),
@@ -100,19 +111,30 @@ def bench_grpo(spec: GRPOBenchSpec) -> int:
     out_dir = Path(spec.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     measured: dict[str, list[dict[str, Any]]] = {name: [] for name in spec.configs}
+    start = out_dir / "jobs" / "warm_start"
+    shutil.rmtree(start, ignore_errors=True)
+    print(f"syncwise bench grpo: the warm start ({spec.warm_start_steps} supervised steps), exported", flush=True)
+    result = launch_local(train_worker, spec.nproc, _job_config(spec, None, start))
+    if result.exit_code != 0:
+        return result.exit_code
     for round_ in range(spec.rounds):
         for name in spec.configs:
             job_dir = out_dir / "jobs" / f"{spec.configs.index(name)}_round{round_}"
             shutil.rmtree(job_dir, ignore_errors=True)
             print(f"syncwise bench grpo: round {round_ + 1}/{spec.rounds}: {name}", flush=True)
-            result = launch_local(train_worker, spec.nproc, _job_config(spec, name, job_dir))
+            result = launch_local(train_worker, spec.nproc, _job_config(spec, name, job_dir, start / "export"))
             if result.exit_code != 0:
                 return result.exit_code
             measured[name] += read_jsonl(job_dir / "metrics.jsonl")[spec.warmup:]
     results = {name: _summary(rows) for name, rows in measured.items()}
     reference = results[spec.configs[0]]
-    for r in results.values():
-        r["speedup"] = reference["step_s"] / r["step_s"]
+    for name, r in results.items():
+        r["speedup"] = r["end_to_end_tokens_per_s"] / reference["end_to_end_tokens_per_s"]  # the headline
+        r["step_time_ratio"] = reference["step_s"] / r["step_s"]
+        # identical responses as the first configuration with the same sampler: the same work, step by step
+        sampler = _sampler_of(name)
+        twin = next(other for other in spec.configs if _sampler_of(other) == sampler)
+        r["same_responses_as"] = twin if r["response_tokens"] == results[twin]["response_tokens"] else None
     (out_dir / "bench_grpo.json").write_text(json.dumps({"spec": asdict(spec), "results": results}, indent=1))
     table = format_results(spec, results)
     (out_dir / "bench_grpo.md").write_text(table + "\n")
@@ -121,24 +143,33 @@ def bench_grpo(spec: GRPOBenchSpec) -> int:
     return 0
 
 
+def _sampler_of(name: str) -> str:
+    return "generate" if "rl.sampler=generate" in GRPO_CONFIGS[name] else "compact"
+
+
 def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> str:
     def fmt(value: float) -> str:
         return f"{value:.3f}"
 
     lines = [
         f"GRPO steps on the repeat task: {spec.nproc} ranks, {spec.prompts_per_rank} prompts x "
-        f"{spec.samples_per_prompt} samples per rank, {spec.warm_start_steps} warm-start steps; medians of "
-        f"{spec.steps - spec.warmup} steps x {spec.rounds} round(s)",
+        f"{spec.samples_per_prompt} samples per rank, from a model warmed up by {spec.warm_start_steps} "
+        f"supervised steps, learning rate 0 (the same weights every step); medians of "
+        f"{spec.steps - spec.warmup} steps x {spec.rounds} round(s). Speed-up: end-to-end response tokens/s "
+        f"over the first row's",
         "",
-        "| configuration | step s | speed-up | " + " | ".join(f"{p} s" for p in PHASES)
-        + " | rollout tok/s | end-to-end tok/s | imbalance before -> after | reward |",
-        "|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|",
+        "| configuration | end-to-end tok/s | speed-up | step s | step-time ratio | same responses | "
+        + " | ".join(f"{p} s" for p in PHASES) + " | rollout tok/s | mean response | imbalance before -> after |",
+        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|",
     ]
     for name, r in results.items():
         phases = " | ".join(fmt(r["phases_s"][p]) for p in PHASES)
+        twin = r["same_responses_as"]
+        same = "no" if twin is None else ("(reference)" if twin == name else f"as {spec.configs.index(twin) + 1}")
         lines.append(
-            f"| {name} | {fmt(r['step_s'])} | {r['speedup']:.2f}x | {phases} | {r['rollout_tokens_per_s']:.0f} "
-            f"| {r['end_to_end_tokens_per_s']:.0f} | {fmt(r['imbalance_before'])} -> {fmt(r['imbalance_after'])} "
-            f"| {r['reward_mean']:.3f} |"
+            f"| {spec.configs.index(name) + 1}. {name} | {r['end_to_end_tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
+            f"{fmt(r['step_s'])} | {r['step_time_ratio']:.2f}x | {same} | {phases} | "
+            f"{r['rollout_tokens_per_s']:.0f} | {r['response_length_mean']:.1f} | "
+            f"{fmt(r['imbalance_before'])} -> {fmt(r['imbalance_after'])} |"
         )
     return "\n".join(lines)
