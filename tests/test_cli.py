@@ -18,7 +18,7 @@ def _run(args: list[str], cwd) -> subprocess.CompletedProcess:
 
 def test_sft_job_on_two_local_ranks(tmp_path):
     proc = _run(
-        ["sft", "sft.steps=3", "sft.batch_size=4", "model.preset=qwen2-test", f"sft.out_dir={tmp_path}/run"],
+        ["sft", "sft.steps=3", "sft.batch_size=8", "model.preset=qwen2-test", f"sft.out_dir={tmp_path}/run"],
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

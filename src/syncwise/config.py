@@ -144,17 +144,37 @@ class DistConfig:
     timeout_s: float = 600.0
 
 
+SFT_TASKS = ("progression", "arith_chat")
+SFT_TRUNCATION = ("right", "left", "drop")
+
+
 @dataclass
 class SFTConfig:
-    """The built-in SFT job (`syncwise sft`): a synthetic sequence task the tiny model learns in seconds."""
+    """`syncwise sft`: supervised fine-tuning on a dataset (JSONL, Parquet, a save_to_disk folder) or a
+    built-in task (``progression``: the fast synthetic demo; ``arith_chat``: GSM8K-shaped chat problems)."""
 
-    steps: int = 30
-    batch_size: int = 8
-    min_len: int = 8
-    max_len: int = 32
+    task: str = "progression"  # used when no sft.dataset is given
+    dataset: str | None = None
+    eval_dataset: str | None = None
+    eval_fraction: float = 0.0  # without sft.eval_dataset: hold out this fraction of sft.dataset
+    tokenizer: str | None = None  # default: model.path's
+    max_length: int = 1024  # longer samples are truncated (sft.truncation) and counted
+    truncation: str = "right"  # right (keep the start) | left (keep the end) | drop
+    on_bad_row: str = "error"  # error (one line naming the file and row) | skip (left out, counted)
+    epochs: float = 1.0
+    steps: int = 0  # > 0: this many steps instead of sft.epochs
+    batch_size: int = 16  # sequences per step over all ranks
+    batch_tokens: int = 0  # > 0: a step is this many real tokens over all ranks instead
+    eval_every: int = 0  # evaluate every N steps (0: only at the end)
+    checkpoint_every: int = 0  # 0: only the final checkpoint
+    resume: str = "none"  # none | auto (from <out_dir>/checkpoints/latest) | a checkpoint directory
+    export: bool = True  # a Hugging Face model (and its tokenizer with the chat template) in <out_dir>/export
+    progress: bool = False  # a progress bar on rank 0 (the default prints a line every sft.log_every steps)
     seed: int = 0
     out_dir: str = "runs/sft"
     log_every: int = 1
+    min_len: int = 8  # the progression task's sequence lengths
+    max_len: int = 32
 
 
 @dataclass
@@ -311,15 +331,9 @@ class Config:
             raise ConfigError(f"sync.deferred_units: must be >= 0, got {units}")
         _positive("dist.timeout_s", self.dist.timeout_s)
         _non_negative("optim.lr", self.optim.lr, "0: the weights never move, as bench --workload grpo runs")
-        _positive("sft.steps", self.sft.steps)
-        _positive("sft.batch_size", self.sft.batch_size)
-        _positive("sft.min_len", self.sft.min_len)
+        _validate_sft_config(self.sft)
         if self.optim.grad_clip < 0:
             raise ConfigError(f"optim.grad_clip: must be >= 0 (0 disables clipping), got {self.optim.grad_clip}")
-        if self.sft.max_len < self.sft.min_len:
-            raise ConfigError(
-                f"sft.max_len: must be >= sft.min_len ({self.sft.min_len}), got {self.sft.max_len}"
-            )
         if self.engine.hsdp_replicas > 1 and self.engine.strategy not in SHARDED_STRATEGIES:
             raise ConfigError(
                 f"engine.hsdp_replicas={self.engine.hsdp_replicas} needs engine.strategy fsdp2 or fsdp1, "
@@ -341,6 +355,29 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _positive(key: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"{key}: must be > 0, got {value}")
+
+
+def _validate_sft_config(sft: SFTConfig) -> None:
+    _choice("sft.task", sft.task, SFT_TASKS)
+    _choice("sft.truncation", sft.truncation, SFT_TRUNCATION)
+    _choice("sft.on_bad_row", sft.on_bad_row, ("error", "skip"))
+    _non_negative("sft.steps", sft.steps, "0: sft.epochs passes")
+    _positive("sft.epochs", sft.epochs)
+    _positive("sft.batch_size", sft.batch_size)
+    _non_negative("sft.batch_tokens", sft.batch_tokens, "0: sft.batch_size sequences")
+    _positive("sft.max_length", sft.max_length)
+    _non_negative("sft.eval_every", sft.eval_every, "0: at the end only")
+    _non_negative("sft.checkpoint_every", sft.checkpoint_every, "0: the final checkpoint only")
+    _positive("sft.log_every", sft.log_every)
+    _positive("sft.min_len", sft.min_len)
+    if sft.max_len < sft.min_len:
+        raise ConfigError(f"sft.max_len: must be >= sft.min_len ({sft.min_len}), got {sft.max_len}")
+    if not 0 <= sft.eval_fraction < 1:
+        raise ConfigError(f"sft.eval_fraction: must be in [0, 1), got {sft.eval_fraction}")
+    if sft.eval_fraction and sft.eval_dataset:
+        raise ConfigError("sft.eval_fraction and sft.eval_dataset: give one (a held-out fraction, or a file)")
+    if (sft.eval_fraction or sft.eval_dataset) and not sft.dataset:
+        raise ConfigError("sft.eval_dataset / sft.eval_fraction need sft.dataset (a built-in task has its own)")
 
 
 def _non_negative(key: str, value: float, zero: str = "") -> None:

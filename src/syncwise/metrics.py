@@ -87,17 +87,22 @@ def _save(plt, fig, path: str | Path) -> Path:
 
 
 def plot_curves(
-    rows: list[dict[str, Any]], path: str | Path, keys: tuple[str, ...] = ("reward/mean", "loss")
+    rows: list[dict[str, Any]], path: str | Path, keys: tuple[str | tuple[str, ...], ...] = ("reward/mean", "loss")
 ) -> Path:
-    """A PNG with one panel per metric against the step."""
+    """A PNG with one panel per entry of ``keys`` against the step: a metric, or a tuple of metrics drawn
+    together (e.g. the training loss and the evaluation loss)."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5))
-    for ax, key in zip(axes if len(keys) > 1 else [axes], keys, strict=True):
-        points = [(r["train/step"], r[key]) for r in rows if key in r]
-        if points:
-            steps, values = zip(*points, strict=True)
-            ax.plot(steps, values, marker=".", linewidth=1)
-        ax.set_title(key)
+    for ax, panel in zip(axes if len(keys) > 1 else [axes], keys, strict=True):
+        series = (panel,) if isinstance(panel, str) else panel
+        for key in series:
+            points = [(r["train/step"], r[key]) for r in rows if key in r]
+            if points:
+                steps, values = zip(*points, strict=True)
+                ax.plot(steps, values, marker="." if len(points) < 60 else None, linewidth=1, label=key)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+        ax.set_title(" / ".join(series))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     return _save(plt, fig, path)

@@ -76,6 +76,8 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "train":
         return _run_job("syncwise.rl.trainer:train_worker", args, "train", default_config="grpo.yaml")
     if args.command == "sft":
+        if args.write_example_data:
+            return _write_example_data(args.write_example_data)
         return _run_job("syncwise.jobs.sft:sft_worker", args, "sft")
     if args.command == "bench":
         return _run_bench(args)
@@ -88,8 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="GRPO job (default: configs/grpo.yaml, the built-in task and model)")
     train.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
-    sft = sub.add_parser("sft", help="supervised fine-tuning job (the built-in task by default)")
+    sft = sub.add_parser("sft", help="supervised fine-tuning on a dataset or a built-in task (sft.task)")
     sft.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
+    sft.add_argument("--write-example-data", metavar="DIR",
+                     help="write the arith_chat task as a user brings data (DIR/train.jsonl, DIR/eval.jsonl, "
+                          "DIR/model with its tokenizer and chat template) and exit")
     bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
     bench.add_argument("--workload", choices=("modes", "rl", "loss", "grpo"), default="modes",
                        help="modes: every sync mode side by side; rl: padded vs packed on long-tailed RL lengths "
@@ -143,6 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--nproc", type=int, default=2, help="local ranks for --calibrate")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
+
+
+def _write_example_data(folder: str) -> int:
+    from ..sft.tasks import write_example_data
+
+    out = write_example_data(folder)
+    print(f"syncwise sft: wrote {out / 'train.jsonl'}, {out / 'eval.jsonl'} (chat messages) and {out / 'model'} "
+          f"(an untrained model with its tokenizer and chat template); train on them with\n"
+          f"  syncwise sft model.path={out / 'model'} sft.dataset={out / 'train.jsonl'} "
+          f"sft.eval_dataset={out / 'eval.jsonl'}", flush=True)
+    return 0
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """User mistakes caught before any rank starts: a model directory without a config, a tokenizer that does
-not load, a prompt file that does not parse, a reward function that does not import, a checkpoint that is
-not there. Each is one :class:`PreflightError` naming the key or file; the command prints it and exits 2.
+not load, a prompt file that does not parse, an SFT row that cannot be trained on, a reward function that
+does not import, a checkpoint that is not there. Each is one :class:`PreflightError` naming the key or
+file; the command prints it and exits 2.
 
 What can only fail inside a rank (a reward function that raises on some prompt, a collective timeout) is
 reported by :mod:`syncwise.runtime.launcher` instead.
@@ -93,6 +94,37 @@ def check_rl(config: Config) -> None:
         raise PreflightError(str(exc)) from exc
 
 
+def check_sft(config: Config) -> None:
+    """The tokenizer loads; every row of the dataset (and the evaluation set) tokenises into something to
+    train on, or is skipped as asked; the checkpoint to resume exists. The tokenised rows stay in
+    ``datasets``' cache for the ranks."""
+    import os
+
+    from ..checkpoint import CheckpointError, CheckpointManager
+    from ..data.sft_dataset import DatasetError
+    from ..models import PRESETS
+    from ..sft.data import sft_inputs
+
+    sft = config.sft
+    folder = sft.tokenizer or config.model.path
+    key = "sft.tokenizer" if sft.tokenizer else "model.path"
+    if sft.dataset and folder and not any((Path(folder) / name).is_file()
+                                          for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise PreflightError(f"{key}: {folder} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    vocab = None if config.model.path else PRESETS[config.model.preset]["vocab_size"]
+    try:
+        inputs = sft_inputs(config, vocab_size=vocab)
+        inputs.check_world(int(os.environ.get("WORLD_SIZE", config.dist.nproc)), sft)
+    except (DatasetError, ValueError) as exc:
+        raise PreflightError(str(exc)) from exc
+    except OSError as exc:  # transformers: a folder without a loadable tokenizer
+        raise PreflightError(f"{key}: cannot load a tokenizer from {folder}: {_first_line(exc)}") from exc
+    try:
+        CheckpointManager(Path(sft.out_dir) / "checkpoints").resolve(sft.resume)
+    except CheckpointError as exc:
+        raise PreflightError(str(exc)) from exc
+
+
 def check_torch(config: Config) -> None:
     """The installed torch has the FSDP2 syncwise was verified on."""
     from ..sync.fsdp_internals import UnsupportedTorchError, require_supported_torch
@@ -128,6 +160,8 @@ def preflight(config: Config, job: str) -> None:
     check_deferred_units(config)
     if job == "train":
         check_rl(config)
+    elif job == "sft":
+        check_sft(config)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -35,6 +35,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         model_type="llama", vocab_size=17, hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     ),
+    # ~3.6M params with the arith_chat task's 1024-token BPE vocabulary: the built-in SFT chat task.
+    "llama-chat": dict(
+        model_type="llama", vocab_size=1024, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    ),
     "llama-test": dict(
         model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -56,6 +61,9 @@ def build_model(cfg: ModelConfig, **config_overrides: Any) -> PreTrainedModel:
     adapters when ``cfg.lora.rank`` > 0 (see :mod:`syncwise.models.lora`). ``config_overrides`` adjust a
     preset (e.g. ``vocab_size`` to match a tokenizer)."""
     if cfg.path:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a per-tensor loading bar in every rank breaks into the job's lines
         model = AutoModelForCausalLM.from_pretrained(
             cfg.path, local_files_only=True, dtype=torch.float32,
             attn_implementation=cfg.attn_implementation,

@@ -1,0 +1,200 @@
+"""`syncwise sft`: supervised fine-tuning through the engine -- a dataset or a built-in task, epochs in a
+deterministic order, evaluation, checkpoints that resume at the exact next sample, and a Hugging Face export
+with the tokenizer (and its chat template).
+
+One step: the next ``sft.batch_size`` samples of the order (or ``sft.batch_tokens`` real tokens), split over
+the ranks by length, one ``Engine.train_batch`` with the token-mean cross-entropy over the step's loss
+tokens on every rank. Evaluation is a forward-only pass of every rank's share of the held-out rows.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from ..checkpoint import CheckpointManager, export_hf
+from ..config import Config, config_to_dict
+from ..data.sft_dataset import SampleOrder, padded_batch, rank_share
+from ..engine import Engine
+from ..losses import sft_loss
+from ..metrics import JsonlLogger, format_step, job_history, plot_curves
+from ..models import build_model
+from ..runtime.distributed import DistInfo
+from ..runtime.signals import stopped
+from .data import sft_inputs
+
+EVAL_CHUNK = 256  # held-out rows per forward-only pass (over all ranks)
+CURVES = (("loss", "eval/loss"), ("token_accuracy", "eval/token_accuracy"))
+
+
+class SFTTrainer:
+    """One rank's SFT job."""
+
+    def __init__(self, config: Config, info: DistInfo):
+        """Set-up: data and tokenizer, the engine, checkpoints (resuming if asked) and, on rank 0, the logs."""
+        self.config, self.info = config, info
+        sft = config.sft
+        self.out_dir = Path(sft.out_dir)
+        torch.manual_seed(sft.seed * 1000 + info.rank)
+        random.seed(sft.seed * 1000 + info.rank)
+        from ..models import preset_config
+
+        vocab = None if config.model.path else preset_config(config.model.preset).vocab_size
+        inputs = sft_inputs(config, vocab_size=vocab)
+        self.tokenizer, self.data, self.eval_data, self.model_path = (inputs.tokenizer, inputs.train, inputs.eval,
+                                                                      inputs.model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer is not None else 0
+        inputs.check_world(info.world_size, sft)
+        self.order = SampleOrder(self.data.lengths, sft.seed)
+        self.total_steps = sft.steps or self.order.steps_for(sft.epochs, sft.batch_size, sft.batch_tokens,
+                                                             info.world_size)
+        model_config = config.model if self.model_path == config.model.path else _with_path(config, self.model_path)
+        self.engine = Engine(config, build_model(model_config), info, total_steps=self.total_steps)
+        self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
+        self.resumed_from = self.checkpoints.resolve(sft.resume)
+        self.start, self.position = 0, 0
+        if self.resumed_from:
+            state = self.checkpoints.load(self.resumed_from, self.engine)
+            self.start, self.position = int(state["step"]), int(state["position"])
+        self.logger: JsonlLogger | None = None
+        self.bar = None
+        if info.is_main:
+            self._open_logs()
+
+    def _open_logs(self) -> None:
+        sft = self.config.sft
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config)))
+        self.logger = JsonlLogger(self.out_dir / "metrics.jsonl")
+        size = (f"{sft.batch_tokens} tokens" if sft.batch_tokens else
+                f"{sft.batch_size} sequences ({self.total_steps * sft.batch_size / len(self.data):.3g} epochs)")
+        held = f"; eval {self.eval_data.describe()}" if self.eval_data is not None else ""
+        print(f"syncwise sft: {self.data.describe()}{held}", flush=True)
+        print(
+            f"syncwise sft: {self.config.engine.strategy} on {self.info.world_size} rank(s), sync.mode="
+            f"{self.config.sync.mode}, micro_batch_size={self.config.engine.micro_batch_size}, "
+            f"{self.engine.wrapped.num_units} FSDP units; {self.total_steps} steps of {size}"
+            + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else ""),
+            flush=True,
+        )
+        if sft.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total_steps, initial=self.start, desc="sft", dynamic_ncols=True)
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One optimizer step on the next samples of the order; returns its metrics (same on every rank)."""
+        sft = self.config.sft
+        started = time.perf_counter()
+        samples, next_position = self.order.step(self.position, sft.batch_size, sft.batch_tokens,
+                                                 self.info.world_size)
+        mine = rank_share(samples, self.data.lengths, self.info.rank, self.info.world_size)
+        batch = padded_batch(self.data, mine, self.pad_id)
+        data_s = time.perf_counter() - started
+        metrics = self.engine.train_batch(batch, sft_loss)
+        self.position = next_position
+        metrics.update({
+            "train/step": step + 1,
+            "data/epoch": self.position / len(self.data),
+            "data/samples": len(samples),
+            "data/truncated_fraction": sum(self.data.truncated[i] for i in samples) / len(samples),
+            "data/dropped": self.data.dropped,
+            "data/skipped": self.data.skipped,
+            "time/data_s": data_s,
+            "time/step_s": time.perf_counter() - started,
+        })
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Collective: the held-out rows' token-mean loss and token accuracy, forward-only, every rank its share
+        of each chunk; chunks weighted by their loss tokens (known alike on every rank)."""
+        data = self.eval_data
+        chunks = torch.arange(len(data)).tensor_split(max(1, -(-len(data) // EVAL_CHUNK)))
+        total = {"loss": 0.0, "token_accuracy": 0.0}
+        weight = 0.0
+        for chunk in chunks:
+            rows = chunk.tolist()
+            mine = rank_share(rows, data.lengths, self.info.rank, self.info.world_size)
+            result = self.engine.eval_batch(padded_batch(data, mine, self.pad_id), sft_loss)
+            tokens = float(sum(sum(data.loss_masks[i][1:]) for i in rows))
+            for key in total:
+                total[key] += result.metrics[key] * tokens
+            weight += tokens
+        return {f"eval/{key}": value / weight for key, value in total.items()}
+
+    def save(self, done: int) -> Path:
+        """Collective: a checkpoint after ``done`` steps, with the position in the sample order."""
+        return self.checkpoints.save(done, self.engine, {"step": done, "position": self.position})
+
+    def run(self) -> list[dict[str, Any]]:
+        """Train from the start (or the resumed) step; rank 0 returns every step's metrics of this run."""
+        sft = self.config.sft
+        history = []
+        for step in range(self.start, self.total_steps):
+            metrics = self.step(step)
+            done = step + 1
+            if self.eval_data is not None and ((sft.eval_every and done % sft.eval_every == 0)
+                                               or done == self.total_steps):
+                metrics.update(self.evaluate())
+            history.append(metrics)
+            self._log(metrics, done)
+            stop = metrics["stop/signal"]  # agreed by every rank in the step's last all-reduce
+            due = (sft.checkpoint_every and done % sft.checkpoint_every == 0) or done == self.total_steps
+            if due or stop:
+                path = self.save(done)
+            if stop:
+                self._close()
+                raise stopped(stop, done, self.total_steps, f"checkpoint {path}; rerun with sft.resume=auto to go on")
+        self.finish()
+        return history
+
+    def _log(self, metrics: dict[str, Any], done: int) -> None:
+        if self.logger is None:
+            return
+        self.logger.log(metrics)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {metrics['loss']:.4f} {metrics['sync/mode']}")
+            self.bar.update(1)
+        elif (done - 1) % self.config.sft.log_every == 0 or done == self.total_steps or "eval/loss" in metrics:
+            line = format_step(metrics, self.total_steps)
+            if "eval/loss" in metrics:
+                line += f" | eval loss {metrics['eval/loss']:.4f} acc {metrics['eval/token_accuracy']:.3f}"
+            print(line, flush=True)
+
+    def _close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.logger is not None:
+            self.logger.close()
+
+    def finish(self) -> None:
+        """Export (model and tokenizer), close the logs, plot and summarise the whole job."""
+        if self.config.sft.export:
+            export_hf(self.engine, self.tokenizer, self.out_dir / "export", base_path=self.model_path)
+        self._close()
+        if self.info.is_main:
+            history = job_history(self.out_dir / "metrics.jsonl")
+            plot_curves(history, self.out_dir / "curves.png", CURVES)
+            evals = [r for r in history if "eval/loss" in r]
+            summary = f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}"
+            if evals:
+                summary += f"; eval loss {evals[0]['eval/loss']:.4f} -> {evals[-1]['eval/loss']:.4f}"
+            export = f", export {self.out_dir / 'export'}" if self.config.sft.export else ""
+            print(f"{summary}; metrics {self.out_dir / 'metrics.jsonl'}, plot {self.out_dir / 'curves.png'}"
+                  f"{export}", flush=True)
+
+
+def run_sft(config: Config, info: DistInfo) -> list[dict[str, Any]]:
+    """Train; rank 0 returns this run's steps' metrics."""
+    return SFTTrainer(config, info).run()
+
+
+def _with_path(config: Config, path: str | None):
+    from dataclasses import replace
+
+    return replace(config.model, path=path)

@@ -1,0 +1,131 @@
+"""`syncwise sft` on a user's model directory and data (issue 29), as a user runs it on 2 local gloo ranks:
+gradients (packed = padded = a single-process full-batch reference), evaluation, checkpoints that resume
+mid-epoch bit-identically, an export that transformers loads and chats with, and bad rows stopped before any
+rank trains."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dist_harness import run_distributed
+from numerics import FP32_RTOL, assert_close
+from scenarios_sft import sft_suite
+from syncwise.metrics import read_jsonl
+from syncwise.sft.tasks import write_example_data
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_distributed(sft_suite, 2)
+
+
+def test_sft_gradients_packed_and_padded_equal_the_full_batch_reference(ranks):
+    assert sorted(ranks[0]["mine"] + ranks[1]["mine"]) == sorted(ranks[0]["samples"])
+    reference = ranks[0]["reference"]
+    for layout in ("packed", "padded"):
+        grads = ranks[0][layout]
+        assert set(grads) == set(reference)
+        for name in reference:
+            assert_close(grads[name], reference[name], FP32_RTOL, f"{layout}: {name}")
+
+
+def _sft(out, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "syncwise", "sft", f"sft.out_dir={out}", *overrides],
+                          env=ENV, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+    """The arith_chat task written as a user's files (64 training rows, 16 held out), and runs on it."""
+    root = tmp_path_factory.mktemp("sft")
+    data = write_example_data(root / "data", train_rows=64, eval_rows=16, seed=2)
+    common = [f"model.path={data / 'model'}", f"sft.dataset={data / 'train.jsonl'}",
+              f"sft.eval_dataset={data / 'eval.jsonl'}", "sft.batch_size=8", "sft.eval_every=3",
+              "sft.checkpoint_every=3", "optim.lr=3e-3"]
+    runs = {"full": _sft(root / "full", *common, "sft.steps=11")}
+    runs["first"] = _sft(root / "split", *common, "sft.steps=5")  # stops mid-epoch (8 steps per epoch)
+    runs["resumed"] = _sft(root / "split", *common, "sft.steps=11", "sft.resume=auto")
+    for name, proc in runs.items():
+        assert proc.returncode == 0, (name, proc.stdout[-2000:], proc.stderr[-3000:])
+    return {"root": root, "data": data, **runs}
+
+
+def test_sft_on_user_files_logs_train_and_eval_and_says_what_it_read(user):
+    out = user["full"].stdout
+    assert "train.jsonl: 64 rows, messages -- chat messages, loss on the assistant turns (assistant tokens from " \
+           "the template's generation markers)" in out
+    assert "eval.jsonl: 16 rows" in out and "11 steps of 8 sequences (1.38 epochs)" in out
+    rows = read_jsonl(user["root"] / "full" / "metrics.jsonl")
+    assert [r["train/step"] for r in rows] == list(range(1, 12))
+    assert [r["train/step"] for r in rows if "eval/loss" in r] == [3, 6, 9, 11]
+    evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
+    assert evals[-1] < evals[0] and rows[-1]["loss"] < rows[0]["loss"]
+    assert all(0 <= r["eval/token_accuracy"] <= 1 for r in rows if "eval/loss" in r)
+    assert rows[-1]["data/epoch"] == pytest.approx(88 / 64) and rows[0]["data/truncated_fraction"] == 0.0
+    assert (user["root"] / "full" / "curves.png").stat().st_size > 10_000
+
+
+def test_resume_mid_epoch_is_bit_identical(user):
+    assert "resumed from" in user["resumed"].stdout and "at step 5" in user["resumed"].stdout
+    full = read_jsonl(user["root"] / "full" / "metrics.jsonl")
+    split = read_jsonl(user["root"] / "split" / "metrics.jsonl")
+    assert [r["train/step"] for r in split] == [*range(1, 6), *range(6, 12)]
+    for a, b in zip(full, split, strict=True):  # (the first run also evaluated at its own end, step 5)
+        for key in ("loss", "train/grad_norm", "token_accuracy", "data/epoch", *(("eval/loss",) * ("eval/loss" in a))):
+            assert a[key] == b[key], (a["train/step"], key)
+    want, got = load_file(user["root"] / "full" / "export" / "model.safetensors"), load_file(
+        user["root"] / "split" / "export" / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_export_chats_with_transformers(user):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = user["root"] / "full" / "export"
+    assert (export / "chat_template.jinja").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    messages = [{"role": "user", "content": "Ava has 3 apples and buys 4 more. How many apples does Ava have?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    assert tokenizer.decode(prompt["input_ids"][0]).endswith("<|im_start|>assistant\n")
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+    start = load_file(user["data"] / "model" / "model.safetensors")
+    trained = load_file(export / "model.safetensors")
+    assert any(not torch.equal(start[k], trained[k]) for k in start)
+
+
+def test_grpo_from_an_sft_export_picks_up_its_tokenizer_and_template(user):
+    from syncwise.config import load_config
+    from syncwise.rl.trainer import load_tokenizer
+
+    export = user["root"] / "full" / "export"
+    tokenizer = load_tokenizer(load_config(None, [f"model.path={export}"]))
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+
+
+def test_a_bad_row_stops_the_job_before_any_rank_trains(user, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    lines = (user["data"] / "train.jsonl").read_text().splitlines()[:3]
+    bad.write_text("\n".join([lines[0], lines[1], '{"messages": [{"role": "user", "content": "hi"}]}', lines[2]]))
+    proc = _sft(tmp_path / "run", f"model.path={user['data'] / 'model'}", f"sft.dataset={bad}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"syncwise: error: sft.dataset: {bad} line 3: 'messages' has no assistant turn: nothing to train on "
+        "(sft.on_bad_row=skip leaves such rows out)"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    skipped = _sft(tmp_path / "skip", f"model.path={user['data'] / 'model'}", f"sft.dataset={bad}",
+                   "sft.on_bad_row=skip", "sft.batch_size=2", "sft.export=false")
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert "3 rows" in skipped.stdout and "1 bad row(s) skipped" in skipped.stdout
+    assert read_jsonl(tmp_path / "skip" / "metrics.jsonl")[0]["data/skipped"] == 1
