@@ -133,3 +133,20 @@ def test_bench_grpo_workload_quick(tmp_path):
                                              / results[QUICK_CONFIGS[0]]["end_to_end_tokens_per_s"])
     assert "| 1. generate, unbalanced (before) |" in (out / "bench_grpo.md").read_text()
     assert (out / "grpo_phases.png").stat().st_size > 10_000
+
+
+def test_bench_sft_workload_quick(tmp_path):
+    """`syncwise bench --workload sft --quick`: syncwise sft's steps beside train_batch alone on the same
+    batches, and the data path timed inside the step."""
+    out = tmp_path / "bench_sft"
+    proc = subprocess.run(
+        [sys.executable, "-m", "syncwise", "bench", "--workload", "sft", "--quick", "--out", str(out)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((out / "bench_sft.json").read_text())["result"]
+    assert result["steps_per_kind"] == 8 and result["rows"] == 4000 and result["batch_size"] == 16
+    medians = result["medians_s"]
+    assert result["ratio"] == pytest.approx(medians["syncwise sft step"] / medians["train_batch alone"])
+    assert 0 < result["data_s"] < medians["syncwise sft step"]
+    assert "the data path's share of a step" in (out / "bench_sft.md").read_text()

@@ -129,3 +129,24 @@ def test_a_bad_row_stops_the_job_before_any_rank_trains(user, tmp_path):
     assert skipped.returncode == 0, skipped.stderr[-2000:]
     assert "3 rows" in skipped.stdout and "1 bad row(s) skipped" in skipped.stdout
     assert read_jsonl(tmp_path / "skip" / "metrics.jsonl")[0]["data/skipped"] == 1
+
+
+def test_lora_sft_saves_adapters_only_and_exports_both(user, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    data = user["data"]
+    proc = _sft(tmp_path / "lora", f"model.path={data / 'model'}", f"sft.dataset={data / 'train.jsonl'}",
+                "sft.steps=3", "sft.batch_size=8", "model.lora.rank=4", "model.lora.target_modules=q_proj,v_proj",
+                "optim.lr=1e-2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step = tmp_path / "lora" / "checkpoints" / "step_000003" / "dcp"
+    tensors = [k for k in dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata if "weight" in k]
+    assert tensors and all(".lora_" in k for k in tensors)
+    export = tmp_path / "lora" / "export"
+    ids = torch.tensor([[1, 5, 9, 12, 40]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(export).eval()(input_ids=ids).logits
+        adapter = AutoPeftModelForCausalLM.from_pretrained(export / "adapter").eval()(input_ids=ids).logits
+    assert_close(merged, adapter, FP32_RTOL, "merged export vs adapter")

@@ -132,7 +132,7 @@ def tokenize_dataset(rows, source: str, tokenizer, max_length: int, truncation: 
     if not keep:
         raise DatasetError(f"{key}: {source}: no row left to train on ({len(errors)} bad, "
                            f"{sum(done['dropped'])} longer than sft.max_length={max_length} and dropped)")
-    kept = done.select(keep)
+    kept = done.select(keep).to_dict()  # plain lists: a step reads a few rows, each by index
     return SFTData(source, fmt, kept["input_ids"], kept["loss_mask"], kept["truncated"], mask_source,
                    skipped=len(errors), dropped=sum(done["dropped"]))
 

@@ -96,10 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="write the arith_chat task as a user brings data (DIR/train.jsonl, DIR/eval.jsonl, "
                           "DIR/model with its tokenizer and chat template) and exit")
     bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
-    bench.add_argument("--workload", choices=("modes", "rl", "loss", "grpo"), default="modes",
+    bench.add_argument("--workload", choices=("modes", "rl", "loss", "grpo", "sft"), default="modes",
                        help="modes: every sync mode side by side; rl: padded vs packed on long-tailed RL lengths "
                             "(and a hand-written packed loop); loss: the log-prob path alone against autograd's; "
-                            "grpo: whole GRPO steps on the repeat task, phase by phase (--repeats: rounds)")
+                            "grpo: whole GRPO steps on the repeat task, phase by phase (--repeats: rounds); "
+                            "sft: syncwise sft's steps beside train_batch alone on the same batches")
     bench.add_argument("--quick", action="store_true", help="the small 2-minute version")
     bench.add_argument("--nproc", type=int, default=2, help="local ranks (ignored under torchrun)")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
@@ -154,8 +155,9 @@ def _write_example_data(folder: str) -> int:
     from ..sft.tasks import write_example_data
 
     out = write_example_data(folder)
-    print(f"syncwise sft: wrote {out / 'train.jsonl'}, {out / 'eval.jsonl'} (chat messages) and {out / 'model'} "
-          f"(an untrained model with its tokenizer and chat template); train on them with\n"
+    print(f"syncwise sft: wrote {out / 'train.jsonl'}, {out / 'eval.jsonl'} (chat messages), {out / 'prompts.jsonl'} "
+          f"(prompts and answers for GRPO) and {out / 'model'} (an untrained model with its tokenizer and chat "
+          f"template); train on them with\n"
           f"  syncwise sft model.path={out / 'model'} sft.dataset={out / 'train.jsonl'} "
           f"sft.eval_dataset={out / 'eval.jsonl'}", flush=True)
     return 0
@@ -206,6 +208,14 @@ def _run_bench(args: argparse.Namespace) -> int:
         if args.repeats is not None:
             spec.rounds = args.repeats
         return bench_grpo(spec)
+    if args.workload == "sft":  # syncwise sft's steps beside train_batch alone
+        from .bench_sft import SFTBenchSpec, bench_sft_worker
+
+        out = args.out if args.out != "runs/bench" else "runs/bench_sft"
+        spec = SFTBenchSpec.quick(out) if args.quick else SFTBenchSpec(out_dir=out)
+        if args.repeats is not None:
+            spec.rounds = args.repeats
+        return _launch(bench_sft_worker, args.nproc, dataclasses.asdict(spec))
     if args.workload == "rl" and args.profile:  # one process, no ranks
         from .bench_rl import profile_packed_step
 

@@ -103,7 +103,7 @@ def check_sft(config: Config) -> None:
     from ..checkpoint import CheckpointError, CheckpointManager
     from ..data.sft_dataset import DatasetError
     from ..models import PRESETS
-    from ..sft.data import sft_inputs
+    from ..sft.data import sft_inputs, write_task_data
 
     sft = config.sft
     folder = sft.tokenizer or config.model.path
@@ -113,6 +113,7 @@ def check_sft(config: Config) -> None:
         raise PreflightError(f"{key}: {folder} has no tokenizer (tokenizer.json or tokenizer_config.json)")
     vocab = None if config.model.path else PRESETS[config.model.preset]["vocab_size"]
     try:
+        write_task_data(config)
         inputs = sft_inputs(config, vocab_size=vocab)
         inputs.check_world(int(os.environ.get("WORLD_SIZE", config.dist.nproc)), sft)
     except (DatasetError, ValueError) as exc:

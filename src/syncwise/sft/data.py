@@ -38,13 +38,23 @@ def task_data_dir(config: Config) -> Path:
     return Path(config.sft.out_dir) / "data"
 
 
+def write_task_data(config: Config) -> None:
+    """The arith_chat task's files, written once (before the ranks, or by rank 0 while the others wait:
+    transformers' ``save_pretrained`` writes nothing on the other ranks of a process group)."""
+    if config.sft.dataset is None and config.sft.task == "arith_chat":
+        write_example_data(task_data_dir(config), seed=config.sft.seed)
+
+
 def sft_inputs(config: Config, vocab_size: int | None = None) -> SFTInputs:
-    """Tokenizer, training and evaluation data of ``config``'s SFT job. ``vocab_size``: the progression
-    task's model vocabulary (token ids stay below it)."""
+    """Tokenizer, training and evaluation data of ``config``'s SFT job (the arith_chat task's files must have
+    been written: :func:`write_task_data`). ``vocab_size``: the progression task's model vocabulary (token
+    ids stay below it)."""
     sft = config.sft
     model_path = config.model.path
     if sft.dataset is None and sft.task == "arith_chat":
-        data_dir = write_example_data(task_data_dir(config), seed=sft.seed)
+        data_dir = task_data_dir(config)
+        if not (data_dir / "model" / "config.json").is_file():
+            raise ValueError(f"sft.task=arith_chat: {data_dir} holds no complete task data")
         model_path = model_path or str(data_dir / "model")
         train_path, eval_path = str(data_dir / "train.jsonl"), str(data_dir / "eval.jsonl")
     else:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from ..checkpoint import CheckpointManager, export_hf
@@ -26,7 +27,7 @@ from ..metrics import JsonlLogger, format_step, job_history, plot_curves
 from ..models import build_model
 from ..runtime.distributed import DistInfo
 from ..runtime.signals import stopped
-from .data import sft_inputs
+from .data import sft_inputs, write_task_data
 
 EVAL_CHUNK = 256  # held-out rows per forward-only pass (over all ranks)
 CURVES = (("loss", "eval/loss"), ("token_accuracy", "eval/token_accuracy"))
@@ -45,6 +46,10 @@ class SFTTrainer:
         from ..models import preset_config
 
         vocab = None if config.model.path else preset_config(config.model.preset).vocab_size
+        if info.is_main:
+            write_task_data(config)
+        if info.world_size > 1:
+            dist.barrier()
         inputs = sft_inputs(config, vocab_size=vocab)
         self.tokenizer, self.data, self.eval_data, self.model_path = (inputs.tokenizer, inputs.train, inputs.eval,
                                                                       inputs.model_path)

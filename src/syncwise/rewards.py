@@ -1,0 +1,80 @@
+"""Built-in reward functions for verifiable answers, in the ``rl.reward_fn`` signature
+``(prompt, response, row) -> float``: 1.0 when the response's answer equals the row's ``answer``, else 0.0.
+
+- :func:`final_number`: GSM8K's convention -- the number after the last ``####`` or, without one, the last
+  number in the response;
+- :func:`boxed`: LaTeX's ``\\boxed{...}`` (the last one), lightly normalised.
+
+Numbers compare as numbers: thousands separators (``1,234``), a leading ``+``, trailing zeros (``5.0``) and a
+trailing full stop do not matter; ``-3`` and ``3`` do.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
+
+
+def final_number(prompt: str, response: str, row: dict[str, Any]) -> float:
+    """1.0 if the response's final number equals ``row["answer"]`` (GSM8K: the one after the last ``####``,
+    else the last number anywhere)."""
+    return float(_same(_final_number(response), _answer(row)))
+
+
+def boxed(prompt: str, response: str, row: dict[str, Any]) -> float:
+    """1.0 if the content of the response's last ``\\boxed{...}`` equals ``row["answer"]`` (as numbers where
+    both are, else as text without spaces, ``$`` and a ``\\text{}`` wrapper)."""
+    return float(_same(_last_boxed(response), _answer(row)))
+
+
+def _answer(row: dict[str, Any]) -> str:
+    if "answer" not in row:
+        raise KeyError("the built-in rewards compare with the row's 'answer' column, which this row lacks")
+    return str(row["answer"])
+
+
+def _final_number(text: str) -> str | None:
+    tail = text.rsplit("####", 1)[1] if "####" in text else text
+    found = _NUMBER.findall(tail)
+    if not found and "####" in text:
+        return None
+    return found[-1] if found else None
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None  # unbalanced braces: no answer
+
+
+def _number(text: str) -> Decimal | None:
+    cleaned = text.strip().rstrip(".").replace(",", "").replace(" ", "")
+    if not re.fullmatch(r"[-+]?(\d+(\.\d*)?|\.\d+)", cleaned):
+        return None
+    try:
+        return Decimal(cleaned)
+    except InvalidOperation:  # pragma: no cover - the pattern admits only numbers
+        return None
+
+
+def _normalised(text: str) -> str:
+    text = re.sub(r"\\text\{([^{}]*)\}", r"\1", text)
+    return re.sub(r"[\s$]", "", text).rstrip(".")
+
+
+def _same(given: str | None, wanted: str) -> bool:
+    if given is None:
+        return False
+    a, b = _number(given), _number(wanted)
+    if a is not None and b is not None:
+        return a == b
+    return _normalised(given) == _normalised(wanted)
