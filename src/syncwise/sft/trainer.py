@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from ..data.sft_dataset import SampleOrder, padded_batch, rank_share
 from ..engine import Engine
 from ..losses import sft_loss
 from ..metrics import JsonlLogger, format_step, job_history, plot_curves
-from ..models import build_model
+from ..models import build_model, preset_config
 from ..runtime.distributed import DistInfo
 from ..runtime.signals import stopped
 from .data import sft_inputs, write_task_data
@@ -43,8 +44,6 @@ class SFTTrainer:
         self.out_dir = Path(sft.out_dir)
         torch.manual_seed(sft.seed * 1000 + info.rank)
         random.seed(sft.seed * 1000 + info.rank)
-        from ..models import preset_config
-
         vocab = None if config.model.path else preset_config(config.model.preset).vocab_size
         if info.is_main:
             write_task_data(config)
@@ -58,7 +57,7 @@ class SFTTrainer:
         self.order = SampleOrder(self.data.lengths, sft.seed)
         self.total_steps = sft.steps or self.order.steps_for(sft.epochs, sft.batch_size, sft.batch_tokens,
                                                              info.world_size)
-        model_config = config.model if self.model_path == config.model.path else _with_path(config, self.model_path)
+        model_config = replace(config.model, path=self.model_path)  # the arith_chat task brings its own model
         self.engine = Engine(config, build_model(model_config), info, total_steps=self.total_steps)
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
         self.resumed_from = self.checkpoints.resolve(sft.resume)
@@ -197,9 +196,3 @@ class SFTTrainer:
 def run_sft(config: Config, info: DistInfo) -> list[dict[str, Any]]:
     """Train; rank 0 returns this run's steps' metrics."""
     return SFTTrainer(config, info).run()
-
-
-def _with_path(config: Config, path: str | None):
-    from dataclasses import replace
-
-    return replace(config.model, path=path)
