@@ -75,3 +75,11 @@ def test_cpu_offload_on_a_cpu_run_is_a_clear_error():
     cfg = load_config(None, ["engine.cpu_offload=true", "model.preset=qwen2-test"])
     with pytest.raises(ValueError, match="engine.cpu_offload=true needs a CUDA device"):
         wrap_model(build_model(cfg.model), cfg.engine, cfg.model, torch.device("cpu"), None)
+
+
+def test_an_override_that_is_not_yaml_is_one_line_naming_the_key():
+    from syncwise.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^rl.stop: cannot read '\[####\]' as a YAML value"):
+        load_config(None, ["rl.stop=[####]"])
+    assert load_config(None, ["rl.stop=['####']"]).rl.stop == ["####"]

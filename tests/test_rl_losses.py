@@ -337,10 +337,9 @@ def test_policy_loss_uses_the_sampling_temperature_and_reports_the_ratio():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_reward_names_the_reward_function(bad):
-    from syncwise.rl.rollout import _score
-    from syncwise.rl.tasks import PromptSource
+    from syncwise.rl.scoring import RewardFunction, score
 
-    source = PromptSource([], lambda prompt, response, row: bad)
+    reward = RewardFunction("f", "rl.reward_fn", lambda prompt, response, row: bad)
     with pytest.raises(ValueError, match=r"rl.reward_fn: returned (nan|inf) \(prompt 'target 3 :', response '7'\); "
                                          r"a reward must be a finite number"):
-        _score(source, {"prompt": "target 3 :"}, "7")
+        score([reward], ["target 3 :"], ["7"], [{"prompt": "target 3 :"}])

@@ -290,7 +290,7 @@ MISTAKES = {
     "bad jsonl line": (["rl.dataset={root}/bad.jsonl", "rl.reward_fn=rewards:flaky"],
                        "syncwise: error: rl.dataset: {root}/bad.jsonl line 2 is not JSON"),
     "row without prompt": (["rl.dataset={root}/noprompt.jsonl", "rl.reward_fn=rewards:flaky"],
-                           "syncwise: error: rl.dataset: {root}/noprompt.jsonl line 3 has no string 'prompt'"),
+                           "syncwise: error: rl.dataset: {root}/noprompt.jsonl line 3 has no 'prompt'"),
     "dataset without reward": (["rl.dataset={root}/noprompt.jsonl"],
                                "syncwise: config error: rl.dataset needs rl.reward_fn"),
     "reward does not import": (["rl.reward_fn=rewards:nothere"],

@@ -106,6 +106,8 @@ def test_resumed_run_reproduces_the_uninterrupted_parameters_exactly(runs):
     assert [r["train/step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     reference = read_jsonl(runs["root"] / "full" / "metrics.jsonl")
     assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in reference]
+    # the sampler's random state came back with the checkpoint: the same responses, step for step
+    assert [r["rollout/response_tokens"] for r in rows] == [r["rollout/response_tokens"] for r in reference]
     # the resumed run summarises the whole job from metrics.jsonl, not its own 3 steps
     summary = [line for line in runs["resumed"].stdout.splitlines() if line.startswith("mean reward:")]
     want = [line for line in runs["full"].stdout.splitlines() if line.startswith("mean reward:")]

@@ -73,6 +73,9 @@ class ModelConfig:
     reduce_dtype: str = "float32"
     attn_implementation: str = "sdpa"
     seed: int = 0
+    # Dropout in the model's config and in LoRA: keep | off | auto (off for `syncwise train`, whose ratios,
+    # old log-probs and KL must see the same network the sampler drew from; kept for `syncwise sft`)
+    dropout: str = "auto"
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -216,12 +219,30 @@ class RLConfig:
 
     task: str = "target"  # built-in task (syncwise.rl.tasks.TASKS); ignored when dataset is set
     dataset: str | None = None  # JSONL or Parquet with a "prompt" column (other columns reach the reward)
-    reward_fn: str | None = None  # "package.module:function"; runs with the job's rights
+    # "package.module:function" (the job's folder on the path) or "path/to/file.py:function"; several as a
+    # list [a:f, b:g]. Your code, run with the job's rights
+    reward_fn: str | list[str] | None = None
+    reward_weights: list[float] = field(default_factory=list)  # one per reward function; empty: all 1
+    # Prompts through the tokenizer's chat template: auto (message-list prompts; strings as they are) |
+    # true (strings too, as one user message) | false (never)
+    chat_template: str = "auto"
+    max_prompt_length: int = 512  # prompt tokens; longer ones: rl.prompt_overflow
+    prompt_overflow: str = "truncate_left"  # truncate_left | drop | error (counted and logged)
     tokenizer: str | None = None  # local tokenizer dir (default: model.path, or the built-in one)
     prompts_per_rank: int = 4  # prompts each rank takes per step
     samples_per_prompt: int = 8  # the GRPO group size
-    max_new_tokens: int = 0  # 0: the task's (target 2, repeat 100; a rl.dataset: 4)
+    max_new_tokens: int = 0  # 0: the task's (target 2, repeat 100; a rl.dataset: 256)
     temperature: float = 1.0  # sampling temperature; training-side log-probs use the same
+    # Truncated sampling (0 / 1.0 / 0: off). The sampler's log-probs are of the distribution it drew from;
+    # the trainer's of the full temperature-scaled one (rl.loss.rollout_is corrects the mismatch)
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    # Strings that end a response (kept in it, as vLLM's include_stop_str_in_output would); every end token
+    # of the tokenizer and the model's generation_config ends one too
+    stop: list[str] = field(default_factory=list)
+    # Responses cut by rl.max_new_tokens left out of the loss (TRL's mask_truncated_completions)
+    mask_truncated: bool = False
     # compact: each prompt prefilled once, ended sequences dropped, only drawn tokens' log-probs kept
     # (syncwise.rl.sampling); generate: Hugging Face generate (the earlier path, for comparison)
     sampler: str = "compact"
@@ -300,6 +321,23 @@ class Config:
             raise ConfigError("rl.warm_start_steps: needs a built-in task's demonstrations, not rl.dataset")
         _non_negative("rl.max_new_tokens", self.rl.max_new_tokens, "0: the task's")
         _positive("rl.temperature", self.rl.temperature)
+        _non_negative("rl.top_k", self.rl.top_k, "0: off")
+        if not 0 < self.rl.top_p <= 1:
+            raise ConfigError(f"rl.top_p: must be in (0, 1], got {self.rl.top_p}")
+        if not 0 <= self.rl.min_p < 1:
+            raise ConfigError(f"rl.min_p: must be in [0, 1), got {self.rl.min_p}")
+        if any(not s for s in self.rl.stop):
+            raise ConfigError("rl.stop: an empty stop string would end every response at once")
+        _choice("rl.chat_template", self.rl.chat_template, ("auto", "true", "false"))
+        _choice("rl.prompt_overflow", self.rl.prompt_overflow, ("truncate_left", "drop", "error"))
+        _positive("rl.max_prompt_length", self.rl.max_prompt_length)
+        # YAML reads a bare `off` as false (and `on` as true)
+        self.model.dropout = {"false": "off", "true": "keep"}.get(self.model.dropout, self.model.dropout)
+        _choice("model.dropout", self.model.dropout, ("auto", "keep", "off"))
+        functions = reward_functions(self.rl.reward_fn)
+        if self.rl.reward_weights and len(self.rl.reward_weights) != len(functions):
+            raise ConfigError(f"rl.reward_weights: {len(self.rl.reward_weights)} weight(s) for {len(functions)} "
+                              f"reward function(s)")
         _positive("rl.mini_batches", self.rl.mini_batches)
         _positive("rl.epochs", self.rl.epochs)
         samples = self.rl.prompts_per_rank * self.rl.samples_per_prompt
@@ -355,6 +393,13 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _positive(key: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"{key}: must be > 0, got {value}")
+
+
+def reward_functions(value: str | list[str] | None) -> list[str]:
+    """``rl.reward_fn`` as a list of paths (one, several, or none)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
 
 
 def _validate_sft_config(sft: SFTConfig) -> None:
@@ -415,7 +460,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:  # e.g. rl.stop=[####]: '#' starts a YAML comment
+            problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]
+            raise ConfigError(f"{key.strip()}: cannot read {raw!r} as a YAML value ({problem}); quote it, e.g. "
+                              f"{key.strip()}=\"['...']\"") from exc
     return load_config_dict(data)
 
 
@@ -472,6 +522,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             except ConfigError:
                 pass
         return _coerce(inner[-1], value, key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
@@ -496,5 +550,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, bool):  # YAML 1.1 reads true/false, on/off, yes/no as booleans
+            return "true" if value else "false"
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     raise ConfigError(f"{key}: unsupported config type {tp}")  # pragma: no cover - a bug in this module

@@ -78,3 +78,11 @@ def _same(given: str | None, wanted: str) -> bool:
     if a is not None and b is not None:
         return a == b
     return _normalised(given) == _normalised(wanted)
+
+
+def batched(fn):
+    """Mark a reward function as batched: called once per rollout as ``fn(prompts, responses, rows) ->
+    list[float]`` (a model-based or sandboxed reward scores a batch at once). A function whose first
+    parameter is named ``prompts`` is taken as batched without it."""
+    fn.syncwise_batched = True
+    return fn

@@ -60,21 +60,38 @@ def build_model(cfg: ModelConfig, **config_overrides: Any) -> PreTrainedModel:
     """Instantiate the model in fp32 on CPU, with identical weights on every rank (seeded init), and its LoRA
     adapters when ``cfg.lora.rank`` > 0 (see :mod:`syncwise.models.lora`). ``config_overrides`` adjust a
     preset (e.g. ``vocab_size`` to match a tokenizer)."""
+    off = cfg.dropout == "off"
     if cfg.path:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a per-tensor loading bar in every rank breaks into the job's lines
+        extra = dropout_free(AutoConfig.from_pretrained(cfg.path, local_files_only=True)) if off else {}
         model = AutoModelForCausalLM.from_pretrained(
             cfg.path, local_files_only=True, dtype=torch.float32,
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=cfg.attn_implementation, **extra,
         )
     else:
         hf_config = preset_config(cfg.preset, **config_overrides)
         hf_config._attn_implementation = cfg.attn_implementation
+        if off:
+            for key, value in dropout_free(hf_config).items():
+                setattr(hf_config, key, value)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    return apply_lora(model, cfg.lora, cfg.seed)
+    model = apply_lora(model, cfg.lora, cfg.seed)
+    if off:  # LoRA's dropout, and any dropout layer the config does not name
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+    return model
+
+
+def dropout_free(hf_config) -> dict[str, float]:
+    """The config's dropout probabilities (``*dropout*``, GPT-2's ``*_pdrop``) set to 0: the overrides that
+    build the model without dropout, as TRL's ``disable_dropout`` does for RL."""
+    return {key: 0.0 for key, value in hf_config.to_dict().items()
+            if isinstance(value, float) and value > 0 and ("dropout" in key or key.endswith("pdrop"))}
 
 
 def uninitialised_model(hf_config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:

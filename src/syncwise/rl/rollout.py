@@ -10,7 +10,6 @@ token, with ``loss_mask`` on the response.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -21,13 +20,19 @@ from ..config import RLConfig
 from ..engine import Engine
 from ..engine.weights import load_by_unit
 from ..models import uninitialised_model
-from .sampling import left_padded, sample
+from .sampling import StopStrings, Truncation, left_padded, sample
+from .scoring import score
 from .tasks import PromptSource
 
 
 class Rollout:
-    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, cfg: RLConfig):
+    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, cfg: RLConfig,
+                 end_ids: list[int] | None = None):
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        # Every token that ends a response: the tokenizer's end token and the model's generation_config's
+        self.end_ids = sorted(set(end_ids or []) | {tokenizer.eos_token_id})
+        self.cut = Truncation(cfg.top_k, cfg.top_p, cfg.min_p)
+        self.stop = StopStrings(cfg.stop, tokenizer)
         # Built uninitialised: the first refresh writes every parameter (load_by_unit checks it).
         self.model = uninitialised_model(engine.features.plain_hf_config, getattr(torch, cfg.rollout_dtype),
                                          engine.info.device)
@@ -45,84 +50,86 @@ class Rollout:
         load_by_unit(self.model, self.engine.full_weights_by_unit())
 
     @torch.no_grad()
-    def generate(self, rows: list[dict[str, Any]], source: PromptSource) -> tuple[dict[str, torch.Tensor], dict]:
-        """``samples_per_prompt`` responses per row; returns the training batch and what was sampled:
-        rewards, texts, response lengths, the sampler's per-token log-probs ([B, T-1], aligned with the
-        batch's targets; the distribution softmax(logits / rl.temperature) each token was drawn from) and
-        the seconds spent in the reward function (``reward_s``).
+    def generate(self, rows: list[dict[str, Any]], prompt_ids: list[list[int]], source: PromptSource
+                 ) -> tuple[dict[str, torch.Tensor], dict]:
+        """``samples_per_prompt`` responses per row (its prompt already encoded: ``prompt_ids``); returns the
+        training batch and what was sampled: rewards (the weighted total, and each function's in
+        ``reward_parts``), texts, response lengths, which responses the length limit cut (``clipped``), the
+        sampler's per-token log-probs ([B, T-1], aligned with the batch's targets; of the distribution each
+        token was drawn from) and the seconds spent in the reward functions (``reward_s``).
 
         Samples of one prompt are consecutive (the GRPO group)."""
         tok, n = self.tokenizer, self.cfg.samples_per_prompt
-        prompts = [torch.tensor(tok(row["prompt"])["input_ids"], dtype=torch.long) for row in rows]
-        max_new_tokens = self.cfg.max_new_tokens or source.max_new_tokens
+        prompts = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
+        max_new_tokens = self.max_new_tokens(source)
         if self.cfg.sampler == "generate":
-            responses_ids, drawn = self._hf_generate(prompts, max_new_tokens)
+            responses_ids, drawn, ended = self._hf_generate(prompts, max_new_tokens)
         else:
-            samples = sample(self.model, prompts, n, max_new_tokens, self.cfg.temperature, tok.eos_token_id,
-                             tok.pad_token_id)
-            responses_ids, drawn = samples.tokens, samples.log_probs
-        sequences, response_masks, rewards, responses, sampler = [], [], [], [], []
-        reward_s = 0.0
+            samples = sample(self.model, prompts, n, max_new_tokens, self.cfg.temperature, self.end_ids,
+                             tok.pad_token_id, self.cut, self.stop)
+            responses_ids, drawn, ended = samples.tokens, samples.log_probs, samples.ended
+        sequences, response_masks, responses, sampler = [], [], [], []
         for i, (response_ids, response_log_probs) in enumerate(zip(responses_ids, drawn, strict=True)):
-            row, prompt_ids = rows[i // n], prompts[i // n]
+            prompt = prompts[i // n]
             response_ids, response_log_probs = response_ids.cpu(), response_log_probs.float().cpu()
-            text = tok.decode(response_ids, skip_special_tokens=True)
-            scoring = time.perf_counter()
-            rewards.append(_score(source, row, text))
-            reward_s += time.perf_counter() - scoring
-            responses.append(text)
-            sequences.append(torch.cat([prompt_ids, response_ids]))
-            response_masks.append(torch.cat([torch.zeros_like(prompt_ids), torch.ones_like(response_ids)]))
+            responses.append(tok.decode(response_ids, skip_special_tokens=True))
+            sequences.append(torch.cat([prompt, response_ids]))
+            trained = torch.ones_like(response_ids) * int(ended[i] or not self.cfg.mask_truncated)
+            response_masks.append(torch.cat([torch.zeros_like(prompt), trained]))
             # Per target (position j predicts token j + 1): the response tokens' sampler log-probs.
-            sampler.append(torch.cat([response_log_probs.new_zeros(len(prompt_ids) - 1), response_log_probs]))
+            sampler.append(torch.cat([response_log_probs.new_zeros(len(prompt) - 1), response_log_probs]))
+        scoring = time.perf_counter()
+        group_rows = [rows[i // n] for i in range(len(responses))]
+        rewards, parts = score(source.rewards, [row["prompt"] for row in group_rows], responses, group_rows)
+        reward_s = time.perf_counter() - scoring
         batch = response_batch(sequences, response_masks, tok.pad_token_id)
         total = batch["input_ids"].shape[1]
         info = {
             "rewards": torch.tensor(rewards),
+            "reward_parts": {name: torch.tensor(values) for name, values in parts.items()},
             "responses": responses,
-            "response_lengths": torch.tensor([int(m.sum()) for m in response_masks]),
+            "response_lengths": torch.tensor([len(r) for r in responses_ids]),
+            "clipped": torch.tensor([not e for e in ended]),
             "log_probs": right_pad(sampler, total - 1, 0.0).cpu(),  # [B, T-1], like the trainer's
-            "reward_s": reward_s,  # spent in the reward function
+            "reward_s": reward_s,  # spent in the reward functions
         }
         return {k: v.cpu() for k, v in batch.items()}, info
 
-    def _hf_generate(self, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[list, list]:
+    def max_new_tokens(self, source: PromptSource) -> int:
+        return self.cfg.max_new_tokens or source.max_new_tokens
+
+    def _hf_generate(self, prompts: list[torch.Tensor], max_new_tokens: int) -> tuple[list, list, list]:
         """``rl.sampler=generate``: Hugging Face ``generate`` (each prompt prefilled once per sample, every
         sequence computed until the longest ends, every step's scores kept). Per sequence: the response up to
-        its end-of-sequence token and the log-prob of each token under the temperature-scaled scores."""
+        its first end token or stop string, the log-prob of each token under the scores (after the
+        temperature and truncation warpers: the distribution it was drawn from), and whether it ended."""
         tok, n, device = self.tokenizer, self.cfg.samples_per_prompt, self.engine.info.device
         input_ids, mask = left_padded(prompts, tok.pad_token_id, device)
         width = input_ids.shape[1]
+        cut = self.cut
         out = self.model.generate(
-            input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=self.cfg.temperature, top_k=0,
-            top_p=1.0, max_new_tokens=max_new_tokens, num_return_sequences=n, pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id, return_dict_in_generate=True, output_scores=True,
+            input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=self.cfg.temperature,
+            top_k=cut.top_k, top_p=cut.top_p, min_p=cut.min_p or None, max_new_tokens=max_new_tokens,
+            num_return_sequences=n, pad_token_id=tok.pad_token_id, eos_token_id=self.end_ids,
+            stop_strings=self.cfg.stop or None, tokenizer=tok if self.cfg.stop else None,
+            return_dict_in_generate=True, output_scores=True,
         )
-        # What the sampler drew each token from: its scores are the logits after the temperature warper.
         steps = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)  # [B * n, new tokens, V]
         drawn = steps.gather(-1, out.sequences[:, width:, None]).squeeze(-1)
-        responses = [_until_eos(generated[width:], tok.eos_token_id) for generated in out.sequences]
-        return responses, [drawn[i, : len(r)] for i, r in enumerate(responses)]
+        cut_at = [self._end_of(generated[width:]) for generated in out.sequences]
+        responses = [generated[width : width + length] for generated, (length, _) in zip(out.sequences, cut_at,
+                                                                                          strict=True)]
+        return responses, [drawn[i, : len(r)] for i, r in enumerate(responses)], [e for _, e in cut_at]
 
-
-def _score(source: PromptSource, row: dict[str, Any], response: str) -> float:
-    """The reward of one response; a reward function that fails says so, with the prompt it failed on."""
-    try:
-        reward = float(source.reward_fn(row["prompt"], response, row))
-    except Exception as exc:  # user code: any exception
-        raise ValueError(
-            f"rl.reward_fn: raised {type(exc).__name__}: {exc} (prompt {row['prompt']!r}, response {response!r})"
-        ) from exc
-    if not math.isfinite(reward):
-        raise ValueError(f"rl.reward_fn: returned {reward} (prompt {row['prompt']!r}, response {response!r}); "
-                         f"a reward must be a finite number")
-    return reward
-
-
-def _until_eos(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """The response up to and including its first end-of-sequence token (generate pads after it)."""
-    hits = (ids == eos_id).nonzero()
-    return ids[: int(hits[0]) + 1] if hits.numel() else ids
+    def _end_of(self, ids: torch.Tensor) -> tuple[int, bool]:
+        """(length, ended): up to and including the first end token or the token completing a stop string."""
+        hits = torch.isin(ids, torch.tensor(self.end_ids, device=ids.device)).nonzero()
+        length = int(hits[0]) + 1 if hits.numel() else len(ids)
+        if self.stop:
+            for i in range(length):
+                if self.stop.hit(ids[: i + 1].tolist()):
+                    return i + 1, True
+        return length, bool(hits.numel())
 
 
 def response_batch(sequences: list[torch.Tensor], response_masks: list[torch.Tensor], pad_id: int) -> dict:

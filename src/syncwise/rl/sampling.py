@@ -7,14 +7,18 @@ a [sequences, vocabulary] tensor per step -- on long-tailed RL responses most of
 spent on sequences that have already ended, and the kept scores outgrow the KV cache (``syncwise plan``).
 Here the prompts' KV cache is computed once and repeated for their samples; whenever an eighth of the
 active sequences has ended, the cache and the batch are compacted to the ones still running. The
-distribution is the one ``generate`` samples from with ``do_sample=True, top_k=0, top_p=1``:
-softmax(logits / temperature). The prefill keeps only each prompt's last position's logits (``logits_to_keep=1``,
-as ``generate`` does): the rest would be [prompts, prompt length, vocabulary] for nothing.
+distribution is the one ``generate`` samples from: softmax(logits / temperature), truncated by top-k, then
+top-p, then min-p (:func:`truncated_log_probs`, as transformers' warpers in that order) and renormalised;
+each drawn token's log-prob is of that distribution. A sequence ends at any of its end tokens, or once its
+text contains a stop string (the string kept, as vLLM's ``include_stop_str_in_output``). The prefill keeps
+only each prompt's last position's logits (``logits_to_keep=1``, as ``generate`` does): the rest would be
+[prompts, prompt length, vocabulary] for nothing.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +30,56 @@ from ..engine.step import positions_of
 COMPACT_FRACTION = 8  # compact when at least 1/8 of the active sequences have ended
 
 
+@dataclass(frozen=True)
+class Truncation:
+    """rl.top_k / rl.top_p / rl.min_p (0 / 1.0 / 0: off)."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def truncated_log_probs(log_p: torch.Tensor, cut: Truncation) -> torch.Tensor:
+    """[rows, vocab] log-probs of the distribution sampled from: top-k, then top-p (the smallest set of most
+    likely tokens whose mass reaches p), then min-p (tokens at least min_p times the most likely one's
+    probability), renormalised. The most likely token always stays."""
+    if not cut.active:
+        return log_p
+    if cut.top_k > 0 and cut.top_k < log_p.shape[-1]:
+        kth = log_p.topk(cut.top_k, dim=-1).values[:, -1:]
+        log_p = log_p.masked_fill(log_p < kth, float("-inf"))
+    if cut.top_p < 1.0:
+        ordered, order = log_p.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        beyond = probs.cumsum(dim=-1) - probs >= cut.top_p  # in sorted order: the mass before reaches p
+        drop = torch.zeros_like(beyond).scatter(-1, order, beyond)
+        log_p = log_p.masked_fill(drop, float("-inf"))
+    if cut.min_p > 0.0:
+        floor = log_p.max(dim=-1, keepdim=True).values + math.log(cut.min_p)
+        log_p = log_p.masked_fill(log_p < floor, float("-inf"))
+    return log_p.log_softmax(dim=-1)
+
+
+class StopStrings:
+    """Whether a response's text contains one of the stop strings (decoded as it grows: only its tail)."""
+
+    def __init__(self, strings: list[str], tokenizer):
+        self.strings, self.tokenizer = list(strings), tokenizer
+        # enough trailing tokens to hold the longest stop string (a token is at least one character)
+        self.window = max((len(s) for s in self.strings), default=0) + 2
+
+    def __bool__(self) -> bool:
+        return bool(self.strings)
+
+    def hit(self, tokens: list[int]) -> bool:
+        tail = self.tokenizer.decode(tokens[-self.window:], skip_special_tokens=False)
+        return any(s in tail for s in self.strings)
+
+
 @dataclass
 class Samples:
     """Per sequence (``samples_per_prompt`` consecutive ones per prompt): the response tokens (up to and
@@ -34,6 +88,7 @@ class Samples:
     tokens: list[torch.Tensor]
     log_probs: list[torch.Tensor]
     computed_rows: int  # sequence-steps computed (the padded loop's would be sequences x longest response)
+    ended: list[bool] = None  # ended by an end token or a stop string (False: cut by max_new_tokens)
 
 
 def left_padded(prompts: list[torch.Tensor], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,10 +110,11 @@ def left_padded(prompts: list[torch.Tensor], pad_id: int, device: torch.device) 
 @torch.no_grad()
 def sample(
     model: nn.Module, prompts: list[torch.Tensor], samples_per_prompt: int, max_new_tokens: int, temperature: float,
-    eos_id: int, pad_id: int,
+    end_ids: int | list[int], pad_id: int, cut: Truncation = Truncation(), stop: StopStrings | None = None,
 ) -> Samples:
     """``samples_per_prompt`` responses to each prompt (1-D token tensors), drawn from softmax(logits /
-    ``temperature``) with torch's global generator."""
+    ``temperature``) truncated by ``cut``, with torch's global generator; a response ends at any of
+    ``end_ids`` or once it contains a ``stop`` string."""
     device = next(model.parameters()).device
     input_ids, mask = left_padded(prompts, pad_id, device)
     positions = positions_of(mask)
@@ -76,18 +132,28 @@ def sample(
     logits, mask = logits.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
     next_position = positions[:, -1].repeat_interleave(n) + 1
     total = len(prompts) * n
+    ends = torch.tensor([end_ids] if isinstance(end_ids, int) else list(end_ids), device=device)
+    texts: list[list[int]] = [[] for _ in range(total)]  # each sequence's tokens so far (stop strings only)
+    stopped = torch.zeros(total, dtype=torch.bool, device=device)  # ended by an end token or a stop string
     rows = torch.arange(total, device=device)  # the sequence each batch row is
     running = torch.ones_like(rows, dtype=torch.bool)  # rows whose sequence has not ended
     drawn_rows, drawn_tokens, drawn_log_probs = [], [], []  # per step, for the rows still running
     computed = 0
     for step in range(max_new_tokens):
-        log_p = (logits.float() / temperature).log_softmax(dim=-1)
+        log_p = truncated_log_probs((logits.float() / temperature).log_softmax(dim=-1), cut)
         drawn = torch.multinomial(log_p.exp(), 1).squeeze(1)
         live = running.nonzero().squeeze(1)
         drawn_rows.append(rows[live])
         drawn_tokens.append(drawn[live])
         drawn_log_probs.append(log_p[live].gather(1, drawn[live, None]).squeeze(1))
-        running &= drawn != eos_id
+        finished = torch.isin(drawn, ends)
+        if stop:
+            for r in live.tolist():
+                sequence = int(rows[r])
+                texts[sequence].append(int(drawn[r]))
+                finished[r] |= stop.hit(texts[sequence])
+        stopped[rows[finished & running]] = True
+        running &= ~finished
         active = int(running.sum())
         if active == 0 or step == max_new_tokens - 1:
             break
@@ -105,4 +171,4 @@ def sample(
     order = torch.sort(sequence, stable=True).indices
     counts = torch.bincount(sequence, minlength=total).tolist()
     return Samples(list(torch.cat(drawn_tokens)[order].split(counts)),
-                   list(torch.cat(drawn_log_probs)[order].split(counts)), computed)
+                   list(torch.cat(drawn_log_probs)[order].split(counts)), computed, stopped.tolist())

@@ -14,16 +14,19 @@ The tokenizer is a word-level ``tokenizers`` model built at run time (no hub) an
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
+
+from ..config import RLConfig
+from .prompts import EncodedPrompts, encode_prompts
+from .scoring import RewardFunction, reward_functions
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
 DIGITS = [str(d) for d in range(10)]
@@ -69,19 +72,39 @@ class PromptSource:
     length the task needs (``rl.max_new_tokens=0`` takes it)."""
 
     rows: list[dict[str, Any]]
-    reward_fn: RewardFn
+    reward_fn: RewardFn | None  # a built-in task's own reward
     max_new_tokens: int = 0
     # A correct response to a row, for the SFT warm start (rl.warm_start_steps); None: the task has none.
     demonstration: Callable[[dict[str, Any]], str] | None = None
+    where: list[str] | None = None  # each row's place in its file ("line 3"), for errors
+    name: str = ""  # the file, or "task <name>"
+    # what scores responses: rl.reward_fn's functions, or the task's own reward
+    rewards: list[RewardFunction] = field(default_factory=list)
+
+    prompt_ids: list[list[int]] | None = None  # each row's prompt as tokens (:meth:`encode`)
+    encoded: EncodedPrompts | None = None
+
+    def encode(self, tokenizer, cfg: RLConfig) -> EncodedPrompts:
+        """Every prompt as the sampler sees it (chat template, ``rl.max_prompt_length``); rows dropped for
+        their length leave the source. A prompt that cannot be used is a ValueError naming its row."""
+        encoded = encode_prompts(self.rows, self.where, self.name, cfg, tokenizer)
+        self.rows = [self.rows[i] for i in encoded.kept]
+        self.where = [self.where[i] for i in encoded.kept] if self.where else None
+        self.prompt_ids, self.encoded = encoded.ids, encoded
+        return encoded
 
     def batch(self, step: int, rank: int, world_size: int, count: int) -> list[dict[str, Any]]:
         """The ``count`` rows rank ``rank`` takes at ``step``: a deterministic, epoch-shuffled walk, so a
         resumed run sees exactly the prompts it would have."""
+        return [self.rows[i] for i in self.batch_indices(step, rank, world_size, count)]
+
+    def batch_indices(self, step: int, rank: int, world_size: int, count: int) -> list[int]:
+        """The rows of :meth:`batch`, as indices (into ``rows`` and ``prompt_ids``)."""
         start = (step * world_size + rank) * count
         out = []
         for position in range(start, start + count):
             epoch, index = divmod(position, len(self.rows))
-            out.append(self.rows[self._order(epoch)[index]])
+            out.append(self._order(epoch)[index])
         return out
 
     def _order(self, epoch: int) -> list[int]:
@@ -102,7 +125,7 @@ def target_task(num_prompts: int = 200) -> PromptSource:
 
 
 REPEAT_MAX = 99
-DATASET_MAX_NEW_TOKENS = 4  # a user's prompts without rl.max_new_tokens (set it for real responses)
+DATASET_MAX_NEW_TOKENS = 256  # a user's prompts without rl.max_new_tokens (TRL's max_completion_length)
 
 
 def repeat_task(num_prompts: int = 400) -> PromptSource:
@@ -120,23 +143,10 @@ def repeat_task(num_prompts: int = 400) -> PromptSource:
 TASKS: dict[str, Callable[[], PromptSource]] = {"target": target_task, "repeat": repeat_task}
 
 
-def load_reward_fn(path: str) -> RewardFn:
-    """``package.module:function`` -- user code, imported and run with the job's rights."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"rl.reward_fn: {path!r} must look like 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"rl.reward_fn: cannot import {path!r}: {exc}") from exc
-    if not callable(fn):
-        raise ValueError(f"rl.reward_fn: {path!r} is not callable")
-    return fn
-
-
-def load_dataset(path: str) -> list[dict[str, Any]]:
-    """Rows of a JSONL or Parquet file; each needs a ``prompt`` string. Errors name the file and the line
-    (JSONL) or row (Parquet)."""
+def load_dataset(path: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows of a JSONL or Parquet file and where each is ("line 3" / "row 3"); each needs a ``prompt``: a
+    non-empty string or a non-empty list of ``{"role", "content"}`` messages. Errors name the file and the
+    line (JSONL) or row (Parquet)."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"rl.dataset: file not found: {path}")
@@ -158,17 +168,41 @@ def load_dataset(path: str) -> list[dict[str, Any]]:
     if not numbered:
         raise ValueError(f"rl.dataset: {path} has no rows")
     for where, row in numbered:
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f"rl.dataset: {path} {where} has no string 'prompt'")
-    return [row for _, row in numbered]
+        problem = _prompt_problem(row)
+        if problem:
+            raise ValueError(f"rl.dataset: {path} {where} {problem}")
+    return [row for _, row in numbered], [where for where, _ in numbered]
 
 
-def prompt_source(task: str, dataset: str | None, reward_fn: str | None) -> PromptSource:
+def _prompt_problem(row: Any) -> str | None:
+    if not isinstance(row, dict) or "prompt" not in row:
+        return "has no 'prompt'"
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return "has an empty 'prompt'" if not prompt.strip() else None
+    if isinstance(prompt, list):
+        if not prompt:
+            return "has an empty 'prompt' (no messages)"
+        for i, message in enumerate(prompt):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content"), str):
+                return f"has 'prompt'[{i}] that is not a {{'role': str, 'content': str}} message"
+        return None
+    return f"has a 'prompt' of type {type(prompt).__name__} (a string or a list of messages)"
+
+
+def prompt_source(task: str, dataset: str | None, reward_fn: str | list[str] | None,
+                  reward_weights: list[float] = ()) -> PromptSource:
+    """A built-in task's prompts and reward, or a dataset's with ``rl.reward_fn``'s functions."""
+    paths = [reward_fn] if isinstance(reward_fn, str) else list(reward_fn or [])
     if dataset:
-        return PromptSource(load_dataset(dataset), load_reward_fn(reward_fn), max_new_tokens=DATASET_MAX_NEW_TOKENS)
+        rows, where = load_dataset(dataset)
+        return PromptSource(rows, None, max_new_tokens=DATASET_MAX_NEW_TOKENS, where=where, name=dataset,
+                            rewards=reward_functions(paths, list(reward_weights)))
     if task not in TASKS:
         raise ValueError(f"rl.task: {task!r} is not one of {', '.join(TASKS)}")
     source = TASKS[task]()
-    if reward_fn:
-        source.reward_fn = load_reward_fn(reward_fn)
+    source.name = f"task {task}"
+    source.rewards = (reward_functions(paths, list(reward_weights)) if paths
+                      else [RewardFunction(task, "rl.reward_fn", source.reward_fn)])
     return source

@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,17 @@ from .tasks import builtin_tokenizer, prompt_source
 
 class TrainingStopped(RuntimeError):
     """Training could not go on (e.g. too many non-finite steps in a row); a checkpoint was written."""
+
+
+def end_token_ids(model_path: str | None) -> list[int]:
+    """The end tokens of the model's ``generation_config.json`` (an int or a list: chat models end turns with
+    their own token); none without one."""
+    if not model_path or not (Path(model_path) / "generation_config.json").is_file():
+        return []
+    from transformers import GenerationConfig
+
+    eos = GenerationConfig.from_pretrained(model_path, local_files_only=True).eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def load_tokenizer(config: Config):
@@ -79,13 +91,18 @@ def rollout_stats(
     weights) biases the gradient."""
     rewards, lengths = sampled["rewards"].double(), sampled["response_lengths"].double()
     diff = (sampler_log_probs - trainer_log_probs.cpu()).abs() * response_mask
+    parts = sorted(sampled["reward_parts"].items())
     sums = [rewards.sum(), (rewards**2).sum(), len(rewards), lengths.sum(), (rewards >= 1).sum(), diff.sum(),
-            response_mask.sum(), *counts]
+            response_mask.sum(), *counts, sampled["clipped"].sum(), *(values.double().sum() for _, values in parts)]
     totals, per_rank = agree([float(x) for x in sums], [float(diff.max()) if diff.numel() else 0.0],
                              "the rollout statistics all-reduce", info.device, timeout_s)
-    total, squares, count, length, solved, diff_sum, tokens, uniform_groups, groups, trained = totals.tolist()
+    total, squares, count, length, solved, diff_sum, tokens, uniform_groups, groups, trained, clipped = (
+        totals[:11].tolist())
     mean = total / count
+    by_function = {f"reward/{name}": float(value) / count for (name, _), value in zip(parts, totals[11:], strict=True)}
     return {
+        **(by_function if len(parts) > 1 else {}),
+        "response/clipped_fraction": clipped / count,  # cut by rl.max_new_tokens
         "reward/mean": mean,
         "reward/std": math.sqrt(max(squares / count - mean * mean, 0.0)),
         "reward/solved_fraction": solved / count,
@@ -150,17 +167,21 @@ class GRPOTrainer:
         torch.manual_seed(train.seed * 1000 + info.rank)
         random.seed(train.seed * 1000 + info.rank)
         self.tokenizer = load_tokenizer(config)
-        self.source = prompt_source(rl.task, rl.dataset, rl.reward_fn)
+        self.source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights)
+        self.source.encode(self.tokenizer, rl)
         overrides = {} if config.model.path else {"vocab_size": len(self.tokenizer)}
         updates_per_step = rl.mini_batches * rl.epochs
-        self.engine = Engine(config, build_model(config.model, **overrides), info,
+        # Dropout off unless kept on purpose: the ratio, the old log-probs and the KL must see the network the
+        # sampler drew from (model.dropout=auto is off here)
+        model_cfg = replace(config.model, dropout="keep" if config.model.dropout == "keep" else "off")
+        self.engine = Engine(config, build_model(model_cfg, **overrides), info,
                              total_steps=train.steps * updates_per_step + rl.warm_start_steps)
         # The KL reference: a frozen copy of the initial model, or with LoRA the policy's own base model with
         # its adapters switched off (no second model in memory).
         self.reference = None
         if rl.loss.kl_coef > 0 and not self.engine.features.lora:
-            self.reference = Engine(config, build_model(config.model, **overrides), info, trainable=False)
-        self.rollout = Rollout(self.engine, self.tokenizer, rl)
+            self.reference = Engine(config, build_model(model_cfg, **overrides), info, trainable=False)
+        self.rollout = Rollout(self.engine, self.tokenizer, rl, end_token_ids(config.model.path))
         self.engine.governor.hold_outside(self.rollout.copy_bytes)  # auto's budget knows the copy is there
         self.loss_fn = make_policy_loss(rl.loss, temperature=rl.temperature)
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
@@ -179,10 +200,15 @@ class GRPOTrainer:
         self.loggers.append(JsonlLogger(self.out_dir / "metrics.jsonl"))
         if train.logger == "tensorboard":
             self.loggers.append(TensorBoardLogger(self.out_dir / "tensorboard"))
+        prompts = self.source.encoded
+        notes = "".join([", through the chat template" if prompts.templated else "",
+                         f", {prompts.truncated} cut to rl.max_prompt_length" if prompts.truncated else "",
+                         f", {prompts.dropped} longer dropped" if prompts.dropped else ""])
         print(
-            f"syncwise train: GRPO on {rl.dataset or 'task ' + rl.task}, {config.engine.strategy} on "
-            f"{self.info.world_size} rank(s), {rl.prompts_per_rank} prompts x {rl.samples_per_prompt} samples per "
-            f"rank, sync.mode={config.sync.mode}"
+            f"syncwise train: GRPO on {rl.dataset or 'task ' + rl.task} ({len(self.source.rows)} prompts{notes}), "
+            f"{config.engine.strategy} on {self.info.world_size} rank(s), {rl.prompts_per_rank} prompts x "
+            f"{rl.samples_per_prompt} samples per rank, responses up to {self.rollout.max_new_tokens(self.source)} "
+            f"tokens, sync.mode={config.sync.mode}"
             + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else ""),
             flush=True,
         )
@@ -198,11 +224,12 @@ class GRPOTrainer:
         started = time.perf_counter()
         clock = PhaseClock()
         rl = self.config.rl
-        rows = self.source.batch(step, self.info.rank, self.info.world_size, rl.prompts_per_rank)
+        indices = self.source.batch_indices(step, self.info.rank, self.info.world_size, rl.prompts_per_rank)
+        rows, prompt_ids = [self.source.rows[i] for i in indices], [self.source.prompt_ids[i] for i in indices]
         with clock("weight_sync"):
             self.rollout.sync_weights()
         with clock("rollout"):
-            batch, sampled = self.rollout.generate(rows, self.source)
+            batch, sampled = self.rollout.generate(rows, prompt_ids, self.source)
         clock.move("rollout", "reward", sampled["reward_s"])  # generate scored as it went
         batch["advantages"] = advantages_for(sampled["rewards"], self.config)
         batch["rollout_log_probs"] = sampled["log_probs"]  # moves with its sample; the loss reads it if asked

@@ -122,8 +122,8 @@ def chat_tokenizer(rows: list[dict[str, Any]], vocab_size: int = CHAT_VOCAB):
 def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: int = 200, seed: int = 0,
                        preset: str = "llama-chat", prompt_rows: int = 500) -> Path:
     """The ``arith_chat`` task as a user brings data: ``train.jsonl`` and ``eval.jsonl`` (``messages`` rows,
-    for SFT), ``prompts.jsonl`` (new problems for GRPO: ``prompt``, the conversation so far rendered by the
-    chat template up to the assistant's turn, and ``answer``) and ``model/`` (an untrained ``preset`` model
+    for SFT), ``prompts.jsonl`` (new problems for GRPO: ``prompt``, the system and user messages, and
+    ``answer``) and ``model/`` (an untrained ``preset`` model
     saved with ``save_pretrained``, and the trained tokenizer with its chat template). Each file is renamed
     into place when complete, ``model/`` last; a folder that has one already is kept."""
     from transformers.utils import logging as hf_logging
@@ -142,9 +142,7 @@ def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: i
     try:
         for name, part in (("train.jsonl", rows[:train_rows]), ("eval.jsonl", rows[train_rows:])):
             (staging / name).write_text("".join(json.dumps(r) + "\n" for r in part))
-        prompts = [{"prompt": tokenizer.apply_chat_template(r["messages"][:2], tokenize=False,
-                                                            add_generation_prompt=True), "answer": r["answer"]}
-                   for r in arith_chat_rows(prompt_rows, seed + 1)]
+        prompts = [{"prompt": r["messages"][:2], "answer": r["answer"]} for r in arith_chat_rows(prompt_rows, seed + 1)]
         (staging / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
         model = build_model(ModelConfig(preset=preset, seed=seed), vocab_size=len(tokenizer),
                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -1,0 +1,73 @@
+"""Prompts as token ids: through the tokenizer's chat template where asked (``rl.chat_template``), cut to
+``rl.max_prompt_length`` (``rl.prompt_overflow``), all of a job's prompts once at its start -- so a prompt that
+cannot be used stops the job before any rank trains, naming its file and line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import RLConfig
+
+
+@dataclass
+class EncodedPrompts:
+    ids: list[list[int]]  # per kept row
+    kept: list[int]  # indices of the source's rows that are kept (rl.prompt_overflow=drop leaves some out)
+    truncated: int  # cut on the left to rl.max_prompt_length
+    dropped: int  # longer than rl.max_prompt_length with rl.prompt_overflow=drop
+    templated: bool  # some prompt went through the chat template
+
+
+def uses_template(prompt: Any, cfg: RLConfig, tokenizer) -> bool:
+    """Whether ``prompt`` goes through the chat template: message lists always (``false`` refuses them),
+    strings only with ``rl.chat_template=true``."""
+    if isinstance(prompt, list):
+        return True
+    return cfg.chat_template == "true"
+
+
+def encode_prompt(prompt: Any, cfg: RLConfig, tokenizer) -> list[int]:
+    """One prompt's token ids, before any length limit; a ValueError saying why it cannot be encoded."""
+    if uses_template(prompt, cfg, tokenizer):
+        if cfg.chat_template == "false":
+            raise ValueError("is a list of messages, but rl.chat_template=false")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("needs the tokenizer's chat template, and the tokenizer has none")
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
+        ids = list(out["input_ids"])
+    else:
+        ids = list(tokenizer(prompt)["input_ids"])
+    if not ids:
+        raise ValueError("has no tokens")
+    return ids
+
+
+def encode_prompts(rows: list[dict[str, Any]], where: list[str] | None, name: str, cfg: RLConfig,
+                   tokenizer) -> EncodedPrompts:
+    """Every row's prompt encoded and fitted to ``rl.max_prompt_length``; errors name ``rl.dataset``, the file
+    and the row."""
+    ids, kept, truncated, dropped = [], [], 0, 0
+    limit = cfg.max_prompt_length
+    for i, row in enumerate(rows):
+        place = f"{name} {where[i]}" if where else f"{name} row {i + 1}"
+        try:
+            encoded = encode_prompt(row["prompt"], cfg, tokenizer)
+        except ValueError as exc:
+            raise ValueError(f"rl.dataset: {place}: the prompt {exc}") from exc
+        if len(encoded) > limit:
+            if cfg.prompt_overflow == "error":
+                raise ValueError(f"rl.dataset: {place}: the prompt has {len(encoded)} tokens, more than "
+                                 f"rl.max_prompt_length={limit} (rl.prompt_overflow=truncate_left or drop)")
+            if cfg.prompt_overflow == "drop":
+                dropped += 1
+                continue
+            encoded = encoded[-limit:]  # keep the end, where the question and the generation prompt are
+            truncated += 1
+        ids.append(encoded)
+        kept.append(i)
+    if not kept:
+        raise ValueError(f"rl.dataset: {name}: every prompt is longer than rl.max_prompt_length={limit}")
+    templated = any(uses_template(row["prompt"], cfg, tokenizer) for row in rows)
+    return EncodedPrompts(ids, kept, truncated, dropped, templated)

@@ -1,0 +1,118 @@
+"""Reward functions as ``rl.reward_fn`` names them, and scoring a rollout's responses with them.
+
+A path is ``package.module:function`` (imported as ``python -m`` would, with the job's folder first on the
+path) or ``path/to/file.py:function``. A function is per-sample, ``fn(prompt, response, row) -> float``, or
+batched, ``fn(prompts, responses, rows) -> list[float]`` -- declared with ``@syncwise.rewards.batched`` or by
+naming its first parameter ``prompts``. Several functions are summed with ``rl.reward_weights``; each is
+logged as ``reward/<name>`` beside the weighted total. Reward functions are your code and run with the
+job's rights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class RewardFunction:
+    name: str  # as logged: reward/<name>
+    label: str  # how an error names it: rl.reward_fn (one function) or rl.reward_fn <path> (several)
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    batched: bool = False
+
+
+def load_reward_fn(path: str) -> Callable[..., Any]:
+    """The function ``path`` names; a ValueError naming ``rl.reward_fn`` if it cannot be had."""
+    target, sep, attr = path.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"rl.reward_fn: {path!r} must look like 'package.module:function' or 'file.py:function'")
+    try:
+        if target.endswith(".py"):
+            file = Path(target)
+            if not file.is_file():
+                raise ImportError(f"no file {target}")
+            spec = importlib.util.spec_from_file_location(f"syncwise_reward_{file.stem}", file)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:  # as `python -m` runs: the job's folder importable
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(target)
+        fn = getattr(module, attr)
+    except (ImportError, AttributeError, SyntaxError) as exc:
+        raise ValueError(f"rl.reward_fn: cannot import {path!r}: {exc}") from exc
+    if not callable(fn):
+        raise ValueError(f"rl.reward_fn: {path!r} is not callable")
+    return fn
+
+
+def is_batched(fn: Callable[..., Any]) -> bool:
+    """Declared batched (``@syncwise.rewards.batched``), or its first parameter is named ``prompts``."""
+    if getattr(fn, "syncwise_batched", False):
+        return True
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: per-sample
+        return False
+    return bool(params) and params[0] == "prompts"
+
+
+def reward_functions(paths: list[str], weights: list[float]) -> list[RewardFunction]:
+    """The functions of ``rl.reward_fn`` with their weights (1 each when none are given) and unique names."""
+    out: list[RewardFunction] = []
+    for i, path in enumerate(paths):
+        fn = load_reward_fn(path)
+        name = path.rpartition(":")[2]
+        if any(r.name == name for r in out):
+            name = f"{name}_{i}"
+        label = "rl.reward_fn" if len(paths) == 1 else f"rl.reward_fn {path}"
+        out.append(RewardFunction(name, label, fn, weights[i] if weights else 1.0, is_batched(fn)))
+    return out
+
+
+def score(functions: list[RewardFunction], prompts: list[Any], responses: list[str],
+          rows: list[dict[str, Any]]) -> tuple[list[float], dict[str, list[float]]]:
+    """Every response's weighted total and each function's own rewards. A function that raises, returns the
+    wrong number of rewards or a non-finite one is a ValueError naming it (and, per sample, the prompt)."""
+    parts: dict[str, list[float]] = {}
+    for reward in functions:
+        parts[reward.name] = _batched(reward, prompts, responses, rows) if reward.batched else [
+            _one(reward, p, r, row) for p, r, row in zip(prompts, responses, rows, strict=True)]
+    totals = [sum(r.weight * parts[r.name][i] for r in functions) for i in range(len(responses))]
+    return totals, parts
+
+
+def _one(reward: RewardFunction, prompt: Any, response: str, row: dict[str, Any]) -> float:
+    try:
+        value = float(reward.fn(prompt, response, row))
+    except Exception as exc:  # user code: any exception
+        raise ValueError(f"{reward.label}: raised {type(exc).__name__}: {exc} (prompt {prompt!r}, "
+                         f"response {response!r})") from exc
+    if not math.isfinite(value):
+        raise ValueError(f"{reward.label}: returned {value} (prompt {prompt!r}, response {response!r}); "
+                         "a reward must be a finite number")
+    return value
+
+
+def _batched(reward: RewardFunction, prompts: list[Any], responses: list[str], rows: list[dict[str, Any]]) -> list:
+    try:
+        values = [float(v) for v in reward.fn(prompts, responses, rows)]
+    except Exception as exc:  # user code: any exception
+        raise ValueError(f"{reward.label} (batched): raised {type(exc).__name__}: {exc}") from exc
+    if len(values) != len(responses):
+        raise ValueError(f"{reward.label} (batched): returned {len(values)} rewards for "
+                         f"{len(responses)} responses")
+    bad = [v for v in values if not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"{reward.label} (batched): returned {bad[0]}; a reward must be a finite number")
+    return values
