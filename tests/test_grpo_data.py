@@ -158,3 +158,15 @@ def test_reward_weights_must_match_the_functions():
     with pytest.raises(ConfigError, match=r"rl.reward_weights: 1 weight\(s\) for 2 reward function\(s\)"):
         load_config(None, ["rl.reward_fn=[a:f, b:g]", "rl.reward_weights=[1]"])
     assert load_config(None, ["model.dropout=off"]).model.dropout == "off"  # YAML's `off` is false
+
+
+def test_end_tokens_come_from_the_models_generation_config(tmp_path):
+    from transformers import GenerationConfig
+
+    from syncwise.rl.trainer import end_token_ids
+
+    assert end_token_ids(None) == [] and end_token_ids(str(tmp_path)) == []
+    GenerationConfig(eos_token_id=[2, 7]).save_pretrained(tmp_path)  # a chat model's turn end beside its eos
+    assert end_token_ids(str(tmp_path)) == [2, 7]
+    GenerationConfig(eos_token_id=5).save_pretrained(tmp_path)
+    assert end_token_ids(str(tmp_path)) == [5]

@@ -172,10 +172,10 @@ def test_keyboard_interrupt_while_importing_the_job_is_one_line(monkeypatch, cap
     """The same, pinned where the signal lands most often: while the job's module (torch) is imported."""
     from syncwise.jobs import cli
 
-    def interrupted(name):
+    def interrupted(path):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    monkeypatch.setattr(cli, "_worker", interrupted)
     assert cli.main(["train", "train.steps=1"]) == 130
     err = capsys.readouterr().err
     assert err == "syncwise: stopped by SIGINT before the job started; nothing was trained or saved\n"

@@ -41,9 +41,13 @@ def _run_job(worker_path: str, args: argparse.Namespace, job: str, default_confi
             kind = "config error" if isinstance(exc, ConfigError) else "error"
             print(f"syncwise: {kind}: {exc}", file=sys.stderr)
         return 2
-    module, _, name = worker_path.partition(":")
-    worker = getattr(importlib.import_module(module), name)
-    return _launch(worker, config.dist.nproc, config_to_dict(config))
+    return _launch(_worker(worker_path), config.dist.nproc, config_to_dict(config))
+
+
+def _worker(path: str):
+    """The job's rank entry point, ``module:function`` (importing it imports torch)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _launch(worker, nproc: int, payload: dict) -> int:
