@@ -230,7 +230,7 @@ class GRPOTrainer:
             self.rollout.sync_weights()
         with clock("rollout"):
             batch, sampled = self.rollout.generate(rows, prompt_ids, self.source)
-        clock.move("rollout", "reward", sampled["reward_s"])  # generate scored as it went
+        clock.move("rollout", "reward", sampled["reward_s"])  # scored inside the rollout call
         batch["advantages"] = advantages_for(sampled["rewards"], self.config)
         batch["rollout_log_probs"] = sampled["log_probs"]  # moves with its sample; the loss reads it if asked
         with clock("balance"):
