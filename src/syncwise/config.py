@@ -334,7 +334,7 @@ class Config:
         # YAML reads a bare `off` as false (and `on` as true)
         self.model.dropout = {"false": "off", "true": "keep"}.get(self.model.dropout, self.model.dropout)
         _choice("model.dropout", self.model.dropout, ("auto", "keep", "off"))
-        functions = reward_functions(self.rl.reward_fn)
+        functions = reward_paths(self.rl.reward_fn)
         if self.rl.reward_weights and len(self.rl.reward_weights) != len(functions):
             raise ConfigError(f"rl.reward_weights: {len(self.rl.reward_weights)} weight(s) for {len(functions)} "
                               f"reward function(s)")
@@ -395,7 +395,7 @@ def _positive(key: str, value: float) -> None:
         raise ConfigError(f"{key}: must be > 0, got {value}")
 
 
-def reward_functions(value: str | list[str] | None) -> list[str]:
+def reward_paths(value: str | list[str] | None) -> list[str]:
     """``rl.reward_fn`` as a list of paths (one, several, or none)."""
     if value is None:
         return []

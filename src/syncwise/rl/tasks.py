@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from ..config import RLConfig
+from ..config import RLConfig, reward_paths
 from .prompts import EncodedPrompts, encode_prompts
 from .scoring import RewardFunction, reward_functions
 
@@ -194,7 +194,7 @@ def _prompt_problem(row: Any) -> str | None:
 def prompt_source(task: str, dataset: str | None, reward_fn: str | list[str] | None,
                   reward_weights: list[float] = ()) -> PromptSource:
     """A built-in task's prompts and reward, or a dataset's with ``rl.reward_fn``'s functions."""
-    paths = [reward_fn] if isinstance(reward_fn, str) else list(reward_fn or [])
+    paths = reward_paths(reward_fn)
     if dataset:
         rows, where = load_dataset(dataset)
         return PromptSource(rows, None, max_new_tokens=DATASET_MAX_NEW_TOKENS, where=where, name=dataset,
