@@ -102,7 +102,6 @@ def check_sft(config: Config) -> None:
 
     from ..checkpoint import CheckpointError, CheckpointManager
     from ..data.sft_dataset import DatasetError
-    from ..models import PRESETS
     from ..sft.data import sft_inputs, write_task_data
 
     sft = config.sft
@@ -111,10 +110,9 @@ def check_sft(config: Config) -> None:
     if sft.dataset and folder and not any((Path(folder) / name).is_file()
                                           for name in ("tokenizer.json", "tokenizer_config.json")):
         raise PreflightError(f"{key}: {folder} has no tokenizer (tokenizer.json or tokenizer_config.json)")
-    vocab = None if config.model.path else PRESETS[config.model.preset]["vocab_size"]
     try:
         write_task_data(config)
-        inputs = sft_inputs(config, vocab_size=vocab)
+        inputs = sft_inputs(config)
         inputs.check_world(int(os.environ.get("WORLD_SIZE", config.dist.nproc)), sft)
     except (DatasetError, ValueError) as exc:
         raise PreflightError(str(exc)) from exc

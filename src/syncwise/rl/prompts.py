@@ -19,7 +19,7 @@ class EncodedPrompts:
     templated: bool  # some prompt went through the chat template
 
 
-def uses_template(prompt: Any, cfg: RLConfig, tokenizer) -> bool:
+def uses_template(prompt: Any, cfg: RLConfig) -> bool:
     """Whether ``prompt`` goes through the chat template: message lists always (``false`` refuses them),
     strings only with ``rl.chat_template=true``."""
     if isinstance(prompt, list):
@@ -29,7 +29,7 @@ def uses_template(prompt: Any, cfg: RLConfig, tokenizer) -> bool:
 
 def encode_prompt(prompt: Any, cfg: RLConfig, tokenizer) -> list[int]:
     """One prompt's token ids, before any length limit; a ValueError saying why it cannot be encoded."""
-    if uses_template(prompt, cfg, tokenizer):
+    if uses_template(prompt, cfg):
         if cfg.chat_template == "false":
             raise ValueError("is a list of messages, but rl.chat_template=false")
         if not getattr(tokenizer, "chat_template", None):
@@ -69,5 +69,5 @@ def encode_prompts(rows: list[dict[str, Any]], where: list[str] | None, name: st
         kept.append(i)
     if not kept:
         raise ValueError(f"rl.dataset: {name}: every prompt is longer than rl.max_prompt_length={limit}")
-    templated = any(uses_template(row["prompt"], cfg, tokenizer) for row in rows)
+    templated = any(uses_template(row["prompt"], cfg) for row in rows)
     return EncodedPrompts(ids, kept, truncated, dropped, templated)

@@ -45,10 +45,9 @@ def write_task_data(config: Config) -> None:
         write_example_data(task_data_dir(config), seed=config.sft.seed)
 
 
-def sft_inputs(config: Config, vocab_size: int | None = None) -> SFTInputs:
+def sft_inputs(config: Config) -> SFTInputs:
     """Tokenizer, training and evaluation data of ``config``'s SFT job (the arith_chat task's files must have
-    been written: :func:`write_task_data`). ``vocab_size``: the progression task's model vocabulary (token
-    ids stay below it)."""
+    been written: :func:`write_task_data`)."""
     sft = config.sft
     model_path = config.model.path
     if sft.dataset is None and sft.task == "arith_chat":
@@ -61,7 +60,7 @@ def sft_inputs(config: Config, vocab_size: int | None = None) -> SFTInputs:
         train_path, eval_path = sft.dataset, sft.eval_dataset
     if train_path is None:  # the progression task
         size = sft.batch_size * PROGRESSION_STEPS
-        vocab = vocab_size or 1024
+        vocab = _model_vocab_size(config)  # the progression's token ids stay below it
         train = _built_in(progression_rows(size, sft.seed, sft.min_len, sft.max_len, vocab), sft, "task progression")
         held = progression_rows(sft.batch_size * EVAL_STEPS, sft.seed + 1, sft.min_len, sft.max_len, vocab)
         return SFTInputs(None, train, _built_in(held, sft, "task progression (eval)"), model_path)
@@ -74,6 +73,17 @@ def sft_inputs(config: Config, vocab_size: int | None = None) -> SFTInputs:
     elif sft.eval_fraction:
         train, held = split_off(train, sft.eval_fraction, sft.seed)
     return SFTInputs(tokenizer, train, held, model_path)
+
+
+def _model_vocab_size(config: Config) -> int:
+    """The vocabulary of the model the job trains (its directory's config, or the preset)."""
+    if config.model.path:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(config.model.path, local_files_only=True).vocab_size
+    from ..models import PRESETS
+
+    return PRESETS[config.model.preset]["vocab_size"]
 
 
 def load_sft_tokenizer(path: str | None):

@@ -25,7 +25,7 @@ from ..data.sft_dataset import SampleOrder, padded_batch, rank_share
 from ..engine import Engine
 from ..losses import sft_loss
 from ..metrics import JsonlLogger, format_step, job_history, plot_curves
-from ..models import build_model, preset_config
+from ..models import build_model
 from ..runtime.distributed import DistInfo
 from ..runtime.signals import stopped
 from .data import sft_inputs, write_task_data
@@ -44,12 +44,11 @@ class SFTTrainer:
         self.out_dir = Path(sft.out_dir)
         torch.manual_seed(sft.seed * 1000 + info.rank)
         random.seed(sft.seed * 1000 + info.rank)
-        vocab = None if config.model.path else preset_config(config.model.preset).vocab_size
         if info.is_main:
             write_task_data(config)
         if info.world_size > 1:
             dist.barrier()
-        inputs = sft_inputs(config, vocab_size=vocab)
+        inputs = sft_inputs(config)
         self.tokenizer, self.data, self.eval_data, self.model_path = (inputs.tokenizer, inputs.train, inputs.eval,
                                                                       inputs.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer is not None else 0
