@@ -136,7 +136,7 @@ def test_value_loss_clipping():
     result = make_value_loss(ValueLossConfig(clip=0.2))(outputs, batch, Normalizer(2.0, 1.0, 1))
     # pos 0: V=1, clipped V=0.7 -> max((1-2)^2, (0.7-2)^2) = 1.69; pos 1: V=3, clipped 2.7 -> max(1, 0.49) = 1
     assert result.metrics["critic/vf_loss"].item() == pytest.approx(0.5 * (1.69 + 1.0) / 2)
-    assert result.metrics["critic/vf_clip_fraction"].item() == pytest.approx(0.5)
+    assert result.metrics["critic/vf_clipfrac"].item() == pytest.approx(0.5)
 
 
 def test_grpo_dr_grpo_and_rloo_on_a_hand_made_group():

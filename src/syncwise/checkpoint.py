@@ -120,8 +120,10 @@ class CheckpointManager:
     def __init__(self, root: str | Path):
         self.root = Path(root)
 
-    def save(self, step: int, engine: Engine, trainer_state: dict[str, Any]) -> Path:
-        """Collective: every rank calls it. Returns the final directory.
+    def save(self, step: int, engine: Engine, trainer_state: dict[str, Any],
+             others: dict[str, Engine] | None = None) -> Path:
+        """Collective: every rank calls it. Returns the final directory. ``others``: more engines saved beside
+        ``engine`` under their names (PPO's ``critic``: its model and optimizer in the same DCP checkpoint).
 
         Atomic at every point: the new checkpoint is written and synced to disk under ``.tmp-<name>``;
         then (rank 0) a previous checkpoint of the same name is renamed aside to ``.old-<name>``, the new
@@ -136,12 +138,13 @@ class CheckpointManager:
                 shutil.rmtree(stale)
             tmp.mkdir(parents=True)
         _barrier()
-        dcp.save(engine.state_dict(), checkpoint_id=str(tmp / "dcp"))  # DCP syncs its files
+        dcp.save(_state_of(engine, others), checkpoint_id=str(tmp / "dcp"))  # DCP syncs its files
         with open(tmp / f"rank{rank}.pt", "wb") as file:
             torch.save(rng_state(), file)
             _sync(file)
         if rank == 0:
-            state = {"trainer": trainer_state, "engine": engine.engine_state(), "world_size": world}
+            state = {"trainer": trainer_state, "engine": engine.engine_state(), "world_size": world,
+                     "engines": {name: other.engine_state() for name, other in (others or {}).items()}}
             with open(tmp / "trainer.json", "w") as file:
                 file.write(json.dumps(state, indent=1))
                 _sync(file)
@@ -191,9 +194,9 @@ class CheckpointManager:
             raise CheckpointError(f"train.resume: checkpoint directory not found: {resume}")
         return path
 
-    def load(self, path: Path, engine: Engine) -> dict[str, Any]:
-        """Collective. Restores model, optimizer and engine state; RNG states when the world size matches.
-        Returns the trainer state."""
+    def load(self, path: Path, engine: Engine, others: dict[str, Engine] | None = None) -> dict[str, Any]:
+        """Collective. Restores model, optimizer and engine state (and ``others``' as :meth:`save` wrote them);
+        RNG states when the world size matches. Returns the trainer state."""
         rank, world = rank_and_world()
         meta = path / "trainer.json"
         if not meta.is_file():
@@ -202,19 +205,31 @@ class CheckpointManager:
             saved = json.loads(meta.read_text())
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{meta}: unreadable ({exc})") from exc
-        state = engine.state_dict()
+        missing = sorted(set(others or {}) - set(saved.get("engines", {})))
+        if missing:
+            raise CheckpointError(f"{path}: holds no {' or '.join(missing)} (written by a run without one); "
+                                  f"start a new out_dir or resume without it")
+        state = _state_of(engine, others)
         try:
             dcp.load(state, storage_reader=SafeFileSystemReader(str(path / "dcp")), planner=SafeLoadPlanner())
         # DCP raises many kinds for truncated, missing or unsafe files; its CheckpointException (a
         # BaseException) carries the ranks' tracebacks, whose last line is the cause.
         except (Exception, CheckpointException) as exc:
             raise CheckpointError(f"{path / 'dcp'}: cannot load model/optimizer state ({_cause(exc)})") from exc
+        for name, other in (others or {}).items():
+            other.load_state_dict(state.pop(name))
+            other.load_engine_state(saved["engines"][name])
         engine.load_state_dict(state)
         engine.load_engine_state(saved["engine"])
         rank_file = path / f"rank{rank}.pt"
         if saved["world_size"] == world and rank_file.is_file():
             set_rng_state(torch.load(rank_file, weights_only=True))
         return saved["trainer"]
+
+
+def _state_of(engine: Engine, others: dict[str, Engine] | None) -> dict[str, Any]:
+    """What DCP saves and loads: ``engine``'s model and optimizer, each other engine's under its name."""
+    return {**engine.state_dict(), **{name: other.state_dict() for name, other in (others or {}).items()}}
 
 
 def _cause(exc: BaseException) -> str:
@@ -266,7 +281,8 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | N
         hf_logging.disable_progress_bar()  # a one-shard bar would break into the job's own
         out.mkdir(parents=True, exist_ok=True)
         merged = engine.features.lora_merge.merged(full) if engine.features.lora else full
-        _plain_model(engine.features.plain_hf_config, merged).save_pretrained(out, safe_serialization=True)
+        plain = _plain_model(engine.features.plain_hf_config, merged, engine.features.value_head)
+        plain.save_pretrained(out, safe_serialization=True)
         if engine.features.lora:
             _save_adapter(engine, full, out, base_path)
         if tokenizer is not None:
@@ -275,8 +291,8 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | N
     return out if rank == 0 else None
 
 
-def _plain_model(hf_config, state: dict[str, torch.Tensor]):
-    model = uninitialised_model(hf_config)
+def _plain_model(hf_config, state: dict[str, torch.Tensor], value_head: bool = False):
+    model = uninitialised_model(hf_config, value_head=value_head)
     model.load_state_dict(state)
     return model
 
@@ -288,7 +304,8 @@ def _save_adapter(engine: Engine, full: dict[str, torch.Tensor], out: Path, base
     live = lora_adapters.peft_model_of(engine.model)
     adapter_config = copy.deepcopy(live.peft_config[lora_adapters.ADAPTER])
     adapter_config.base_model_name_or_path = None  # set below, once peft has read the (nameless) base
-    base = _plain_model(engine.features.hf_config, engine.features.lora_merge.merged(full, deltas=False))
+    base = _plain_model(engine.features.hf_config, engine.features.lora_merge.merged(full, deltas=False),
+                        engine.features.value_head)
     if base_path:
         base_name = str(Path(base_path).resolve())
     else:  # built from a preset: nowhere else to load the base from

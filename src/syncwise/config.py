@@ -269,7 +269,34 @@ class RLConfig:
     # dynamic sampling does; the loss is normalised over the samples that train. With kl_coef or entropy_coef
     # > 0 their KL and entropy terms are dropped too (the update is then not the full batch's).
     skip_uniform_groups: bool = False
+    # grpo: group-relative advantages (rl.advantage); ppo: a learned critic (critic.*), GAE and whitened
+    # token-level advantages, the value loss beside the policy loss
+    algorithm: str = "grpo"
+    gamma: float = 1.0  # ppo: GAE's discount (verl's default)
+    lam: float = 1.0  # ppo: GAE's lambda (verl's default)
+    # ppo: > 0 subtracts this x per-token KL(old policy || reference) from the token rewards (verl's
+    # use_kl_in_reward with kl_penalty "kl"); the reference as for rl.loss.kl_coef
+    kl_in_reward: float = 0.0
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+
+
+# Sections of the critic that may differ from the actor's (critic.<section>.<key>=...)
+CRITIC_SECTIONS = ("model", "engine", "sync", "optim")
+
+
+@dataclass
+class CriticConfig:
+    """PPO's value model (``rl.algorithm=ppo``): the policy's architecture with a one-output head on the final
+    hidden states, trained by its own engine. ``critic.model.*``, ``critic.engine.*``, ``critic.sync.*`` and
+    ``critic.optim.*`` take the actor's keys; what is not set is the actor's (:meth:`Config.critic_config`)."""
+
+    model: dict[str, Any] = field(default_factory=dict)  # e.g. path (default: the policy's), lora.rank
+    engine: dict[str, Any] = field(default_factory=dict)
+    sync: dict[str, Any] = field(default_factory=dict)  # mode: auto by default, like the actor's
+    optim: dict[str, Any] = field(default_factory=dict)  # e.g. lr
+    cliprange_value: float = 0.5  # the value loss's clip around the old values (verl's default; 0: off)
+    warmup_steps: int = 0  # steps that train only the critic before the actor starts
+    export: bool = False  # also write the critic (with its value head) to <out_dir>/export/critic
 
 
 @dataclass
@@ -294,9 +321,43 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    def critic_config(self) -> Config:
+        """The config the critic's engine runs under: the actor's, with ``critic.<section>`` keys over its
+        model, engine, sync and optim sections (checked as the actor's are; an error names the critic key)."""
+        sections = {}
+        for name in CRITIC_SECTIONS:
+            merged = _deep_merge(dataclasses.asdict(getattr(self, name)), getattr(self.critic, name))
+            sections[name] = _build(type(getattr(self, name)), merged, prefix=f"critic.{name}.")
+        critic = dataclasses.replace(self, **sections)
+        try:
+            return critic._validate_engine()
+        except ConfigError as exc:  # every message starts with the key it names
+            raise ConfigError(f"critic.{exc}") from None
+
     def validate(self) -> Config:
+        self._validate_engine()
+        _choice("rl.algorithm", self.rl.algorithm, ("grpo", "ppo"))
+        _non_negative("rl.kl_in_reward", self.rl.kl_in_reward, "0: off")
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self.rl, key) <= 1:
+                raise ConfigError(f"rl.{key}: must be in [0, 1], got {getattr(self.rl, key)}")
+        _non_negative("critic.cliprange_value", self.critic.cliprange_value, "0: off")
+        _non_negative("critic.warmup_steps", self.critic.warmup_steps)
+        ppo = self.rl.algorithm == "ppo"
+        if ppo:
+            self.critic_config()
+            if self.rl.skip_uniform_groups:
+                raise ConfigError("rl.skip_uniform_groups: a GRPO option (uniform groups have zero group advantage); "
+                                  "with rl.algorithm=ppo the critic's baseline gives them a signal")
+        elif self.rl.kl_in_reward:
+            raise ConfigError("rl.kl_in_reward: a PPO option (token-level rewards); with GRPO use rl.loss.kl_coef")
+        return self._validate_rl(ppo)
+
+    def _validate_engine(self) -> Config:
+        """The model, engine, sync and optim sections (also the critic's, :meth:`critic_config`)."""
         _choice("engine.strategy", self.engine.strategy, STRATEGIES)
         _choice("sync.mode", self.sync.mode, MODE_NAMES)
         _choice("model.param_dtype", self.model.param_dtype, DTYPES)
@@ -305,6 +366,42 @@ class Config:
         _choice("optim.name", self.optim.name, OPTIMIZERS)
         _choice("dist.backend", self.dist.backend, BACKENDS)
         _choice("optim.schedule", self.optim.schedule, ("constant", "cosine"))
+        # YAML reads a bare `off` as false (and `on` as true)
+        self.model.dropout = {"false": "off", "true": "keep"}.get(self.model.dropout, self.model.dropout)
+        _choice("model.dropout", self.model.dropout, ("auto", "keep", "off"))
+        _positive("engine.micro_batch_size", self.engine.micro_batch_size)
+        _non_negative("engine.max_tokens_per_micro_batch", self.engine.max_tokens_per_micro_batch, "0 = fixed size")
+        _positive("engine.hsdp_replicas", self.engine.hsdp_replicas)
+        _non_negative("engine.logprob_chunk_size", self.engine.logprob_chunk_size, "0 = unchunked")
+        _positive("dist.nproc", self.dist.nproc)
+        _non_negative("sync.memory_budget", self.sync.memory_budget, "0 = 90% of the device")
+        _non_negative("sync.peak_every", self.sync.peak_every)
+        reason = unsupported_reason(self.sync.mode, self.engine.strategy, self.engine.hsdp_replicas > 1)
+        if reason:
+            raise ConfigError(reason)
+        units = self.sync.deferred_units
+        if self.sync.mode == "partial" and units in (0, ""):
+            raise ConfigError("sync.mode=partial needs sync.deferred_units: a count K or unit names")
+        if isinstance(units, int) and units < 0:
+            raise ConfigError(f"sync.deferred_units: must be >= 0, got {units}")
+        _positive("dist.timeout_s", self.dist.timeout_s)
+        _non_negative("optim.lr", self.optim.lr, "0: the weights never move, as bench --workload grpo runs")
+        if self.optim.grad_clip < 0:
+            raise ConfigError(f"optim.grad_clip: must be >= 0 (0 disables clipping), got {self.optim.grad_clip}")
+        if self.engine.hsdp_replicas > 1 and self.engine.strategy not in SHARDED_STRATEGIES:
+            raise ConfigError(
+                f"engine.hsdp_replicas={self.engine.hsdp_replicas} needs engine.strategy fsdp2 or fsdp1, "
+                f"got {self.engine.strategy!r}"
+            )
+        if self.model.param_dtype != "float32" and self.engine.strategy not in SHARDED_STRATEGIES:
+            raise ConfigError(
+                f"model.param_dtype={self.model.param_dtype!r} (mixed precision) needs engine.strategy "
+                f"fsdp2 or fsdp1, got {self.engine.strategy!r}"
+            )
+        return self
+
+    def _validate_rl(self, ppo: bool) -> Config:
+        """The rl, train and sft sections."""
         _choice("rl.advantage", self.rl.advantage, ("grpo", "drgrpo", "rloo"))
         _choice("rl.sampler", self.rl.sampler, ("compact", "generate"))
         _choice("rl.rollout_dtype", self.rl.rollout_dtype, DTYPES)
@@ -331,9 +428,6 @@ class Config:
         _choice("rl.chat_template", self.rl.chat_template, ("auto", "true", "false"))
         _choice("rl.prompt_overflow", self.rl.prompt_overflow, ("truncate_left", "drop", "error"))
         _positive("rl.max_prompt_length", self.rl.max_prompt_length)
-        # YAML reads a bare `off` as false (and `on` as true)
-        self.model.dropout = {"false": "off", "true": "keep"}.get(self.model.dropout, self.model.dropout)
-        _choice("model.dropout", self.model.dropout, ("auto", "keep", "off"))
         functions = reward_paths(self.rl.reward_fn)
         if self.rl.reward_weights and len(self.rl.reward_weights) != len(functions):
             raise ConfigError(f"rl.reward_weights: {len(self.rl.reward_weights)} weight(s) for {len(functions)} "
@@ -346,42 +440,13 @@ class Config:
                 f"rl.mini_batches={self.rl.mini_batches} is more than the {samples} samples each rank has per step "
                 f"(rl.prompts_per_rank x rl.samples_per_prompt)"
             )
-        if self.rl.samples_per_prompt < 2:  # a group of one is its own baseline: advantage 0, nothing to learn
+        if self.rl.samples_per_prompt < 2 and not ppo:  # a group of one is its own baseline: advantage 0, nothing to learn
             raise ConfigError(
                 f"rl.samples_per_prompt=1: rl.advantage={self.rl.advantage} compares samples of one prompt, and a "
                 f"group of one has advantage 0 (no gradient, ever); use rl.samples_per_prompt >= 2"
             )
         _non_negative("train.checkpoint_every", self.train.checkpoint_every)
-        _positive("engine.micro_batch_size", self.engine.micro_batch_size)
-        _non_negative("engine.max_tokens_per_micro_batch", self.engine.max_tokens_per_micro_batch, "0 = fixed size")
-        _positive("engine.hsdp_replicas", self.engine.hsdp_replicas)
-        _non_negative("engine.logprob_chunk_size", self.engine.logprob_chunk_size, "0 = unchunked")
-        _positive("dist.nproc", self.dist.nproc)
-        _non_negative("sync.memory_budget", self.sync.memory_budget, "0 = 90% of the device")
-        _non_negative("sync.peak_every", self.sync.peak_every)
-        reason = unsupported_reason(self.sync.mode, self.engine.strategy, self.engine.hsdp_replicas > 1)
-        if reason:
-            raise ConfigError(reason)
-        units = self.sync.deferred_units
-        if self.sync.mode == "partial" and units in (0, ""):
-            raise ConfigError("sync.mode=partial needs sync.deferred_units: a count K or unit names")
-        if isinstance(units, int) and units < 0:
-            raise ConfigError(f"sync.deferred_units: must be >= 0, got {units}")
-        _positive("dist.timeout_s", self.dist.timeout_s)
-        _non_negative("optim.lr", self.optim.lr, "0: the weights never move, as bench --workload grpo runs")
         _validate_sft_config(self.sft)
-        if self.optim.grad_clip < 0:
-            raise ConfigError(f"optim.grad_clip: must be >= 0 (0 disables clipping), got {self.optim.grad_clip}")
-        if self.engine.hsdp_replicas > 1 and self.engine.strategy not in SHARDED_STRATEGIES:
-            raise ConfigError(
-                f"engine.hsdp_replicas={self.engine.hsdp_replicas} needs engine.strategy fsdp2 or fsdp1, "
-                f"got {self.engine.strategy!r}"
-            )
-        if self.model.param_dtype != "float32" and self.engine.strategy not in SHARDED_STRATEGIES:
-            raise ConfigError(
-                f"model.param_dtype={self.model.param_dtype!r} (mixed precision) needs engine.strategy "
-                f"fsdp2 or fsdp1, got {self.engine.strategy!r}"
-            )
         return self
 
 
@@ -507,6 +572,16 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` written over it, section by section (``lora: {rank: 4}`` keeps lora's other
+    keys)."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        inner = merged.get(key)
+        merged[key] = _deep_merge(inner, value) if isinstance(inner, dict) and isinstance(value, dict) else value
+    return merged
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, prefix=f"{key}.")
@@ -522,6 +597,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             except ConfigError:
                 pass
         return _coerce(inner[-1], value, key)
+    if origin is dict:  # a section of overrides, checked where it is used (Config.critic_config)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: is a section, got the value {value!r}; set its keys, e.g. {key}.lr=...")
+        return dict(value)
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")

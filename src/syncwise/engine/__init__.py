@@ -26,7 +26,7 @@ from ..config import SHARDED_STRATEGIES, Config
 from ..data import attention
 from ..data.batching import Batch
 from ..losses import LossFn
-from ..memory.accounting import sharded_model_of
+from ..memory.accounting import resident_bytes, sharded_model_of
 from ..memory.schedule import unit_traffic
 from ..memory.units import resolve_deferred_units, unit_names
 from ..models import build_model
@@ -148,13 +148,13 @@ class Engine:
         self, batch: Batch, loss_fn: LossFn | None = None, temperature: float = 1.0
     ) -> ForwardBackwardResult:
         """Forward-only pass (log-probs, evaluation): ``log_probs`` [B, T-1] of softmax(logits /
-        ``temperature``) always in the outputs, plus what ``loss_fn`` returns. Never touches gradients or
-        sync state, also when it fails."""
+        ``temperature``) always in the outputs (not for a value model: ``features.value_head``), plus what
+        ``loss_fn`` returns. Never touches gradients or sync state, also when it fails."""
         plan = self._plan(batch, require_tokens=False, loss_fn=loss_fn)
         return forward_only(
             self.model, plan, loss_fn, device=self.info.device, timeout_s=self.config.dist.timeout_s,
             chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature,
-            fused_head=self.features.fused_head,
+            fused_head=self.features.fused_head, with_log_probs=not self.features.value_head,
         )
 
     def _configured_choice(self) -> SyncChoice:
@@ -251,6 +251,11 @@ class Engine:
         (FSDP strategies), else None."""
         choice = as_choice(mode) if mode is not None else self.active_mode
         return self.audit.expected(choice, num_microbatches) if self.audit is not None else None
+
+    def resident_bytes(self) -> int:
+        """This rank's bytes of the model and its optimizer state, held between steps (what another engine
+        beside this one must budget around)."""
+        return resident_bytes(self.model, self.optimizer)
 
     # ----------------------------------------------------------------------------------------------
     # evaluation and state

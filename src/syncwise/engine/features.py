@@ -25,6 +25,7 @@ class ModelFeatures:
     attention_kernel: str  # packed rows' kernel (syncwise.data.attention); "none" without packing
     fused_head: bool  # log-probs from the hidden states a chunk at a time, no [tokens, vocab] logits
     lora_merge: lora_adapters.LoraMerge | None  # LoRA (peft): how the adapters merge; None without
+    value_head: bool = False  # a value model (PPO's critic): one output per position, no log-probs
 
     @property
     def lora(self) -> bool:
@@ -51,7 +52,8 @@ def model_features(model: nn.Module, config: Config, device, say: bool) -> Model
             print(f"syncwise: {line}", flush=True)
     fused = config.engine.fused_lm_head and _fused_head_works(model, config, say)
     merge = lora_adapters.LoraMerge(model) if lora_adapters.peft_model_of(model) is not None else None
-    return ModelFeatures(getattr(model, "config", None), packing, kernel, fused, merge)
+    value_head = output_head.output_layer(model) is None and getattr(hf_config_of(model), "num_labels", 0) == 1
+    return ModelFeatures(getattr(model, "config", None), packing, kernel, fused, merge, value_head)
 
 
 def _packing_works(model: nn.Module, say: bool) -> bool:

@@ -158,10 +158,10 @@ def accumulate(
 @torch.no_grad()
 def forward_only(
     model: nn.Module, plan: BatchPlan, loss_fn: LossFn | None, *, device: torch.device, timeout_s: float,
-    chunk_tokens: int, temperature: float = 1.0, fused_head: bool = False,
+    chunk_tokens: int, temperature: float = 1.0, fused_head: bool = False, with_log_probs: bool = True,
 ) -> ForwardBackwardResult:
     """Forward of every micro-batch under ``no_grad``, with ``log_probs`` [B, T-1] of softmax(logits /
-    ``temperature``) always in the outputs. Gradients and sync switches are never touched; every gathered
+    ``temperature``) in the outputs (``with_log_probs``: a value model has none). Gradients and sync switches are never touched; every gathered
     parameter is freed at the end."""
     model.eval()
     collected = _Collector()
@@ -171,7 +171,7 @@ def forward_only(
             what = f"micro-batch {i + 1}/{n} forward (FSDP all-gather)"
             with collective_timeout(what, timeout_s), logprob_chunking(chunk_tokens):
                 result = forward_microbatch(
-                    model, mb, loss_fn, plan.normalizer, device, with_log_probs=True, temperature=temperature,
+                    model, mb, loss_fn, plan.normalizer, device, with_log_probs=with_log_probs, temperature=temperature,
                     fused_head=fused_head,
                 )
             collected.add(mb, result)

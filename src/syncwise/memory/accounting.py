@@ -183,6 +183,15 @@ def pending_optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> in
     return moments * sum(local_tensor(p).numel() * p.element_size() for p in params)
 
 
+def resident_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """What a model keeps on this rank between its steps: its (local shards of) parameters and buffers and its
+    optimizer's state (as it is, or as it will be after the first step)."""
+    state = [t for s in (optimizer.state.values() if optimizer is not None else ()) for t in s.values()
+             if isinstance(t, torch.Tensor)]
+    return (_storage_bytes([*module.parameters(), *module.buffers(), *state])
+            + pending_optimizer_state_bytes(optimizer))
+
+
 def unsharded_param_bytes(module: nn.Module) -> int:
     """Bytes of FSDP2 all-gather outputs currently allocated (parameters held unsharded)."""
     return _storage_bytes(fsdp.gathered_params(module))

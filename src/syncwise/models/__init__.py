@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
 
 from ..config import LoraConfig, ModelConfig
 from .lora import apply_lora, base_model_of
@@ -56,35 +56,71 @@ def preset_config(name: str, **overrides: Any):
     return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
-def build_model(cfg: ModelConfig, **config_overrides: Any) -> PreTrainedModel:
+def build_model(cfg: ModelConfig, value_head: bool = False, **config_overrides: Any) -> PreTrainedModel:
     """Instantiate the model in fp32 on CPU, with identical weights on every rank (seeded init), and its LoRA
     adapters when ``cfg.lora.rank`` > 0 (see :mod:`syncwise.models.lora`). ``config_overrides`` adjust a
-    preset (e.g. ``vocab_size`` to match a tokenizer)."""
+    preset (e.g. ``vocab_size`` to match a tokenizer).
+
+    ``value_head``: PPO's critic -- the same architecture with a one-output linear head on the final hidden
+    states instead of the LM head (transformers' ``...ForTokenClassification`` with ``num_labels=1``, as
+    verl builds its critic; ``outputs.logits`` is then [B, T, 1], one value per position). The decoder comes
+    from ``cfg.path`` (or the preset's seeded init: the policy's own initial weights); the head starts at
+    zero (:func:`value_head_of`)."""
     off = cfg.dropout == "off"
+    auto_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    head = {"num_labels": 1} if value_head else {}
     if cfg.path:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a per-tensor loading bar in every rank breaks into the job's lines
         extra = dropout_free(AutoConfig.from_pretrained(cfg.path, local_files_only=True)) if off else {}
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.path, local_files_only=True, dtype=torch.float32,
-            attn_implementation=cfg.attn_implementation, **extra,
-        )
+        verbosity = hf_logging.get_verbosity()
+        if value_head:  # "score.weight newly initialized; lm_head.weight unused": both meant
+            hf_logging.set_verbosity_error()
+        try:
+            model = auto_class.from_pretrained(
+                cfg.path, local_files_only=True, dtype=torch.float32,
+                attn_implementation=cfg.attn_implementation, **extra, **head,
+            )
+        finally:
+            hf_logging.set_verbosity(verbosity)
     else:
-        hf_config = preset_config(cfg.preset, **config_overrides)
+        hf_config = preset_config(cfg.preset, **config_overrides, **head)
         hf_config._attn_implementation = cfg.attn_implementation
         if off:
             for key, value in dropout_free(hf_config).items():
                 setattr(hf_config, key, value)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    model = apply_lora(model, cfg.lora, cfg.seed)
+            model = auto_class.from_config(hf_config, dtype=torch.float32)
+    if value_head:
+        # Zero: the first values are 0 everywhere, so the first advantages are the plain (whitened) returns
+        # rather than returns minus a random head's noise (std ~0.3 for a 256-wide model), and the
+        # decoder's first gradient is not pushed by a random projection.
+        nn.init.zeros_(value_head_of(model).weight)
+        if value_head_of(model).bias is not None:
+            nn.init.zeros_(value_head_of(model).bias)
+    model = apply_lora(model, cfg.lora, cfg.seed, value_head=value_head_name(model) if value_head else None)
     if off:  # LoRA's dropout, and any dropout layer the config does not name
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
     return model
+
+
+VALUE_HEAD_NAMES = ("score", "classifier")  # Llama / Qwen2 / Mistral (generic), GPT-2
+
+
+def value_head_name(model: nn.Module) -> str:
+    for name in VALUE_HEAD_NAMES:
+        if isinstance(getattr(model, name, None), nn.Linear):
+            return name
+    raise ValueError(f"{type(model).__name__}: no value head ({' or '.join(VALUE_HEAD_NAMES)}) found")
+
+
+def value_head_of(model: nn.Module) -> nn.Linear:
+    """The one-output head of a value model built by :func:`build_model` (``value_head=True``)."""
+    return getattr(model, value_head_name(model))
 
 
 def dropout_free(hf_config) -> dict[str, float]:
@@ -94,14 +130,17 @@ def dropout_free(hf_config) -> dict[str, float]:
             if isinstance(value, float) and value > 0 and ("dropout" in key or key.endswith("pdrop"))}
 
 
-def uninitialised_model(hf_config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
+def uninitialised_model(
+    hf_config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", value_head: bool = False,
+) -> nn.Module:
     """The model ``hf_config`` describes with its parameters allocated but not initialised (no random init to
     overwrite: a 0.5B model in 0.03 s instead of 6.5-10 s), for weights loaded right after (the rollout copy,
     the export). Buffers computed at construction (rotary frequencies) are real; tied weights are tied."""
     from transformers.initialization import no_init_weights
 
+    auto_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = auto_class.from_config(hf_config, dtype=dtype)
     model.tie_weights()
     return model.to(device)
 
@@ -131,12 +170,18 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return wrapped or [m for m in model.modules() if isinstance(m, classes)]
 
 
-def meta_model_units(hf_config, lora: LoraConfig | None = None) -> tuple[nn.Module, list[nn.Module]]:
-    """The model ``hf_config`` describes (with ``lora``'s adapters, if its rank is > 0), built on the meta
-    device (no weights, no memory), and its FSDP units as the engine wraps them: the root first, then one per
-    decoder layer."""
+def meta_model_units(
+    hf_config, lora: LoraConfig | None = None, value_head: bool = False,
+) -> tuple[nn.Module, list[nn.Module]]:
+    """The model ``hf_config`` describes (with ``lora``'s adapters, if its rank is > 0; ``value_head``: as PPO's
+    critic), built on the meta device (no weights, no memory), and its FSDP units as the engine wraps them: the
+    root first, then one per decoder layer."""
     with torch.device("meta"):
-        model = apply_lora(AutoModelForCausalLM.from_config(hf_config), lora or LoraConfig())
+        if value_head:
+            model = AutoModelForTokenClassification.from_config(hf_config, num_labels=1)
+            model = apply_lora(model, lora or LoraConfig(), value_head=value_head_name(model))
+        else:
+            model = apply_lora(AutoModelForCausalLM.from_config(hf_config), lora or LoraConfig())
     return model, [model, *decoder_layers(model)]
 
 

@@ -28,10 +28,11 @@ ADAPTER = "default"  # peft's name for the one adapter syncwise builds
 _PEFT_PREFIX = "base_model.model."  # peft's prefix on the adapted model's state-dict keys
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
+def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0, value_head: str | None = None) -> nn.Module:
     """``model`` with LoRA adapters (``cfg.rank`` > 0), or ``model`` itself (rank 0). The adapters' A is
     drawn from a generator seeded with ``seed`` (identical on every rank); B starts at zero, so the adapted
-    model starts as the base model."""
+    model starts as the base model. ``value_head``: a critic's head module, which trains in full (peft's
+    ``modules_to_save``: a new head has nothing to adapt)."""
     if not cfg.rank:
         return model
     try:
@@ -43,7 +44,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
     names = cfg.target_modules.strip()
     targets: str | list[str] = names if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
     peft_config = PeftLoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, task_type="CAUSAL_LM",
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+        task_type="TOKEN_CLS" if value_head else "CAUSAL_LM", modules_to_save=[value_head] if value_head else None,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

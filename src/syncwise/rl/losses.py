@@ -223,7 +223,7 @@ def make_value_loss(cfg: ValueLossConfig | None = None) -> LossFn:
             clipped = torch.zeros_like(token_loss)
         share = aggregate(token_loss, mask, cfg.agg, norm, sequences=target_sequences(micro_batch))
         metrics = {"loss": share.detach(), "critic/vf_loss": share.detach(),
-                   "critic/vf_clip_fraction": aggregate(clipped, mask, "token-mean", norm).detach()}
+                   "critic/vf_clipfrac": aggregate(clipped, mask, "token-mean", norm).detach()}
         return LossOutput(loss=share * norm.dp_size, metrics=metrics, outputs={"values": values.detach()})
 
     keys = {"returns": BatchKey(("target",), why="the value loss")}

@@ -42,6 +42,7 @@ from ..runtime.signals import stopped
 from .advantages import grpo_advantages, rloo_advantages, uniform_groups
 from .balance import Balance, balance_ranks, rank_token_imbalance, select_trained_rows, take_rows
 from .losses import make_policy_loss
+from .ppo import Critic, ppo_advantages
 from .rollout import Rollout, response_batch
 from .tasks import builtin_tokenizer, prompt_source
 
@@ -115,7 +116,8 @@ def rollout_stats(
     }
 
 
-PHASES = ("weight_sync", "rollout", "reward", "balance", "ref_log_prob", "old_log_prob", "update")
+PHASES = ("weight_sync", "rollout", "reward", "balance", "ref_log_prob", "old_log_prob", "values", "critic_update",
+          "update")
 
 
 class PhaseClock:
@@ -179,19 +181,43 @@ class GRPOTrainer:
         # The KL reference: a frozen copy of the initial model, or with LoRA the policy's own base model with
         # its adapters switched off (no second model in memory).
         self.reference = None
-        if rl.loss.kl_coef > 0 and not self.engine.features.lora:
+        if self.uses_reference and not self.engine.features.lora:
             self.reference = Engine(config, build_model(model_cfg, **overrides), info, trainable=False)
+        # PPO: the value model, trained through its own engine over the same mini-batches
+        self.critic = (Critic(config, info, train.steps * updates_per_step, **overrides)
+                       if rl.algorithm == "ppo" else None)
         self.rollout = Rollout(self.engine, self.tokenizer, rl, end_token_ids(config.model.path))
-        self.engine.governor.hold_outside(self.rollout.copy_bytes)  # auto's budget knows the copy is there
+        self._hold_outside()
         self.loss_fn = make_policy_loss(rl.loss, temperature=rl.temperature)
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
         self.resumed_from = self.checkpoints.resolve(train.resume)
-        self.start = int(self.checkpoints.load(self.resumed_from, self.engine)["step"]) if self.resumed_from else 0
+        self.start = (int(self.checkpoints.load(self.resumed_from, self.engine, self._others)["step"])
+                      if self.resumed_from else 0)
         self.history: list[dict[str, Any]] = []
         self.loggers: list[Any] = []
         self.bar = None
         if info.is_main:
             self._open_logs()
+
+    @property
+    def uses_reference(self) -> bool:
+        """A KL to the initial policy: in the loss (rl.loss.kl_coef) or in PPO's rewards (rl.kl_in_reward)."""
+        return self.config.rl.loss.kl_coef > 0 or self.config.rl.kl_in_reward > 0
+
+    @property
+    def _others(self) -> dict[str, Engine]:
+        """Engines checkpointed beside the actor's."""
+        return {"critic": self.critic.engine} if self.critic is not None else {}
+
+    def _hold_outside(self) -> None:
+        """Tell each trained engine's auto what stays in memory outside it for the whole job: the rollout copy,
+        the frozen reference, and the other model's parameters and optimizer state (PPO's actor and critic);
+        every rank then budgets alike (auto agrees the budget over ranks)."""
+        engines = [e for e in (self.engine, self.critic.engine if self.critic else None) if e is not None]
+        frozen = self.reference.resident_bytes() if self.reference is not None else 0
+        for engine in engines:
+            others = sum(e.resident_bytes() for e in engines if e is not engine)
+            engine.governor.hold_outside(self.rollout.copy_bytes + frozen + others)
 
     def _open_logs(self) -> None:
         config, rl, train = self.config, self.config.rl, self.config.train
@@ -205,7 +231,7 @@ class GRPOTrainer:
                          f", {prompts.truncated} cut to rl.max_prompt_length" if prompts.truncated else "",
                          f", {prompts.dropped} longer dropped" if prompts.dropped else ""])
         print(
-            f"syncwise train: GRPO on {rl.dataset or 'task ' + rl.task} ({len(self.source.rows)} prompts{notes}), "
+            f"syncwise train: {rl.algorithm.upper()} on {rl.dataset or 'task ' + rl.task} ({len(self.source.rows)} prompts{notes}), "
             f"{config.engine.strategy} on {self.info.world_size} rank(s), {rl.prompts_per_rank} prompts x "
             f"{rl.samples_per_prompt} samples per rank, responses up to {self.rollout.max_new_tokens(self.source)} "
             f"tokens, sync.mode={config.sync.mode}"
@@ -218,9 +244,10 @@ class GRPOTrainer:
             self.bar = tqdm(total=train.steps, initial=self.start, desc="grpo", dynamic_ncols=True)
 
     def step(self, step: int) -> dict[str, Any]:
-        """Rollouts; rewards and advantages on the whole rollout batch; old (and reference) log-probs at the
-        sampling temperature, before any update; then ``rl.epochs`` passes of ``rl.mini_batches`` optimizer
-        steps each. Returns the step's metrics."""
+        """Rollouts; rewards and advantages on the whole rollout batch (PPO: the critic's values, token
+        rewards, GAE); old (and reference) log-probs at the sampling temperature, before any update; then
+        ``rl.epochs`` passes of ``rl.mini_batches`` optimizer steps each (PPO: the critic's first, over the
+        same mini-batches; the actor's from step ``critic.warmup_steps`` on). Returns the step's metrics."""
         started = time.perf_counter()
         clock = PhaseClock()
         rl = self.config.rl
@@ -231,7 +258,10 @@ class GRPOTrainer:
         with clock("rollout"):
             batch, sampled = self.rollout.generate(rows, prompt_ids, self.source)
         clock.move("rollout", "reward", sampled["reward_s"])  # scored inside the rollout call
-        batch["advantages"] = advantages_for(sampled["rewards"], self.config)
+        if self.critic is None:
+            batch["advantages"] = advantages_for(sampled["rewards"], self.config)
+        else:
+            batch["rewards"] = sampled["rewards"].float()  # moves with its sample; GAE reads it after balancing
         batch["rollout_log_probs"] = sampled["log_probs"]  # moves with its sample; the loss reads it if asked
         with clock("balance"):
             batch, balance_metrics, counts = self._samples_that_train(batch, sampled["rewards"])
@@ -239,22 +269,41 @@ class GRPOTrainer:
         if rl.loss.rollout_is == "none":
             del batch["rollout_log_probs"]
         temperature = rl.temperature
-        if rl.loss.kl_coef > 0:
+        if self.uses_reference:
             with clock("ref_log_prob"):
                 batch["ref_log_probs"] = self._reference_log_probs(batch)
+        actor_trains = self.critic is None or step >= self.config.critic.warmup_steps
         # On-policy (one optimizer step per batch) the old log-probs are the update's own, detached: the loss
-        # takes them from its forward (as TRL does), and no separate pass is needed.
-        on_policy = rl.mini_batches == 1 and rl.epochs == 1 and not rl.old_log_prob_pass
+        # takes them from its forward (as TRL does), and no separate pass is needed -- unless the rewards need
+        # them first (PPO's KL in the reward) or the actor does not train this step (the critic's warm-up).
+        on_policy = (rl.mini_batches == 1 and rl.epochs == 1 and not rl.old_log_prob_pass and actor_trains
+                     and not rl.kl_in_reward)
         if not on_policy:
             with clock("old_log_prob"):
                 batch["old_log_probs"] = self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
-        with clock("update"):
-            updates = [self.engine.train_batch(part, self.loss_fn) for part in self._mini_batches(batch, step)]
+        critic_metrics: dict[str, Any] = {}
+        if self.critic is not None:
+            with clock("values"):
+                batch["values"] = self.critic.values(batch)
+            kl = batch["old_log_probs"] - batch["ref_log_probs"] if rl.kl_in_reward else None  # verl's "kl" (k1)
+            batch["advantages"], batch["returns"], critic_metrics = ppo_advantages(batch, self.config, self.info, kl)
+        parts = list(self._mini_batches(batch, step))
+        if self.critic is not None:
+            with clock("critic_update"):
+                critic_metrics.update(self.critic.update(parts))
+        updates = []
+        if actor_trains:
+            with clock("update"):
+                updates = [self.engine.train_batch(part, self.loss_fn) for part in parts]
         before_update = batch["old_log_probs"] if not on_policy else self.engine.step_outputs.get("log_probs")
         if before_update is None:
             raise RuntimeError("the policy loss returned no per-sample 'log_probs' output; the on-policy GRPO step "
                                "takes the old log-probs from it (set rl.old_log_prob_pass=true otherwise)")
-        metrics = combine_updates(updates)
+        metrics = combine_updates(updates) if updates else {"train/skipped": 0, "train/optimizer_steps": 0,
+                                                            "stop/signal": 0.0, "batch/real_tokens": 0.0}
+        if critic_metrics:
+            metrics.update(critic_metrics)
+            metrics["stop/signal"] = max(metrics["stop/signal"], critic_metrics["critic/stop/signal"])
         metrics.update(balance_metrics)
         metrics.update(rollout_stats(sampled, sampler_log_probs, before_update,
                                      batch["loss_mask"][:, 1:].double(), counts, self.info,
@@ -341,18 +390,21 @@ class GRPOTrainer:
             logger.log(metrics)
         self.history.append(metrics)
         if self.bar is not None:
+            actor = (f"loss {metrics['loss']:.4f} gn {metrics['train/grad_norm']:.2f} "
+                     f"AG {metrics['comm/all_gather_count']} RS {metrics['comm/reduce_scatter_count']} "
+                     f"AR {metrics['comm/all_reduce_count']} {metrics['sync/mode']}"
+                     if "loss" in metrics else "actor waits (critic.warmup_steps)")
+            critic = (f" | vf {metrics['critic/vf_loss']:.4f} ev {metrics['critic/vf_explained_var']:.2f} "
+                      f"{metrics['critic/sync/mode']}" if "critic/vf_loss" in metrics else "")
             self.bar.set_postfix_str(
-                f"reward {metrics['reward/mean']:.3f} loss {metrics['loss']:.4f} "
-                f"gn {metrics['train/grad_norm']:.2f} AG {metrics['comm/all_gather_count']} "
-                f"RS {metrics['comm/reduce_scatter_count']} AR {metrics['comm/all_reduce_count']} "
-                f"{metrics['sync/mode']} | rollout {metrics['time/rollout_s']:.1f}s "
-                f"update {metrics['time/update_s']:.1f}s"
+                f"reward {metrics['reward/mean']:.3f} {actor}{critic} | rollout {metrics['time/rollout_s']:.1f}s "
+                f"update {metrics['time/update_s'] + metrics['time/critic_update_s']:.1f}s"
             )
             self.bar.update(1)
 
     def save(self, done: int) -> Path:
-        """Collective: a checkpoint of the state after ``done`` steps."""
-        return self.checkpoints.save(done, self.engine, {"step": done})
+        """Collective: a checkpoint of the state after ``done`` steps (PPO: the critic's beside the actor's)."""
+        return self.checkpoints.save(done, self.engine, {"step": done}, self._others)
 
     def close_logs(self) -> None:
         if self.bar is not None:
@@ -364,6 +416,9 @@ class GRPOTrainer:
         """Export, close the logs, plot and summarise."""
         if self.config.train.export:
             export_hf(self.engine, self.tokenizer, self.out_dir / "export", base_path=self.config.model.path)
+            if self.critic is not None and self.config.critic.export:
+                export_hf(self.critic.engine, self.tokenizer, self.out_dir / "export" / "critic",
+                          base_path=self.critic.model_path)
         self.close_logs()
         if self.info.is_main and self.history:  # the whole job's steps (a resumed run's memory has its own only)
             history = job_history(self.out_dir / "metrics.jsonl")
