@@ -187,3 +187,28 @@ def test_rollout_copy_is_in_every_modes_base_and_sampling_has_its_own_peak():
 def test_rollout_flags_need_new_tokens():
     with pytest.raises(ValueError, match="--rollout-sequences needs --rollout-new-tokens"):
         make_plan(PlanInput(model="qwen2-tiny", rollout_sequences=8))
+
+
+def test_ppo_plan_predicts_both_models_peaks_within_10_percent():
+    """``plan --critic``: the actor's and the critic's per_microbatch peaks, each with the other model held
+    beside it, against the engines' measured peaks (actor and critic built side by side, 2 ranks)."""
+    from dist_harness import run_distributed
+    from scenarios_plan import MICROBATCHES, measured_ppo_peaks
+
+    for row in run_distributed(measured_ppo_peaks, 2)[0]:
+        preset, seq_len, size = row["shape"]
+        plan = make_plan(PlanInput(model=preset, world_size=2, microbatches=MICROBATCHES, param_dtype="float32",
+                                   reduce_dtype="float32", seq_len=seq_len, micro_batch_size=size, critic=True),
+                         hf_config=preset_config(preset))
+        for name, model_plan in (("actor", plan), ("critic", plan.critic)):
+            predicted = next(m for m in model_plan.modes if m.mode == "per_microbatch").peak_bytes
+            assert predicted == pytest.approx(row[name], rel=0.10), (row["shape"], name, predicted, row[name])
+        assert plan.held_outside_bytes > 0 and plan.critic.held_outside_bytes > plan.held_outside_bytes * 0.5
+
+
+def test_plan_command_with_a_critic_shows_both_models_and_auto_pair():
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "plan", "qwen2.5-0.5b", "--critic", "--seq-len", "1024",
+                           "--device-memory-gib", "24"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "critic (the same decoder with a one-output value head)" in proc.stdout
+    assert "auto would choose: actor " in proc.stdout and ", critic " in proc.stdout

@@ -194,6 +194,20 @@ class CheckpointManager:
             raise CheckpointError(f"train.resume: checkpoint directory not found: {resume}")
         return path
 
+    @staticmethod
+    def check_holds(path: Path, names, saved: dict[str, Any] | None = None) -> None:
+        """Raise ``CheckpointError`` unless the checkpoint at ``path`` holds an engine under each of ``names``
+        (PPO's ``critic``)."""
+        if saved is None:
+            try:
+                saved = json.loads((path / "trainer.json").read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise CheckpointError(f"{path / 'trainer.json'}: unreadable ({exc})") from exc
+        missing = sorted(set(names) - set(saved.get("engines", {})))
+        if missing:
+            raise CheckpointError(f"{path}: holds no {' or '.join(missing)} (written by a run without one); "
+                                  f"start a new train.out_dir or resume without it")
+
     def load(self, path: Path, engine: Engine, others: dict[str, Engine] | None = None) -> dict[str, Any]:
         """Collective. Restores model, optimizer and engine state (and ``others``' as :meth:`save` wrote them);
         RNG states when the world size matches. Returns the trainer state."""
@@ -205,10 +219,7 @@ class CheckpointManager:
             saved = json.loads(meta.read_text())
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{meta}: unreadable ({exc})") from exc
-        missing = sorted(set(others or {}) - set(saved.get("engines", {})))
-        if missing:
-            raise CheckpointError(f"{path}: holds no {' or '.join(missing)} (written by a run without one); "
-                                  f"start a new out_dir or resume without it")
+        self.check_holds(path, others or {}, saved)
         state = _state_of(engine, others)
         try:
             dcp.load(state, storage_reader=SafeFileSystemReader(str(path / "dcp")), planner=SafeLoadPlanner())

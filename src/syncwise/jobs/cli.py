@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rollout-new-tokens", type=int, default=0, help="GRPO: rl.max_new_tokens")
     plan.add_argument("--rollout-dtype", default="float32", help="GRPO: the rollout copy's dtype")
     plan.add_argument("--rollout-sampler", default="compact", help="GRPO: rl.sampler (compact or generate)")
+    plan.add_argument("--critic", action="store_true",
+                      help="PPO: a value model beside the policy (both models' bytes per mode, auto's pair)")
     plan.add_argument("--bandwidth-gbps", type=float, default=100.0, help="GB/s per rank in a shard group")
     plan.add_argument("--replica-bandwidth-gbps", type=float, help="GB/s across replicas (HSDP)")
     plan.add_argument("--latency-us", type=float, default=10.0)

@@ -46,23 +46,30 @@ def check_model(config: Config) -> None:
         raise PreflightError(f"model.path: {path} has no weights ({' or '.join(WEIGHT_FILES[::2])})")
 
 
-def _meta_model_units(config: Config):
-    """The job's model (with its LoRA adapters) and FSDP units on the meta device: no weights, no memory."""
+def _hf_config(config: Config):
+    """The Hugging Face config of the job's model (``model.path``'s, or the preset's)."""
     from transformers import AutoConfig
 
-    from ..models import meta_model_units, preset_config
+    from ..models import preset_config
 
     path = config.model.path
-    hf = AutoConfig.from_pretrained(path, local_files_only=True) if path else preset_config(config.model.preset)
-    return meta_model_units(hf, config.model.lora)
+    return AutoConfig.from_pretrained(path, local_files_only=True) if path else preset_config(config.model.preset)
 
 
-def check_lora(config: Config) -> None:
+def _meta_model_units(config: Config, value_head: bool = False):
+    """The job's model (with its LoRA adapters; ``value_head``: as PPO's critic) and FSDP units on the meta
+    device: no weights, no memory."""
+    from ..models import meta_model_units
+
+    return meta_model_units(_hf_config(config), config.model.lora, value_head=value_head)
+
+
+def check_lora(config: Config, value_head: bool = False) -> None:
     """``model.lora.target_modules`` names modules the model has."""
     if not config.model.lora.rank:
         return
     try:
-        _meta_model_units(config)
+        _meta_model_units(config, value_head)
     except ValueError as exc:
         raise PreflightError(_first_line(exc)) from exc
 
@@ -89,7 +96,9 @@ def check_rl(config: Config) -> None:
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
     try:
-        CheckpointManager(Path(config.train.out_dir) / "checkpoints").resolve(config.train.resume)
+        checkpoint = CheckpointManager(Path(config.train.out_dir) / "checkpoints").resolve(config.train.resume)
+        if checkpoint is not None and rl.algorithm == "ppo":
+            CheckpointManager.check_holds(checkpoint, ["critic"])
     except CheckpointError as exc:
         raise PreflightError(str(exc)) from exc
 
@@ -135,7 +144,7 @@ def check_torch(config: Config) -> None:
             raise PreflightError(f"engine.strategy=fsdp2: {exc}") from exc
 
 
-def check_deferred_units(config: Config) -> None:
+def check_deferred_units(config: Config, value_head: bool = False) -> None:
     """``sync.deferred_units`` names units the model has, or counts no more than it has (the model is built
     on the meta device: no weights, no memory)."""
     from ..memory.accounting import sharded_model_of
@@ -143,12 +152,63 @@ def check_deferred_units(config: Config) -> None:
 
     if config.sync.mode != "partial":
         return
-    model, units = _meta_model_units(config)
+    model, units = _meta_model_units(config, value_head)
     estimator = sharded_model_of(units, max(config.dist.nproc, 1), config.model.param_dtype, config.model.reduce_dtype)
     try:
         resolve_deferred_units(config.sync.deferred_units, unit_names(model, units), estimator)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
+
+
+def check_critic(config: Config) -> None:
+    """PPO: the critic's model, LoRA targets and deferred units as the actor's are checked (each error named
+    ``critic.``), and both models fit beside each other: their parameters and AdamW state on each rank, the
+    rollout copy and the smallest mode's sharded gradients, within the critic's ``sync.memory_budget``."""
+    if config.rl.algorithm != "ppo":
+        return
+    critic = config.critic_config()
+    try:
+        check_model(critic)
+        check_lora(critic, value_head=True)
+        check_deferred_units(critic, value_head=True)
+    except PreflightError as exc:
+        raise PreflightError(f"critic.{exc}") from None
+    short = critic_shortfall(config, critic)
+    if short:
+        raise PreflightError(short)
+
+
+def critic_shortfall(config: Config, critic: Config) -> str | None:
+    """Why the actor and the critic cannot both be in memory in any sync mode, or None: per rank, both models'
+    sharded parameters and AdamW state, the rollout copy and the critic's sharded gradients (per_microbatch,
+    the mode that holds least) against the critic's budget (``critic.sync.memory_budget``, else the
+    actor's; 0: 90% of the device) -- before a step runs, activations not yet counted."""
+    import os
+
+    import torch
+
+    from ..memory.accounting import format_bytes, resolve_budget
+    from ..memory.plan import resident_per_rank, sharded_model_for
+
+    world = max(int(os.environ.get("WORLD_SIZE", config.dist.nproc)), 1)
+    shard = world // max(config.engine.hsdp_replicas, 1)
+    sizes = {}
+    for name, cfg, value_head in (("actor", config, False), ("critic", critic, True)):
+        ranks = shard if cfg.engine.strategy in ("fsdp2", "fsdp1") else 1  # DDP keeps a whole copy per rank
+        sharded = sharded_model_for(_hf_config(cfg), ranks, "float32", "float32", cfg.model.lora.rank, value_head)
+        sizes[name] = (resident_per_rank(sharded, ranks),
+                       sum(sharded.unit_padded_numels(trainable_only=True)) * 4 // ranks, sharded.num_params)
+    copy = sizes["actor"][2] * torch.empty((), dtype=getattr(torch, config.rl.rollout_dtype)).element_size()
+    device = torch.device("cuda" if config.dist.backend != "gloo" and torch.cuda.is_available() else "cpu")
+    budget = resolve_budget(critic.sync.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    need = sizes["actor"][0] + sizes["critic"][0] + sizes["critic"][1] + copy
+    if need <= budget:
+        return None
+    return (f"critic: does not fit beside the actor in any sync mode: per rank the actor's parameters and AdamW "
+            f"{format_bytes(sizes['actor'][0])}, the critic's {format_bytes(sizes['critic'][0])} and its "
+            f"gradients {format_bytes(sizes['critic'][1])}, the rollout copy {format_bytes(copy)} = "
+            f"{format_bytes(need)} > budget {format_bytes(budget)}; use more ranks, LoRA for the critic "
+            f"(critic.model.lora.rank) or a larger critic.sync.memory_budget")
 
 
 def preflight(config: Config, job: str) -> None:
@@ -158,6 +218,7 @@ def preflight(config: Config, job: str) -> None:
     check_lora(config)
     check_deferred_units(config)
     if job == "train":
+        check_critic(config)
         check_rl(config)
     elif job == "sft":
         check_sft(config)

@@ -55,10 +55,11 @@ def kv_cache_bytes(config, tokens: int, dtype: str) -> int:
 
 def estimate_activations(
     config, seq_len: int, micro_batch_size: int = 1, checkpointing: bool = False, dtype: str = "bfloat16",
-    logprob_chunk: int = 1024, fused_head: bool = False, head_trains: bool = True,
+    logprob_chunk: int = 1024, fused_head: bool = False, head_trains: bool = True, value_head: bool = False,
 ) -> ActivationEstimate:
     """The activation peak of one micro-batch of ``micro_batch_size`` sequences of ``seq_len`` tokens
-    (``head_trains``: the output layer has a gradient -- not under LoRA)."""
+    (``head_trains``: the output layer has a gradient -- not under LoRA; ``value_head``: PPO's critic, whose
+    head gives one value per token: no vocabulary-wide logits)."""
     hidden = _shape(config, "hidden_size")
     heads, kv_heads, head_dim = attention_shape(config)
     inter = _shape(config, "intermediate_size", 4 * hidden)
@@ -70,7 +71,10 @@ def estimate_activations(
     kept = tokens * hidden * size if checkpointing else full_layer
     chunk = min(tokens, logprob_chunk) if logprob_chunk > 0 else tokens
     low_precision = size < 4
-    if fused_head:
+    if value_head:  # the values, their fp32 copy and the loss's few per-token tensors
+        kept_for_loss = tokens * size
+        loss_phase = tokens * hidden * size + 8 * tokens * 4  # the hidden states' gradient, the loss's temporaries
+    elif fused_head:
         kept_for_loss = tokens * hidden * size  # the loss's copy of the hidden states
         chunk_work = chunk * vocab * (size + (4 + size if low_precision else 0))
         # + the hidden states' gradient, + the output layer's gradient, summed over the chunks from the start

@@ -62,6 +62,8 @@ class Plan:
     links_measured: bool = False
     latency_us: float = 0.0
     bandwidth_gbps: float = 0.0
+    held_outside_bytes: int = 0  # kept beside this model for the whole job (PPO: the other model, the copy)
+    critic: Plan | None = None  # PPO (--critic): the value model's own plan, with the actor held outside it
 
 
 @dataclass
@@ -112,11 +114,11 @@ def load_hf_config(spec: str):
 
 
 def sharded_model_for(
-    hf_config, shard_size: int, param_dtype: str, reduce_dtype: str, lora_rank: int = 0
+    hf_config, shard_size: int, param_dtype: str, reduce_dtype: str, lora_rank: int = 0, value_head: bool = False,
 ) -> ShardedModel:
     """The estimator input for the engine's wrapping of this model (with LoRA adapters of ``lora_rank``, the
-    only trainable parameters), built on the meta device."""
-    _, units = meta_model_units(hf_config, LoraConfig(rank=lora_rank))
+    only trainable parameters; ``value_head``: as PPO's critic), built on the meta device."""
+    _, units = meta_model_units(hf_config, LoraConfig(rank=lora_rank), value_head=value_head)
     return sharded_model_of(units, shard_size, param_dtype, reduce_dtype)
 
 
@@ -155,40 +157,63 @@ def _row(choice: SyncChoice, sharded: ShardedModel, units, inp: PlanInput, links
 
 def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Plan:
     """Every mode's (and every partial(K)'s) held bytes, peak, collectives and communication time, and what
-    auto would choose. ``links``: measured link speeds (default: ``inp``'s latency and bandwidth)."""
+    auto would choose. ``links``: measured link speeds (default: ``inp``'s latency and bandwidth). With
+    ``inp.critic`` (PPO), the critic's own plan too (``plan.critic``): each model budgets with the other's
+    parameters and optimizer state (and the rollout copy) held outside it, as each engine's auto does."""
     inp.validate()
     hf_config = hf_config if hf_config is not None else load_hf_config(inp.model)
     links = links or Links(inp.latency_us * 1e-6, inp.bandwidth_gbps * 1e9,
                            inp.replica_bandwidth_gbps * 1e9 if inp.replica_bandwidth_gbps else None)
     shard = inp.world_size // inp.replicas
-    hsdp = inp.replicas > 1
-    sharded = sharded_model_for(hf_config, shard, inp.param_dtype, inp.reduce_dtype, inp.lora_rank)
-    n = inp.microbatches
+    actor = sharded_model_for(hf_config, shard, inp.param_dtype, inp.reduce_dtype, inp.lora_rank)
+    if not inp.critic:
+        return _model_plan(inp, hf_config, links, actor)
+    critic = sharded_model_for(hf_config, shard, inp.param_dtype, inp.reduce_dtype, inp.lora_rank, value_head=True)
+    plan = _model_plan(inp, hf_config, links, actor, held_outside=resident_per_rank(critic, shard))
+    copy = plan.rollout.copy_bytes if plan.rollout else 0
+    plan.critic = _model_plan(inp, hf_config, links, critic, held_outside=resident_per_rank(actor, shard) + copy,
+                              value_head=True)
+    return plan
+
+
+def resident_per_rank(sharded: ShardedModel, shard: int) -> int:
+    """A model's bytes on each rank between its steps: its sharded parameters and AdamW's state of what trains."""
     local = sharded.padded_numel() // shard
     local_trainable = sum(sharded.unit_padded_numels(trainable_only=True)) // shard
+    return local * DTYPE_BYTES[sharded.orig_dtype] + local_trainable * ADAMW_STATE_BYTES
+
+
+def _model_plan(inp: PlanInput, hf_config, links: Links, sharded: ShardedModel, held_outside: int = 0,
+                value_head: bool = False) -> Plan:
+    """One model's plan (the actor's, with the rollout copy; or ``value_head``: the critic's) with
+    ``held_outside`` bytes beside it in every mode's base."""
+    shard = inp.world_size // inp.replicas
+    hsdp = inp.replicas > 1
+    n = inp.microbatches
     in_loss, in_layer = in_flight_bytes(sharded)
     if inp.seq_len:
         act = estimate_activations(hf_config, inp.seq_len, inp.micro_batch_size, inp.activation_checkpointing,
                                    inp.param_dtype, inp.logprob_chunk, inp.fused_lm_head,
-                                   head_trains=not inp.lora_rank)
+                                   head_trains=not inp.lora_rank, value_head=value_head)
         activation_bytes = act.peak_bytes
         working = act.saved_bytes + max(act.loss_phase_bytes + in_loss, act.layer_phase_bytes + in_layer)
     else:  # activations as measured (if given), plus the most FSDP2 holds in flight with them
         activation_bytes = int(inp.activation_gib * 2**30)
         working = activation_bytes + in_layer if activation_bytes else 0
-    resident = local * DTYPE_BYTES[sharded.orig_dtype] + local_trainable * ADAMW_STATE_BYTES  # AdamW: what trains
+    resident = resident_per_rank(sharded, shard)  # AdamW: what trains
     budget = int(inp.device_memory_gib * 2**30 * inp.budget_fraction)
-    rollout = (rollout_memory(hf_config, inp, sharded.num_params, resident, budget)
-               if inp.rollout_sequences else None)
+    rollout = (rollout_memory(hf_config, inp, sharded.num_params, resident + held_outside, budget)
+               if inp.rollout_sequences and not value_head else None)
     base = (
         resident  # sharded parameters and optimizer state
         + sharded.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)  # sharded gradients
         + working  # activations and FSDP2's parameters / gradients in flight
         + (rollout.copy_bytes if rollout else 0)  # GRPO's rollout copy stays in memory while training
+        + held_outside  # PPO: the other model's parameters and optimizer state (and the copy, for the critic)
     )
     trainable = sum(sharded.unit_trainable_numels)
     plan = Plan(inp, sharded.num_params, trainable, len(sharded.unit_shapes), base, budget,
-                activation_bytes=activation_bytes, rollout=rollout,
+                activation_bytes=activation_bytes, rollout=rollout, held_outside_bytes=held_outside,
                 links_measured=links.measured, latency_us=links.latency_s * 1e6, bandwidth_gbps=links.bandwidth / 1e9)
     units = unit_traffic(sharded, hsdp)
     choices = candidates(supported_modes("fsdp2", hsdp), sharded, links)
@@ -204,6 +229,38 @@ def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Pla
 def format_plan(plan: Plan) -> str:
     inp = plan.input
     mesh = f"{inp.replicas} x {inp.world_size // inp.replicas} (HSDP)" if inp.replicas > 1 else f"{inp.world_size}"
+    links = "measured" if plan.links_measured else "assumed"
+    lora = (f" (LoRA rank {inp.lora_rank}: {plan.trainable_params / 1e6:.2f}M trainable, "
+            f"{plan.trainable_params / plan.num_params:.2%})" if inp.lora_rank else "")
+    lines = [
+        f"{inp.model}: {plan.num_params / 1e9:.3f}B parameters{lora} in {plan.num_units} FSDP units; ranks {mesh}; "
+        f"{inp.microbatches} micro-batches/step; params {inp.param_dtype}, reduce {inp.reduce_dtype}",
+        f"budget {format_bytes(plan.budget_bytes)} per rank ({inp.budget_fraction:.0%} of {inp.device_memory_gib:g} "
+        f"GiB); links {plan.bandwidth_gbps:.3g} GB/s, {plan.latency_us:.3g} us ({links})",
+    ]
+    if plan.critic is None:
+        lines += ["", *_model_lines(plan, "")]
+    else:
+        lines += ["", *_model_lines(plan, "actor (the policy, trained by its own engine)"),
+                  "", *_model_lines(plan.critic, "critic (the same decoder with a one-output value head)")]
+    if plan.rollout:
+        r = plan.rollout
+        lines += ["", f"sampling ({inp.rollout_sequences} sequences x {inp.rollout_prompt_len} + "
+                  f"{inp.rollout_new_tokens} tokens, {inp.rollout_dtype} copy): copy {format_bytes(r.copy_bytes)} + "
+                  f"KV cache {format_bytes(r.kv_cache_bytes)} + logits ({inp.rollout_sampler}) "
+                  f"{format_bytes(r.scores_bytes)} -> peak "
+                  f"{format_bytes(r.peak_bytes)} ({'fits' if r.fits else 'does NOT fit'}; the same in every mode)"]
+    if plan.critic is None:
+        lines += ["", f"auto would choose: {plan.auto_choice}", f"  {plan.auto_reason}"]
+    else:
+        lines += ["", f"auto would choose: actor {plan.auto_choice}, critic {plan.critic.auto_choice}",
+                  f"  actor: {plan.auto_reason}", f"  critic: {plan.critic.auto_reason}"]
+    return "\n".join(lines)
+
+
+def _model_lines(plan: Plan, title: str) -> list[str]:
+    """One model's base and its table of modes."""
+    inp = plan.input
     if inp.seq_len:
         shape = (f"{inp.micro_batch_size} x {inp.seq_len} tokens per micro-batch"
                  f"{', checkpointed' if inp.activation_checkpointing else ''}"
@@ -211,16 +268,14 @@ def format_plan(plan: Plan) -> str:
         activations = f" + activations {format_bytes(plan.activation_bytes)} ({shape})"
     else:
         activations = f" + {inp.activation_gib:g} GiB activations" if inp.activation_gib else ""
-    links = "measured" if plan.links_measured else "assumed"
-    lora = (f" (LoRA rank {inp.lora_rank}: {plan.trainable_params / 1e6:.2f}M trainable, "
-            f"{plan.trainable_params / plan.num_params:.2%})" if inp.lora_rank else "")
     copy = f" + rollout copy {format_bytes(plan.rollout.copy_bytes)}" if plan.rollout else ""
+    held = (f" + held outside {format_bytes(plan.held_outside_bytes)} (the other model's params and AdamW"
+            f"{'' if plan.rollout or not inp.rollout_sequences else ', the rollout copy'})"
+            if plan.held_outside_bytes else "")
     lines = [
-        f"{inp.model}: {plan.num_params / 1e9:.3f}B parameters{lora} in {plan.num_units} FSDP units; ranks {mesh}; "
-        f"{inp.microbatches} micro-batches/step; params {inp.param_dtype}, reduce {inp.reduce_dtype}",
-        f"per rank: base {format_bytes(plan.base_bytes)} (sharded fp32 params + grads + AdamW{activations}{copy}), "
-        f"budget {format_bytes(plan.budget_bytes)} ({inp.budget_fraction:.0%} of {inp.device_memory_gib:g} GiB); "
-        f"links {plan.bandwidth_gbps:.3g} GB/s, {plan.latency_us:.3g} us ({links})",
+        *([f"{title}: {plan.num_params / 1e6:.2f}M parameters"] if title else []),
+        f"per rank: base {format_bytes(plan.base_bytes)} (sharded fp32 params + grads + AdamW{activations}{copy}"
+        f"{held})",
         "",
         "| mode | held grads | held params | extra | peak | fits | all-gathers | reduce-scatters | all-reduces "
         "| AG bytes | RS bytes | AR bytes | comm time |",
@@ -235,15 +290,7 @@ def format_plan(plan: Plan) -> str:
             f"| {format_bytes(m.collective_bytes['reduce_scatter'])} "
             f"| {format_bytes(m.collective_bytes['all_reduce'])} | {m.comm_time_s * 1e3:.1f} ms |"
         )
-    if plan.rollout:
-        r = plan.rollout
-        lines += ["", f"sampling ({inp.rollout_sequences} sequences x {inp.rollout_prompt_len} + "
-                  f"{inp.rollout_new_tokens} tokens, {inp.rollout_dtype} copy): copy {format_bytes(r.copy_bytes)} + "
-                  f"KV cache {format_bytes(r.kv_cache_bytes)} + logits ({inp.rollout_sampler}) "
-                  f"{format_bytes(r.scores_bytes)} -> peak "
-                  f"{format_bytes(r.peak_bytes)} ({'fits' if r.fits else 'does NOT fit'}; the same in every mode)"]
-    lines += ["", f"auto would choose: {plan.auto_choice}", f"  {plan.auto_reason}"]
-    return "\n".join(lines)
+    return lines
 
 
 def plan_to_json(plan: Plan) -> str:

@@ -61,6 +61,7 @@ class PlanInput:
     rollout_new_tokens: int = 0
     rollout_dtype: str = "float32"
     rollout_sampler: str = "compact"  # rl.sampler: compact keeps one step's logits, generate every step's scores
+    critic: bool = False  # PPO: a value model beside the policy (its own plan; each holds the other's state)
     bandwidth_gbps: float = 100.0  # GB/s per rank within a shard group
     replica_bandwidth_gbps: float | None = None  # GB/s across replicas (default: bandwidth_gbps)
     latency_us: float = 10.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -94,6 +95,10 @@ def build_model(cfg: ModelConfig, value_head: bool = False, **config_overrides: 
             torch.manual_seed(cfg.seed)
             model = auto_class.from_config(hf_config, dtype=torch.float32)
     if value_head:
+        # Its [B, T, 1] output is a view of the head's matmul; FSDP2 warns that an in-place change of it would
+        # skip its backward hook. Nothing changes the values in place (the value loss reads them).
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+ForTokenClassification\) "
+                                r"returned a view tensor")
         # Zero: the first values are 0 everywhere, so the first advantages are the plain (whitened) returns
         # rather than returns minus a random head's noise (std ~0.3 for a 256-wide model), and the
         # decoder's first gradient is not pushed by a random projection.
@@ -106,6 +111,15 @@ def build_model(cfg: ModelConfig, value_head: bool = False, **config_overrides: 
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
     return model
+
+
+def value_config(hf_config):
+    """A copy of ``hf_config`` for the model with a one-output value head (``num_labels=1``)."""
+    import copy
+
+    out = copy.deepcopy(hf_config)
+    out.num_labels = 1
+    return out
 
 
 VALUE_HEAD_NAMES = ("score", "classifier")  # Llama / Qwen2 / Mistral (generic), GPT-2
@@ -178,7 +192,7 @@ def meta_model_units(
     root first, then one per decoder layer."""
     with torch.device("meta"):
         if value_head:
-            model = AutoModelForTokenClassification.from_config(hf_config, num_labels=1)
+            model = AutoModelForTokenClassification.from_config(value_config(hf_config))
             model = apply_lora(model, lora or LoraConfig(), value_head=value_head_name(model))
         else:
             model = apply_lora(AutoModelForCausalLM.from_config(hf_config), lora or LoraConfig())

@@ -144,6 +144,10 @@ class LoraMerge:
             names += [alias for alias, kept in self._aliases.items() if kept in state and alias not in state]
         for key in names:
             value = state[key] if key in state else state[self._aliases[key]]
+            if _ORIGINAL in key or _TRAINED in key:  # a module peft trains whole (a critic's value head)
+                if (_ORIGINAL in key) == deltas:  # merged: the trained copy; the base: the original
+                    continue
+                key = key.replace(_ORIGINAL, ".").replace(_TRAINED, ".")
             layer, leaf = self._layer_of(key)
             if layer is not None:
                 if not leaf.startswith("base_layer."):
@@ -171,6 +175,11 @@ class LoraMerge:
             raise KeyError(f"LoRA merge: {layer}'s adapter tensors {missing} are not beside its weight")
         with torch.no_grad(), _swapped(module, {k: state[f"{layer}.{k}"] for k in keys}):
             return module.get_delta_weight(ADAPTER)
+
+
+# peft's modules_to_save: the original module and the copy that trains, side by side
+_ORIGINAL = ".original_module."
+_TRAINED = f".modules_to_save.{ADAPTER}."
 
 
 @contextmanager

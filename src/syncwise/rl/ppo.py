@@ -19,7 +19,6 @@ decision and the collective audit apply to it as to the actor.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -132,10 +131,6 @@ class Critic:
         model_cfg = replace(model_cfg, dropout="keep" if model_cfg.dropout == "keep" else "off")
         self.model_path = model_cfg.path
         model = build_model(model_cfg, value_head=True, **config_overrides)
-        # The value head's [B, T, 1] output is a view of its matmul; FSDP2 warns that an in-place change of it
-        # would skip its backward hook. Nothing changes the values in place (the value loss reads them).
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP\w+ForTokenClassification\) "
-                                r"returned a view tensor")
         self.engine = Engine(self.config, model, info, total_steps=total_steps)
         self.loss_fn = make_value_loss(ValueLossConfig(clip=config.critic.cliprange_value))
 
