@@ -100,3 +100,26 @@ def ppo_suite(info) -> dict:
     if info.rank == 0:
         out["reference_grads"] = full_batch_value_grads(info.world_size)
     return out
+
+
+def critic_auto_with_held_bytes(info) -> dict:
+    """The critic's auto, first with an ample budget, then with a budget that fits deferred_unsharded only
+    without the bytes held outside it -- and rank 0 alone holding those (the actor, the copy): the budget is
+    agreed over ranks, so both ranks step down to the same mode."""
+    loss_fn = make_value_loss(VALUE_LOSS)
+    batch = ppo_batch(seed=700 + info.rank)
+
+    def run(budget: float, held: int) -> tuple[str, int, int]:
+        """(the mode of the second step, the first step's peak, deferred_unsharded's predicted extra)"""
+        cfg = engine_config("fsdp2", "auto", f"sync.memory_budget={budget}")
+        engine = Engine(cfg, value_model(cfg), info)
+        engine.governor.hold_outside(held)
+        rows = [engine.train_batch(batch, loss_fn) for _ in range(2)]
+        extra = engine.memory_model.extra_bytes("deferred_unsharded", rows[0]["train/num_microbatches"])
+        return rows[-1]["sync/mode"], rows[0]["memory/peak_bytes"], extra
+
+    ample_mode, peak, extra = run(2**40, 0)
+    budget = peak + extra + extra // 4
+    free_mode, _, _ = run(budget, 0)
+    held_mode, _, _ = run(budget, extra if info.rank == 0 else 0)
+    return {"ample": ample_mode, "free": free_mode, "held": held_mode}

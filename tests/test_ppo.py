@@ -9,7 +9,7 @@ import torch
 
 from dist_harness import run_distributed
 from numerics import assert_all_close, assert_close
-from scenarios_ppo import CRITIC_MODES, plain_values, ppo_suite
+from scenarios_ppo import CRITIC_MODES, critic_auto_with_held_bytes, plain_values, ppo_suite
 from syncwise.losses import target_mask
 from syncwise.rl.ppo import token_rewards
 
@@ -113,3 +113,11 @@ def test_critic_collectives_equal_the_mode_formula(w2, name):
     if name in expected_rs:
         assert m["comm/reduce_scatter_count"] == expected_rs[name]
     assert m["critic/vf_loss"] > 0 and 0 <= m["critic/vf_clipfrac"] <= 1
+
+
+def test_critic_auto_budgets_with_what_is_held_outside_and_ranks_agree():
+    """The bytes held beside the critic (on one rank only) move auto's choice down, on both ranks alike."""
+    ranks = run_distributed(critic_auto_with_held_bytes, 2)
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["ample"] == ranks[0]["free"] == "deferred_unsharded"
+    assert ranks[0]["held"] != "deferred_unsharded"

@@ -53,7 +53,7 @@ def test_ppo_logs_the_critic_beside_the_actor(runs):
     rows = read_jsonl(runs["root"] / "full" / "metrics.jsonl")
     assert len(rows) == 4
     for row in rows:
-        assert CRITIC_METRICS <= set(row), CRITIC_METRICS - set(row)
+        assert set(row) >= CRITIC_METRICS, CRITIC_METRICS - set(row)
         assert row["train/optimizer_steps"] == 2 and row["critic/train/num_microbatches"] >= 1
         assert abs(row["critic/advantages_mean"]) < 1e-5  # whitened over both ranks' response tokens
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):  # the critic's collectives as its formula
@@ -88,14 +88,25 @@ def test_critic_export_loads_as_a_token_classification_model(runs):
 
 
 def test_critic_warmup_holds_the_actor(tmp_path):
-    """critic.warmup_steps=2: the first two steps train the critic only; the actor's weights stay the initial
-    (warm-start-free) ones until then."""
-    _train(tmp_path, "train.steps=3", "critic.warmup_steps=2", "train.checkpoint_every=1")
+    """critic.warmup_steps=6: the first six steps train the critic only (the actor takes no optimizer step,
+    and six such steps in a row are not mistaken for skipped ones); the seventh trains both."""
+    _train(tmp_path, "train.steps=7", "critic.warmup_steps=6", "train.checkpoint_every=2")
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [("actor/pg_loss" in r) for r in rows] == [False, False, True]
+    assert [("actor/pg_loss" in r) for r in rows] == [False] * 6 + [True]  # 6 critic-only steps in a row are fine
     assert all("critic/vf_loss" in r for r in rows) and rows[0]["train/optimizer_steps"] == 0
-    trainer = json.loads((tmp_path / "checkpoints" / "step_000002" / "trainer.json").read_text())
-    assert trainer["engine"]["step"] == 0 and trainer["engines"]["critic"]["step"] == 2
+    trainer = json.loads((tmp_path / "checkpoints" / "step_000006" / "trainer.json").read_text())
+    assert trainer["engine"]["step"] == 0 and trainer["engines"]["critic"]["step"] == 6
+
+
+def test_kl_in_reward_takes_the_reference_and_the_old_log_probs_first(tmp_path):
+    """rl.kl_in_reward: a frozen reference and an old-log-prob pass before the update (the rewards need them
+    on-policy too); the penalty is logged under verl's names, 0 on the first step (the policy is the
+    reference) and above 0 once the policy has moved."""
+    _train(tmp_path, "train.steps=3", "rl.kl_in_reward=0.1", "train.export=false")
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all(r["time/ref_log_prob_s"] > 0 and r["time/old_log_prob_s"] > 0 for r in rows)
+    assert [r["actor/reward_kl_penalty_coeff"] for r in rows] == [0.1] * 3
+    assert abs(rows[0]["actor/reward_kl_penalty"]) < 1e-6 and rows[-1]["actor/reward_kl_penalty"] > 1e-6
 
 
 def test_lora_critic_trains_adapters_and_its_head(tmp_path):

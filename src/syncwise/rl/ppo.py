@@ -84,7 +84,12 @@ def ppo_advantages(
     rewards = token_rewards(batch["rewards"], mask, kl, rl.kl_in_reward)
     raw, returns = gae_advantages(rewards, values, mask, rl.gamma, rl.lam, whiten=False)
     advantages = whiten_across_ranks(raw, mask, info, timeout_s)
-    return advantages, returns, value_metrics(values, returns, advantages, mask, info, timeout_s)
+    metrics = value_metrics(values, returns, advantages, mask, info, timeout_s)
+    if kl is not None and rl.kl_in_reward:  # verl's names
+        total, count = masked_sums(kl, mask, info, timeout_s, "the reward's KL penalty")
+        metrics["actor/reward_kl_penalty"] = total / max(count, 1.0)
+        metrics["actor/reward_kl_penalty_coeff"] = rl.kl_in_reward
+    return advantages, returns, metrics
 
 
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -134,6 +139,24 @@ class Critic:
         self.engine = Engine(self.config, model, info, total_steps=total_steps)
         self.loss_fn = make_value_loss(ValueLossConfig(clip=config.critic.cliprange_value))
 
+    def start_from(self, actor: Engine) -> int:
+        """Collective: the critic's decoder set to the actor's current weights (what a critic built from the
+        policy's checkpoint would hold; called after ``rl.warm_start_steps``, which train the actor alone).
+        The value head and LoRA adapters stay as they are. Returns the number of tensors copied."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
+        source = actor.full_model_state()  # plain names, LoRA merged
+        own = get_model_state_dict(self.engine.model, options=StateDictOptions(full_state_dict=True))
+        plain = {key: key.removeprefix("base_model.model.").replace(".base_layer.", ".") for key in own}
+        update = {key: source[name] for key, name in plain.items()
+                  if name in source and source[name].shape == own[key].shape}
+        set_model_state_dict(self.engine.model, update, options=StateDictOptions(full_state_dict=True, strict=False))
+        return len(update)
+
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T-1] values of ``batch`` (forward only)."""
         return self.engine.forward_batch(batch, value_outputs).outputs["values"]
@@ -149,4 +172,5 @@ class Critic:
                 row[f"critic/{key}"] = value
         row["critic/stop/signal"] = max(u["stop/signal"] for u in updates)  # a stop requested in any
         row["critic/train/skipped"] = sum(u["train/skipped"] for u in updates)
+        row["critic/train/optimizer_steps"] = len(updates)
         return row

@@ -338,9 +338,14 @@ class GRPOTrainer:
                 self.close_logs()
                 raise stopped(metrics["stop/signal"], 0, self.config.train.steps,
                               f"during warm-start step {step + 1} of {steps}; nothing saved")
+        critic_note = ""
+        if self.critic is not None and not {"path", "preset"} & set(self.config.critic.model):
+            # a critic of the policy's own weights starts from the warm-started policy, as one built from
+            # an SFT checkpoint would
+            critic_note = f"; the critic's decoder starts from it ({self.critic.start_from(self.engine)} tensors)"
         if self.info.is_main:
             print(f"syncwise train: warm start: {steps} supervised steps on the task's answers, "
-                  f"loss {metrics['loss']:.3f}", flush=True)
+                  f"loss {metrics['loss']:.3f}{critic_note}", flush=True)
 
     def _samples_that_train(
         self, batch: dict[str, torch.Tensor], rewards: torch.Tensor
@@ -434,7 +439,10 @@ class GRPOTrainer:
         for step in range(self.start, train.steps):
             metrics = self.step(step)
             done = step + 1
-            all_skipped = metrics["train/skipped"] == metrics["train/optimizer_steps"]
+            # every optimizer step of the step skipped (the actor's, and PPO's critic's)
+            steps = metrics["train/optimizer_steps"] + metrics.get("critic/train/optimizer_steps", 0)
+            skipped = metrics["train/skipped"] + metrics.get("critic/train/skipped", 0)
+            all_skipped = steps > 0 and skipped == steps
             consecutive_skips = consecutive_skips + 1 if all_skipped else 0
             if consecutive_skips >= train.max_consecutive_skips:
                 path = self.save(done)
