@@ -440,7 +440,8 @@ class Config:
                 f"rl.mini_batches={self.rl.mini_batches} is more than the {samples} samples each rank has per step "
                 f"(rl.prompts_per_rank x rl.samples_per_prompt)"
             )
-        if self.rl.samples_per_prompt < 2 and not ppo:  # a group of one is its own baseline: advantage 0, nothing to learn
+        # GRPO: a group of one is its own baseline, advantage 0, nothing to learn (PPO's baseline is the critic)
+        if self.rl.samples_per_prompt < 2 and not ppo:
             raise ConfigError(
                 f"rl.samples_per_prompt=1: rl.advantage={self.rl.advantage} compares samples of one prompt, and a "
                 f"group of one has advantage 0 (no gradient, ever); use rl.samples_per_prompt >= 2"

@@ -161,8 +161,8 @@ def forward_only(
     chunk_tokens: int, temperature: float = 1.0, fused_head: bool = False, with_log_probs: bool = True,
 ) -> ForwardBackwardResult:
     """Forward of every micro-batch under ``no_grad``, with ``log_probs`` [B, T-1] of softmax(logits /
-    ``temperature``) in the outputs (``with_log_probs``: a value model has none). Gradients and sync switches are never touched; every gathered
-    parameter is freed at the end."""
+    ``temperature``) in the outputs (``with_log_probs``: a value model has none). Gradients and sync switches
+    are never touched; every gathered parameter is freed at the end."""
     model.eval()
     collected = _Collector()
     n = len(plan.micro_batches)

@@ -231,7 +231,8 @@ class GRPOTrainer:
                          f", {prompts.truncated} cut to rl.max_prompt_length" if prompts.truncated else "",
                          f", {prompts.dropped} longer dropped" if prompts.dropped else ""])
         print(
-            f"syncwise train: {rl.algorithm.upper()} on {rl.dataset or 'task ' + rl.task} ({len(self.source.rows)} prompts{notes}), "
+            f"syncwise train: {rl.algorithm.upper()} on {rl.dataset or 'task ' + rl.task} "
+            f"({len(self.source.rows)} prompts{notes}), "
             f"{config.engine.strategy} on {self.info.world_size} rank(s), {rl.prompts_per_rank} prompts x "
             f"{rl.samples_per_prompt} samples per rank, responses up to {self.rollout.max_new_tokens(self.source)} "
             f"tokens, sync.mode={config.sync.mode}"
