@@ -176,7 +176,7 @@ def test_training_stops_after_consecutive_non_finite_steps(tmp_path, monkeypatch
          "train.max_consecutive_skips=3", "train.steps=10", "rl.prompts_per_rank=2", "rl.samples_per_prompt=2"],
     )
     with pytest.raises(trainer.TrainingStopped, match="3 consecutive steps had a non-finite gradient norm"):
-        trainer.run_grpo(cfg)
+        trainer.run_rl(cfg)
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000003"
     rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line]
     assert len(rows) == 3 and all('"train/skipped": 1' in row for row in rows)

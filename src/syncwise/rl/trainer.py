@@ -1,18 +1,21 @@
-"""``syncwise train``: GRPO end to end -- rollouts, rewards, group advantages, the actor update through the
-engine, checkpoints, logs, plots and a Hugging Face export.
+"""``syncwise train``: GRPO (and PPO with a critic, ``rl.algorithm=ppo``) end to end -- rollouts, rewards,
+advantages, the actor update through the engine, checkpoints, logs, plots and a Hugging Face export.
 
-:class:`GRPOTrainer` is one rank's job in four pieces: set-up (``__init__``), :meth:`~GRPOTrainer.step`,
-:meth:`~GRPOTrainer.save` and :meth:`~GRPOTrainer.finish`; :meth:`~GRPOTrainer.run` strings them together.
+:class:`RLTrainer` is one rank's job in four pieces: set-up (``__init__``), :meth:`~RLTrainer.step`,
+:meth:`~RLTrainer.save` and :meth:`~RLTrainer.finish`; :meth:`~RLTrainer.run` strings them together.
 Before the first step, optionally ``rl.warm_start_steps`` supervised steps on the task's answers. One step
 on every rank::
 
     rows = prompts for (step, rank)          deterministic: a resumed run sees the same prompts
     rollout.sync_weights()                   one unit at a time (one unit's memory, not the model's)
     rollout.generate                         samples_per_prompt responses per prompt, local, no collectives
-    rewards -> group advantages              GRPO / Dr.GRPO / RLOO within each prompt's group
+    rewards -> group advantages              GRPO / Dr.GRPO / RLOO within each prompt's group (not PPO)
     [skip uniform groups], balance ranks     samples move between ranks (rl.balance_ranks; same gradient)
-    [ref log-probs], [old log-probs]         forward-only passes (a frozen reference with rl.loss.kl_coef > 0;
-                                             old ones only with several optimizer steps per batch)
+    [ref log-probs], [old log-probs]         forward-only passes (a frozen reference with rl.loss.kl_coef or
+                                             rl.kl_in_reward > 0; old ones only with several optimizer steps
+                                             per batch or a KL in the reward)
+    PPO: critic values -> GAE, whitened      syncwise.rl.ppo (token rewards, advantages across ranks)
+    PPO: critic.train_batch(value loss)      over the same mini-batches, before the actor's
     engine.train_batch(batch, policy loss)   micro-batched, sync mode from config (auto by default)
 """
 
@@ -157,8 +160,8 @@ def combine_updates(updates: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-class GRPOTrainer:
-    """One rank's GRPO job."""
+class RLTrainer:
+    """One rank's GRPO or PPO job."""
 
     def __init__(self, config: Config, info: DistInfo):
         """Set-up: tokenizer, prompts and reward, the actor engine (and a frozen reference for the KL),
@@ -300,8 +303,9 @@ class GRPOTrainer:
         if before_update is None:
             raise RuntimeError("the policy loss returned no per-sample 'log_probs' output; the on-policy GRPO step "
                                "takes the old log-probs from it (set rl.old_log_prob_pass=true otherwise)")
+        # the critic's warm-up: no actor step (the row says so: 0 optimizer steps)
         metrics = combine_updates(updates) if updates else {"train/skipped": 0, "train/optimizer_steps": 0,
-                                                            "stop/signal": 0.0, "batch/real_tokens": 0.0}
+                                                            "stop/signal": 0.0}
         if critic_metrics:
             metrics.update(critic_metrics)
             metrics["stop/signal"] = max(metrics["stop/signal"], critic_metrics["critic/stop/signal"])
@@ -462,9 +466,9 @@ class GRPOTrainer:
         return self.history
 
 
-def run_grpo(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]]:
+def run_rl(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]]:
     """Train; rank 0 returns (and logs) every step's metrics."""
-    return GRPOTrainer(config, info or init_distributed(config.dist.backend, config.dist.timeout_s)).run()
+    return RLTrainer(config, info or init_distributed(config.dist.backend, config.dist.timeout_s)).run()
 
 
 def _print_summary(history: list[dict[str, Any]], out_dir: Path) -> None:
@@ -481,4 +485,4 @@ def _print_summary(history: list[dict[str, Any]], out_dir: Path) -> None:
 def train_worker(config_dict: dict[str, Any]) -> None:
     """Entry point of one rank (picklable, for the local launcher and torchrun)."""
     config = load_config_dict(config_dict)
-    run_rank(lambda info: run_grpo(config, info), backend=config.dist.backend, timeout_s=config.dist.timeout_s)
+    run_rank(lambda info: run_rl(config, info), backend=config.dist.backend, timeout_s=config.dist.timeout_s)
