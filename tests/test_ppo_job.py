@@ -50,6 +50,8 @@ def runs(tmp_path_factory):
 
 def test_ppo_logs_the_critic_beside_the_actor(runs):
     assert "syncwise train: PPO on task target" in runs["full"].stdout
+    assert "; critic: preset llama-grpo with a zero-initialised value head, lr 0.003" in runs["full"].stdout
+    assert "syncwise: critic: auto sync (" in runs["full"].stdout  # its decision, named as the critic's
     rows = read_jsonl(runs["root"] / "full" / "metrics.jsonl")
     assert len(rows) == 4
     for row in rows:

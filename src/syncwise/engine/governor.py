@@ -34,6 +34,7 @@ class MemoryGovernor:
         self._state_to_come = 0  # optimizer state not yet allocated when the metered step began
         self.auto: AutoSync | None = None
         self.own_budget = 0  # this rank's budget; auto uses the minimum over ranks
+        self.name = ""  # which model's decisions these are, where a job trains two (PPO: "critic")
         if SyncMode(cfg.mode) is SyncMode.AUTO:
             if not self.measurable:
                 raise ValueError(
@@ -105,7 +106,7 @@ class MemoryGovernor:
         next_mode = self.auto.decide(peak, mode, n) if not self.auto.decided else self.auto.observe(peak, n)
         decided = len(self.auto.decisions) > decisions
         if decided and is_main:
-            print(f"syncwise: {self.auto.decisions[-1]}", flush=True)
+            print(f"syncwise: {self.name + ': ' if self.name else ''}{self.auto.decisions[-1]}", flush=True)
         metrics["sync/decision"] = self.auto.decisions[-1] if decided else ""
         metrics["sync/next_mode"] = next_mode.label
         return metrics, next_mode

@@ -137,7 +137,16 @@ class Critic:
         self.model_path = model_cfg.path
         model = build_model(model_cfg, value_head=True, **config_overrides)
         self.engine = Engine(self.config, model, info, total_steps=total_steps)
+        self.engine.governor.name = "critic"  # its auto decisions are printed as the critic's
         self.loss_fn = make_value_loss(ValueLossConfig(clip=config.critic.cliprange_value))
+
+    def describe(self) -> str:
+        """One phrase for the job's first line: where the critic comes from and how it trains."""
+        model = self.config.model
+        source = model.path or f"preset {model.preset}"
+        lora = f", LoRA rank {model.lora.rank}" if model.lora.rank else ""
+        return (f"critic: {source} with a zero-initialised value head{lora}, lr {self.config.optim.lr:g}, "
+                f"sync.mode={self.config.sync.mode}")
 
     def start_from(self, actor: Engine) -> int:
         """Collective: the critic's decoder set to the actor's current weights (what a critic built from the

@@ -239,13 +239,14 @@ class RLTrainer:
             f"{config.engine.strategy} on {self.info.world_size} rank(s), {rl.prompts_per_rank} prompts x "
             f"{rl.samples_per_prompt} samples per rank, responses up to {self.rollout.max_new_tokens(self.source)} "
             f"tokens, sync.mode={config.sync.mode}"
+            + (f"; {self.critic.describe()}" if self.critic is not None else "")
             + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else ""),
             flush=True,
         )
         if train.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=train.steps, initial=self.start, desc="grpo", dynamic_ncols=True)
+            self.bar = tqdm(total=train.steps, initial=self.start, desc=rl.algorithm, dynamic_ncols=True)
 
     def step(self, step: int) -> dict[str, Any]:
         """Rollouts; rewards and advantages on the whole rollout batch (PPO: the critic's values, token
