@@ -1,4 +1,5 @@
-"""README's "From SFT to GRPO to transformers" block, run as written in a scratch folder (issue 29): each
+"""README's "From SFT to GRPO to transformers" block, run as written in a scratch folder (issue 29), then the
+PPO section's commands in the same folder (issue 31; one trains on the recipe's SFT export): each
 `syncwise` command with overrides appended that only shorten it (steps, rollout size), the Python step
 verbatim. A README that drifts from the program fails here."""
 
@@ -18,14 +19,15 @@ SHORTER = {
 }
 
 
-def _recipe() -> str:
+def _block(heading: str) -> str:
+    """The first bash block after ``heading``, its continued lines joined."""
     text = README.read_text()
-    start = text.index("**From SFT to GRPO to transformers**")
-    return re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1)
+    start = text.index(heading)
+    return re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1).replace("\\\n", "")
 
 
-def test_the_readme_recipe_runs_as_written(tmp_path):
-    lines = _recipe().splitlines()
+def _shortened(block: str) -> list[str]:
+    lines = block.splitlines()
     script = []
     for line in lines:
         for prefix, extra in SHORTER.items():
@@ -36,10 +38,25 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
         if line.startswith("python -"):
             line = line.replace("python", sys.executable, 1)
         script.append(line)
+    return script
+
+
+def test_the_readme_recipe_runs_as_written(tmp_path):
+    script = _shortened(_block("**From SFT to GRPO to transformers**"))
+    # then PPO's commands, in the folder the recipe left (one of them starts from its SFT export)
+    ppo = []
+    for i, line in enumerate(_shortened(_block("## PPO with a critic"))):
+        if "-m syncwise train" in line:
+            warm = " rl.warm_start_steps=2" if "rl.warm_start_steps" in line else ""
+            line = f"{line}{warm} critic.warmup_steps=1 train.out_dir=runs/ppo_{i}"
+        ppo.append(line)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script)], cwd=tmp_path, env=env,
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script + ppo)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "runs" / "sft_arith" / "export" / "chat_template.jinja").is_file()
     assert (tmp_path / "runs" / "grpo_arith" / "metrics.jsonl").is_file()
     assert "GRPO on data/arith/prompts.jsonl" in proc.stdout
+    assert "PPO on task repeat" in proc.stdout and "PPO on data/arith/prompts.jsonl" in proc.stdout
+    assert (tmp_path / "runs" / "ppo_1" / "export" / "critic" / "config.json").is_file()
+    assert "auto would choose: actor " in proc.stdout  # syncwise plan --critic
