@@ -100,6 +100,22 @@ def test_critic_warmup_holds_the_actor(tmp_path):
     assert trainer["engine"]["step"] == 0 and trainer["engines"]["critic"]["step"] == 6
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_critic_decoder_starts_from_the_warm_started_policy(tmp_path, lora):
+    """After rl.warm_start_steps (the actor's alone), the critic's decoder holds the actor's weights: with the
+    critic's rate at 0 and the actor waiting one step, both exports show the same decoder tensors (a LoRA
+    critic's merged export too: its adapters' B starts at zero)."""
+    proc = _train(tmp_path, "rl.task=repeat", "rl.warm_start_steps=2", "train.steps=1", "critic.warmup_steps=1",
+                  "critic.optim.lr=0", "critic.export=true", *(["critic.model.lora.rank=4"] if lora else []))
+    assert "the critic's decoder starts from it (20 tensors)" in proc.stdout  # embeddings, 2 x 9 layer tensors, norm
+    actor, critic = _weights(tmp_path / "export"), _weights(tmp_path / "export" / "critic")
+    shared = [name for name in critic if name in actor]
+    assert len(shared) == 20
+    for name in shared:
+        assert torch.equal(actor[name], critic[name]), name
+    assert not critic["score.weight"].any()  # the value head is left as it was: zero
+
+
 def test_kl_in_reward_takes_the_reference_and_the_old_log_probs_first(tmp_path):
     """rl.kl_in_reward: a frozen reference and an old-log-prob pass before the update (the rewards need them
     on-policy too); the penalty is logged under verl's names, 0 on the first step (the policy is the

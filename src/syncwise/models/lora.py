@@ -177,6 +177,12 @@ class LoraMerge:
             return module.get_delta_weight(ADAPTER)
 
 
+def plain_key(key: str) -> str:
+    """A peft model's state-dict key as the plain model's (its prefix and ``base_layer`` dropped; a key of a
+    model without adapters stays as it is)."""
+    return key.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+
+
 # peft's modules_to_save: the original module and the copy that trains, side by side
 _ORIGINAL = ".original_module."
 _TRAINED = f".modules_to_save.{ADAPTER}."

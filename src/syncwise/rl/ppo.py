@@ -28,6 +28,7 @@ from ..config import Config
 from ..engine import Engine
 from ..losses import LossOutput, Normalizer, reads, target_mask
 from ..models import build_model
+from ..models.lora import plain_key
 from ..runtime.distributed import DistInfo, agree
 from .advantages import gae_advantages
 from .losses import ValueLossConfig, make_value_loss
@@ -160,11 +161,12 @@ class Critic:
 
         source = actor.full_model_state()  # plain names, LoRA merged
         own = get_model_state_dict(self.engine.model, options=StateDictOptions(full_state_dict=True))
-        plain = {key: key.removeprefix("base_model.model.").replace(".base_layer.", ".") for key in own}
+        plain = {key: plain_key(key) for key in own}
         update = {key: source[name] for key, name in plain.items()
                   if name in source and source[name].shape == own[key].shape}
+        copied = len(update)  # counted first: set_model_state_dict fills the dict in with the keys it lacks
         set_model_state_dict(self.engine.model, update, options=StateDictOptions(full_state_dict=True, strict=False))
-        return len(update)
+        return copied
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T-1] values of ``batch`` (forward only)."""
