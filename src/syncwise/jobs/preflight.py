@@ -187,8 +187,9 @@ def critic_shortfall(config: Config, critic: Config) -> str | None:
 
     import torch
 
-    from ..memory.accounting import format_bytes, resolve_budget
+    from ..memory.accounting import DTYPE_BYTES, format_bytes, resolve_budget
     from ..memory.plan import resident_per_rank, sharded_model_for
+    from ..sync.modes import SyncMode
 
     world = max(int(os.environ.get("WORLD_SIZE", config.dist.nproc)), 1)
     shard = world // max(config.engine.hsdp_replicas, 1)
@@ -196,9 +197,9 @@ def critic_shortfall(config: Config, critic: Config) -> str | None:
     for name, cfg, value_head in (("actor", config, False), ("critic", critic, True)):
         ranks = shard if cfg.engine.strategy in ("fsdp2", "fsdp1") else 1  # DDP keeps a whole copy per rank
         sharded = sharded_model_for(_hf_config(cfg), ranks, "float32", "float32", cfg.model.lora.rank, value_head)
-        sizes[name] = (resident_per_rank(sharded, ranks),
-                       sum(sharded.unit_padded_numels(trainable_only=True)) * 4 // ranks, sharded.num_params)
-    copy = sizes["actor"][2] * torch.empty((), dtype=getattr(torch, config.rl.rollout_dtype)).element_size()
+        sizes[name] = (resident_per_rank(sharded, ranks), sharded.retained_grad_bytes(SyncMode.PER_MICROBATCH, 1),
+                       sharded.num_params)
+    copy = sizes["actor"][2] * DTYPE_BYTES[config.rl.rollout_dtype]
     device = torch.device("cuda" if config.dist.backend != "gloo" and torch.cuda.is_available() else "cpu")
     budget = resolve_budget(critic.sync.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     need = sizes["actor"][0] + sizes["critic"][0] + sizes["critic"][1] + copy
