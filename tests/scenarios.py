@@ -36,6 +36,7 @@ def engine_config(strategy: str, mode: str, *extra: str):
             f"sync.mode={mode}",
             "model.preset=qwen2-test",
             "engine.micro_batch_size=2",
+            "engine.fused_lm_head=true",  # auto chooses the sync mode alone here (test_auto_tuning: all three)
             "optim.name=sgd",
             "optim.lr=0.5",
             "optim.grad_clip=0",

@@ -4,7 +4,7 @@ candidates in order of speed, partial(K) among them, and stepping down one unit 
 from __future__ import annotations
 
 from syncwise.memory.accounting import ShardedModel
-from syncwise.memory.autosync import AutoSync
+from syncwise.memory.autosync import AutoSync, Setting, StepShape
 from syncwise.memory.costs import Links, candidates, deferral_order
 from syncwise.sync.modes import SyncChoice, SyncMode, supported_modes
 
@@ -23,8 +23,68 @@ def test_units_are_deferred_smallest_first_and_candidates_run_fastest_first():
 
 def test_peak_over_budget_steps_down_one_unit_not_to_per_microbatch():
     auto = AutoSync(MODEL, candidates(supported_modes("fsdp2", False), MODEL, Links()), budget=100_000 + 18_000)
-    chosen = auto.decide(100_000, SyncChoice(SyncMode.PER_MICROBATCH), num_microbatches=4)
+    chosen = auto.decide(100_000, Setting(SyncChoice(SyncMode.PER_MICROBATCH)), StepShape.fixed(4))
     assert chosen.label == "partial(3)"  # 2000 + 8000 + 8000 = 18000 fits, one more layer does not
     stepped = auto.observe(100_000 + 18_000 + 1, num_microbatches=4)  # longer sequences: the peak grew by 1
     assert stepped.label == "partial(2)" and "stepping down" in auto.decisions[-1]
     assert auto.observe(100_000 + 10_000, num_microbatches=4) == stepped  # within budget again: never back up
+
+
+# A step of 8 sequences of 512 tokens per rank: caps of 4096, 2048 and 1024 tokens split it into 1, 2 and 4
+# micro-batches; activations 10 bytes per token with the fused head, 30 with the logits materialised.
+CAPS = {4096: 1, 2048: 2, 1024: 4}
+DEFERRED_EXTRA = 34000  # every unit's unsharded gradient beyond its shard (with 2+ micro-batches)
+
+
+def _shape(head_seconds: float) -> StepShape:
+    def activations(cap, fused):
+        return cap * (10 if fused else 30)
+
+    def seconds(setting, n):  # all-gathers per micro-batch, reduce-scatters per micro-batch unless deferred
+        syncs = 1 if setting.choice.mode is SyncMode.DEFERRED else n
+        return 0.005 * n + 0.01 * syncs + (head_seconds if setting.fused_head else 0.0)
+
+    return StepShape(dict(CAPS), (False, True), activations, seconds)
+
+
+def test_head_and_cap_chosen_with_the_mode_fastest_that_fits_and_a_budget_change_moves_the_choice():
+    deferred, per_microbatch = SyncChoice(SyncMode.DEFERRED), SyncChoice(SyncMode.PER_MICROBATCH)
+    first = Setting(per_microbatch, True, 1)
+    expected = {
+        900_000: Setting(deferred, False, 4096),  # everything fits: deferred, logits materialised, one micro-batch
+        100_000: Setting(deferred, True, 4096),  # the logits (122880) do not fit: fused (40960), one micro-batch
+        35_000: Setting(per_microbatch, True, 2048),  # 4096 tokens do not fit; deferring two (34000 more) neither
+        15_000: Setting(per_microbatch, True, 1024),
+        5_000: Setting(per_microbatch, True, 1024),  # nothing fits: the cheapest
+    }
+    for free, setting in expected.items():
+        auto = AutoSync(MODEL, [deferred, per_microbatch], 100_000 + free)
+        # measured: per_microbatch, fused, 512-token micro-batches (5120 bytes of activations)
+        chosen = auto.decide(100_000 + 5120, first, _shape(head_seconds=0.001), measured_activations=5120)
+        assert chosen == setting, (free, chosen.label)
+        assert auto.predicted_peak == 100_000 + auto.extra_bytes(chosen)
+        if free > 5_000:
+            assert auto.predicted_peak <= auto.budget and "=> " + chosen.label in auto.decisions[-1]
+    assert auto.extra_bytes(Setting(deferred, False, 1024)) == DEFERRED_EXTRA + 30 * 1024
+    assert "nothing fits" in auto.decisions[-1]
+
+
+def test_a_later_peak_over_budget_steps_down_to_the_next_fastest_setting_that_fits_and_never_back_up():
+    deferred, per_microbatch = SyncChoice(SyncMode.DEFERRED), SyncChoice(SyncMode.PER_MICROBATCH)
+    auto = AutoSync(MODEL, [deferred, per_microbatch], 10**6)
+    chosen = auto.decide(100_000 + 5120, Setting(per_microbatch, True, 1), _shape(0.001), measured_activations=5120)
+    assert chosen == Setting(deferred, False, 4096) and "runner-up " in auto.decisions[-1]
+    # something outside grew: the peak is 1 byte over; the logits no longer fit, the next fastest that fits fuses
+    stepped = auto.observe(10**6 + 1, 1, measured_activations=4096 * 30)
+    assert stepped == Setting(deferred, True, 4096) and "stepping down" in auto.decisions[-1]
+    assert auto.observe(100_000, 1) == stepped  # within budget again: never back up
+
+
+def test_the_fused_head_wins_where_its_extra_compute_costs_less_than_the_micro_batches_it_saves():
+    per_microbatch = SyncChoice(SyncMode.PER_MICROBATCH)
+    for head_seconds, expected in ((0.001, Setting(per_microbatch, True, 4096)),
+                                   (0.1, Setting(per_microbatch, False, 2048))):
+        auto = AutoSync(MODEL, [per_microbatch], 100_000 + 70_000)  # materialised fits at 2048 tokens, not 4096
+        chosen = auto.decide(100_000 + 5120, Setting(per_microbatch, True, 1), _shape(head_seconds),
+                             measured_activations=5120)
+        assert chosen == expected, head_seconds

@@ -75,12 +75,17 @@ def test_bench_rl_workload_smoke(tmp_path):
     for r in (r for r in records if r["config"] not in HAND_WRITTEN):
         assert r["real_tokens_per_s"] > 0 and r["peak_measured"] == 1 and r["peak_bytes"] > 0
         assert r["real_tokens_per_step"] == next(x for x in records if x["data"] == r["data"])["real_tokens_per_step"]
-        packed = r["config"].startswith("packed")
+        packed = not r["config"].startswith("padded")
         assert (r["padding_fraction"] == 0.0) if packed or r["data"] == "uniform" else r["padding_fraction"] > 0.2
     summary = (out / "bench_rl.md").read_text()
     assert "packed / padded real tokens per second" in summary and "target >= 1.70" in summary
     assert "engine / hand-written packed loop step time, deferred " in summary
     assert "fused LM head / materialised logits step time, deferred " in summary
+    assert "engine / hand-written packed loop step time, per_microbatch " in summary
+    assert "LM head auto / materialised logits step time, per_microbatch " in summary
+    assert "defaults / fastest hand-set configuration" in summary
+    defaults = by_config["defaults (sync mode, LM head and token cap auto)"]
+    assert defaults["sync_mode"] == "deferred_unsharded" and not defaults["fused_lm_head"]  # ample memory
 
 
 def test_bench_loss_workload(tmp_path):

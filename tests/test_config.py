@@ -35,7 +35,7 @@ def test_round_trip_through_dict():
         ("engine.stratgy=fsdp2", "unknown key 'engine.stratgy' (did you mean 'engine.strategy'?)"),
         ("engin.strategy=fsdp2", "unknown key 'engin' (did you mean 'engine'?)"),
         ("engine.micro_batch_size=two", "engine.micro_batch_size: expected an integer, got 'two'"),
-        ("engine.micro_batch_size=0", "engine.micro_batch_size: must be > 0, got 0"),
+        ("engine.micro_batch_size=-1", "engine.micro_batch_size: must be >= 0 (0 = the token cap decides), got -1"),
         ("engine.cpu_offload=maybe", "engine.cpu_offload: expected true or false, got 'maybe'"),
         ("optim.lr=fast", "optim.lr: expected a number, got 'fast'"),
         ("optim.betas=0.9", "optim.betas: expected a list of 2 values, got 0.9"),

@@ -84,11 +84,14 @@ class EngineConfig:
     """How the model is wrapped and fed."""
 
     strategy: str = "fsdp2"
-    micro_batch_size: int = 2
+    # Sequences per micro-batch. 0 (the default): the token cap below splits the batch (2 where it is 0);
+    # set, it wins over the cap's ``auto``.
+    micro_batch_size: int = 0
     # > 0: a hard cap on the tokens of every micro-batch (real tokens when packed, rows x longest when
     # padded); the fewest micro-batches that keep within it, balanced by the workload estimate a·L + L²;
-    # micro_batch_size is then ignored.
-    max_tokens_per_micro_batch: int = 0
+    # micro_batch_size is then ignored. auto: chosen with the sync mode from the memory budget (the
+    # largest power of two whose predicted peak fits beside the fastest sync mode; see perf_tuning.md).
+    max_tokens_per_micro_batch: int | str = "auto"
     workload_linear_coef: float = 24576.0
     # Each micro-batch's sequences in one row without padding (models that keep packed sequences apart).
     packing: bool = True
@@ -98,13 +101,27 @@ class EngineConfig:
     logprob_chunk_size: int = 1024
     # Log-probs and entropy straight from the final hidden states, a chunk of tokens at a time: the
     # [tokens, vocabulary] logits and their gradient never exist at once (models whose forward allows it).
-    fused_lm_head: bool = True
+    # auto: materialised where the logits and their gradient fit the memory budget beside the chosen sync
+    # mode (faster), fused where they do not; decided with the sync mode.
+    fused_lm_head: bool | str = "auto"
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     # >1 builds a 2-D (replicate x shard) mesh: HSDP with this many replicas.
     hsdp_replicas: int = 1
     # DDP only: needed when some parameters get no gradient in a forward.
     find_unused_parameters: bool = False
+
+    @property
+    def auto_cap(self) -> bool:
+        """The token cap is auto's to choose: ``max_tokens_per_micro_batch=auto`` and no micro_batch_size."""
+        return self.max_tokens_per_micro_batch == "auto" and self.micro_batch_size == 0
+
+    @property
+    def fixed_split(self) -> tuple[int, int]:
+        """(sequences per micro-batch, token cap) as set: the cap wins where it is > 0; without either,
+        2 sequences (also what an auto cap falls back to where it cannot be chosen)."""
+        cap = self.max_tokens_per_micro_batch if isinstance(self.max_tokens_per_micro_batch, int) else 0
+        return self.micro_batch_size or 2, cap
 
 
 @dataclass
@@ -369,8 +386,14 @@ class Config:
         # YAML reads a bare `off` as false (and `on` as true)
         self.model.dropout = {"false": "off", "true": "keep"}.get(self.model.dropout, self.model.dropout)
         _choice("model.dropout", self.model.dropout, ("auto", "keep", "off"))
-        _positive("engine.micro_batch_size", self.engine.micro_batch_size)
-        _non_negative("engine.max_tokens_per_micro_batch", self.engine.max_tokens_per_micro_batch, "0 = fixed size")
+        _non_negative("engine.micro_batch_size", self.engine.micro_batch_size, "0 = the token cap decides")
+        cap = self.engine.max_tokens_per_micro_batch
+        if isinstance(cap, str) and cap != "auto":
+            raise ConfigError(f"engine.max_tokens_per_micro_batch: expected a token count or auto, got {cap!r}")
+        if not isinstance(cap, str):
+            _non_negative("engine.max_tokens_per_micro_batch", cap, "0 = a fixed micro_batch_size; auto = chosen")
+        if isinstance(self.engine.fused_lm_head, str) and self.engine.fused_lm_head != "auto":
+            raise ConfigError(f"engine.fused_lm_head: expected true, false or auto, got {self.engine.fused_lm_head!r}")
         _positive("engine.hsdp_replicas", self.engine.hsdp_replicas)
         _non_negative("engine.logprob_chunk_size", self.engine.logprob_chunk_size, "0 = unchunked")
         _positive("dist.nproc", self.dist.nproc)

@@ -26,15 +26,16 @@ from ..config import SHARDED_STRATEGIES, Config
 from ..data import attention
 from ..data.batching import Batch
 from ..losses import LossFn
-from ..memory.accounting import resident_bytes, sharded_model_of
+from ..memory.accounting import PeakMeter, resident_bytes, sharded_model_of
+from ..memory.autosync import Setting
 from ..memory.schedule import unit_traffic
-from ..memory.units import resolve_deferred_units, unit_names
+from ..memory.units import configured_choice, unit_names
 from ..models import build_model
 from ..runtime.distributed import CollectiveTimeout, DistInfo, build_mesh, init_distributed
 from ..sync import fsdp_internals as fsdp
 from ..sync.counting import CollectiveCounter
-from ..sync.modes import Switches, SyncChoice, SyncMode, as_choice, check_mode, spec, supported_modes
-from ..sync.switches import SwitchesFor
+from ..sync.modes import SyncChoice, SyncMode, as_choice, check_mode, supported_modes
+from ..sync.switches import switches_of
 from .audit import StepAudit, SyncNoOpError
 from .features import ModelFeatures, model_features
 from .governor import MemoryGovernor
@@ -42,8 +43,9 @@ from .optim import build_optimizer, build_scheduler, clip_and_step, global_grad_
 from .planning import BatchPlan, plan_batch
 from .reduce import reduce_step
 from .step import ForwardBackwardResult, accumulate, forward_only
+from .tuning import build_tuning
 from .weights import full_weights_by_unit
-from .wrap import WrappedModel, wrap_model
+from .wrap import DTYPE_BY_NAME, WrappedModel, wrap_model
 
 __all__ = ["CollectiveTimeout", "Engine", "ForwardBackwardResult", "SyncNoOpError", "build_optimizer",
            "build_scheduler"]
@@ -91,11 +93,20 @@ class Engine:
             hsdp, sharded=self.wrapped.shard_size > 1, strict=config.sync.strict,
         ) if self.wrapped.sharded else None
         self.supported_modes = supported_modes(self.wrapped.strategy, hsdp)
-        self.governor = MemoryGovernor(
-            self.model, self.optimizer, self.info.device, self.memory_model, config.sync, self.supported_modes,
-        )
-        # What the next step runs: a concrete mode (and, for partial, its units).
-        self.active_mode: SyncChoice = self.governor.first_mode or self._configured_choice()
+        configured = (configured_choice(self.sync_mode, unit_names(self.model, self.wrapped.units),
+                                        config.sync.deferred_units, self.memory_model)
+                      if self.sync_mode is not SyncMode.AUTO else None)
+        tuning = build_tuning(  # the LM head's path and the token cap, where auto chooses them too
+            config, self.features, self.memory_model, self.audit.traffic if self.audit is not None else None,
+            DTYPE_BY_NAME[config.model.param_dtype] if sharded else next(raw.parameters()).dtype,
+            self.info.device, trainable, PeakMeter.supported(self.model, self.info.device), self.info.is_main)
+        self.governor = MemoryGovernor(self.model, self.optimizer, self.info.device, self.memory_model, config.sync,
+                                       self.supported_modes, configured, tuning)
+        # What the next step runs: a concrete mode (and, for partial, its units), the LM head's path, the cap.
+        self.active_mode: SyncChoice = configured or SyncChoice(SyncMode.PER_MICROBATCH)
+        self.fused_head, self.token_cap = self.features.fused_head, None  # None: the config's split
+        if self.governor.setting is not None:
+            self._use(self.governor.setting)
         self._peak_meter = None  # set by train_batch while a step is metered
         # Per-sample outputs of the last train_batch (what its loss returned, e.g. ``log_probs`` taken with the
         # weights before that step), in batch order: an on-policy trainer needs no extra forward for them.
@@ -112,8 +123,17 @@ class Engine:
             timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, packing=self.features.packing,
             varlen_attention=str(getattr(hf, "_attn_implementation", "")).startswith(("flash", attention.NAME)),
             vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
-            loss_fn=loss_fn,
+            loss_fn=loss_fn, split=(0, self.token_cap) if self.token_cap else None, stretch_cap=bool(self.token_cap),
         )
+
+    def _use(self, setting: Setting) -> None:
+        """Run the next steps in ``setting`` (auto's choice): its sync mode and, where auto chose them, its
+        LM head's path and token cap."""
+        self.active_mode = setting.choice
+        if setting.fused_head is not None:
+            self.fused_head = setting.fused_head
+        if setting.cap is not None:
+            self.token_cap = setting.cap
 
     def forward_backward_batch(
         self, batch: Batch, loss_fn: LossFn | None = None, forward_only: bool = False
@@ -133,11 +153,12 @@ class Engine:
         if not self.trainable:
             raise ValueError("this engine was built with trainable=False: forward_only passes only")
         plan = self._plan(batch, require_tokens=True, loss_fn=loss_fn)
+        switches = switches_of(self.active_mode, self.wrapped.units, self.config.sync.unsharded_forward)
         try:
             return accumulate(
-                self.model, plan, loss_fn, self._switches_of(self.active_mode), device=self.info.device,
+                self.model, plan, loss_fn, switches, device=self.info.device,
                 timeout_s=self.config.dist.timeout_s, chunk_tokens=self.config.engine.logprob_chunk_size,
-                meter=self._peak_meter, fused_head=self.features.fused_head,
+                meter=self._peak_meter, fused_head=self.fused_head,
             )
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
@@ -154,28 +175,8 @@ class Engine:
         return forward_only(
             self.model, plan, loss_fn, device=self.info.device, timeout_s=self.config.dist.timeout_s,
             chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature,
-            fused_head=self.features.fused_head, with_log_probs=not self.features.value_head,
+            fused_head=self.fused_head, with_log_probs=not self.features.value_head,
         )
-
-    def _configured_choice(self) -> SyncChoice:
-        """``sync.mode`` as configured; for ``partial``, with the units ``sync.deferred_units`` names or
-        counts (the ones that save the most time per byte held)."""
-        if not spec(self.sync_mode).per_unit:
-            return SyncChoice(self.sync_mode)
-        names = unit_names(self.model, self.wrapped.units)
-        return SyncChoice(self.sync_mode, resolve_deferred_units(self.config.sync.deferred_units, names,
-                                                                 self.memory_model))
-
-    def _switches_of(self, choice: SyncChoice):
-        unsharded_forward = self.config.sync.unsharded_forward
-        index = {id(unit): k for k, unit in enumerate(self.wrapped.units)}
-
-        def switches(i: int, num_microbatches: int) -> Switches | SwitchesFor:
-            if not spec(choice.mode).per_unit:  # one set of switches for all (FSDP1 / DDP know only that)
-                return choice.switches(i, num_microbatches, 0, unsharded_forward)
-            return lambda unit: choice.switches(i, num_microbatches, index.get(id(unit), -1), unsharded_forward)
-
-        return switches
 
     # ----------------------------------------------------------------------------------------------
     # optimizer
@@ -207,7 +208,8 @@ class Engine:
         """
         started = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        skipped_before, mode = self.skipped_steps, self.active_mode
+        skipped_before, mode, fused = self.skipped_steps, self.active_mode, self.fused_head
+        cap = self.token_cap or self.config.engine.fixed_split[1]
         meter = self.governor.meter_for_step(self.step)
         with CollectiveCounter() as counter:
             self._peak_meter = meter
@@ -219,12 +221,15 @@ class Engine:
                 self._peak_meter = None
             self.step_outputs = result.outputs
             peak, measured = self.governor.local_peak(result, meter)
+            result.metrics["batch/largest_microbatch_tokens_max"] = float(result.largest_tokens)  # over ranks
             metrics, agreed = reduce_step(result.metrics, peak, self.governor.own_budget, result.workloads,
                                           self.info.device, self.config.dist.timeout_s)
         peak, budget, stop = agreed["peak"], agreed["budget"], agreed["stop"]
-        memory, next_mode = self.governor.after_step(result, peak, budget, measured, mode, self.info.is_main)
-        if next_mode is not None:
-            self.active_mode = next_mode
+        largest = int(metrics.pop("batch/largest_microbatch_tokens_max", 0))
+        memory, next_setting = self.governor.after_step(result, peak, budget, measured, mode, self.info.is_main,
+                                                        batch, largest)
+        if next_setting is not None:
+            self._use(next_setting)
         metrics.update({
             "train/step": self.step,
             "train/grad_norm": grad_norm,
@@ -236,6 +241,9 @@ class Engine:
             "train/step_time_s": time.perf_counter() - started,
             "train/lr": self.scheduler.get_last_lr()[0],
             "sync/mode": mode.label,
+            "engine/fused_lm_head": float(fused),
+            "engine/max_tokens_per_micro_batch": cap,
+            "batch/largest_microbatch_tokens": largest,
             "stop/signal": stop,
             **memory,
             **counter.totals.as_metrics(),
@@ -331,13 +339,13 @@ class Engine:
         # The configured sync.mode wins: auto's saved decision is restored only while the config still says
         # auto, and only where this run can execute it (the strategy or the model may have changed since).
         saved = SyncChoice(SyncMode(state["active_mode"]), frozenset(state.get("active_units", ())))
-        if self.sync_mode is not SyncMode.AUTO:
+        if self.sync_mode is not SyncMode.AUTO:  # a head or cap auto chooses is chosen again, from a new peak
             self.governor.base_peak = state.get("base_peak")  # measured without any mode's extra: still true
             return
         units = set(unit_names(self.model, self.wrapped.units))
         if saved.mode in self.supported_modes and saved.units <= units:
-            self.active_mode = saved
             self.governor.load_state(state)
+            self._use(self.governor.setting)
         elif self.info.is_main:
             print(f"syncwise: the checkpoint's sync mode {saved.label} cannot run here "
                   f"(engine.strategy={self.config.engine.strategy}); sync.mode=auto decides again", flush=True)

@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass
 
 from ..memory.schedule import TRAIN_ALL_REDUCES, UnitTraffic, step_traffic
+from ..sync.counting import CollectiveCounts
 from ..sync.modes import SyncChoice
 
 
@@ -30,11 +31,15 @@ class StepAudit:
     strict: bool
     warned: bool = False
 
-    def expected(self, mode: SyncChoice, num_microbatches: int) -> dict[str, int]:
-        counts = step_traffic(
+    def traffic(self, mode: SyncChoice, num_microbatches: int) -> CollectiveCounts:
+        """The micro-batch loop's collectives (counts and bytes) in ``mode``."""
+        return step_traffic(
             mode, num_microbatches, self.units, reshard_after_forward=self.reshard_after_forward,
             unsharded_forward=self.unsharded_forward, hsdp=self.hsdp, sharded=self.sharded,
-        ).counts
+        )
+
+    def expected(self, mode: SyncChoice, num_microbatches: int) -> dict[str, int]:
+        counts = self.traffic(mode, num_microbatches).counts
         return {**counts, "all_reduce": counts["all_reduce"] + TRAIN_ALL_REDUCES}
 
     def check(self, counted: dict[str, int], mode: SyncChoice, num_microbatches: int) -> dict[str, int]:

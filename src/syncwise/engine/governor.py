@@ -17,32 +17,40 @@ from torch import nn
 
 from ..config import SyncConfig
 from ..memory.accounting import PeakMeter, ShardedModel, pending_optimizer_state_bytes, resolve_budget
-from ..memory.autosync import AutoSync
+from ..memory.autosync import AutoSync, Setting, StepShape
 from ..memory.costs import Links, candidates
 from ..sync.modes import SyncChoice, SyncMode
 from .step import ForwardBackwardResult
+from .tuning import Tuning
 
 
 class MemoryGovernor:
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device,
-        estimator: ShardedModel, cfg: SyncConfig, modes: tuple[SyncMode, ...],
+        estimator: ShardedModel, cfg: SyncConfig, modes: tuple[SyncMode, ...], configured: SyncChoice,
+        tuning: Tuning | None = None,
     ):
         self.model, self.optimizer, self.device, self.estimator, self.cfg = model, optimizer, device, estimator, cfg
         self.measurable = PeakMeter.supported(model, device)
         self.base_peak: int | None = None  # measured peak minus the mode's held extra (per_microbatch's)
         self._state_to_come = 0  # optimizer state not yet allocated when the metered step began
+        self._measure_next = False  # a true peak of the first step in a newly chosen setting
         self.auto: AutoSync | None = None
+        self.tuning = tuning  # the LM head's path and the token cap, where auto chooses them too
         self.own_budget = 0  # this rank's budget; auto uses the minimum over ranks
         self.name = ""  # which model's decisions these are, where a job trains two (PPO: "critic")
-        if SyncMode(cfg.mode) is SyncMode.AUTO:
-            if not self.measurable:
-                raise ValueError(
-                    "sync.mode=auto decides from a measured memory peak, which is not available for "
-                    "engine.strategy=fsdp1 on CPU; choose sync.mode=deferred or per_microbatch"
-                )
+        sync_auto = SyncMode(cfg.mode) is SyncMode.AUTO
+        if sync_auto and not self.measurable:
+            raise ValueError(
+                "sync.mode=auto decides from a measured memory peak, which is not available for "
+                "engine.strategy=fsdp1 on CPU; choose sync.mode=deferred or per_microbatch"
+            )
+        if sync_auto or tuning is not None:
             self.own_budget = resolve_budget(cfg.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            self.auto = AutoSync(estimator, candidates(modes, estimator, Links()), self.own_budget)
+            head, cap = tuning.first() if tuning is not None else (None, None)
+            first = Setting(SyncChoice(SyncMode.PER_MICROBATCH) if sync_auto else configured, head, cap)
+            syncs = candidates(modes, estimator, Links()) if sync_auto else [configured]
+            self.auto = AutoSync(estimator, syncs, self.own_budget, mode=first)
 
     def hold_outside(self, nbytes: int) -> None:
         """Memory this process keeps outside the engine for the whole job (GRPO's rollout copy). CUDA's
@@ -53,9 +61,10 @@ class MemoryGovernor:
             self.auto.budget = self.own_budget
 
     @property
-    def first_mode(self) -> SyncChoice | None:
-        """The configuration auto measures its first step in (None without auto)."""
-        return SyncChoice(SyncMode.PER_MICROBATCH) if self.auto is not None else None
+    def setting(self) -> Setting | None:
+        """The setting auto runs the next step in (its first: per_microbatch, the fused head, the longest
+        sequence as cap); None without auto."""
+        return self.auto.mode if self.auto is not None else None
 
     def meter_for_step(self, step: int) -> PeakMeter | None:
         """A peak meter when a true peak is due: every step on CUDA; on CPU the first and then every
@@ -63,8 +72,9 @@ class MemoryGovernor:
         if not self.measurable:
             return None
         every = self.cfg.peak_every
-        due = self.base_peak is None or (every > 0 and step % every == 0)
+        due = self.base_peak is None or self._measure_next or (every > 0 and step % every == 0)
         if self.device.type == "cuda" or due:
+            self._measure_next = False
             # Measured before the optimizer's state exists (the first step), the peak lacks it: add it.
             self._state_to_come = pending_optimizer_state_bytes(self.optimizer)
             return PeakMeter(self.model, self.optimizer, self.device)
@@ -84,10 +94,11 @@ class MemoryGovernor:
 
     def after_step(
         self, result: ForwardBackwardResult, peak: int | None, budget: int, measured: int, mode: SyncChoice,
-        is_main: bool,
-    ) -> tuple[dict[str, Any], SyncChoice | None]:
-        """Memory metrics of the step (``peak`` and ``budget`` agreed over ranks) and, under auto, the mode
-        of the next step (None: keep it)."""
+        is_main: bool, batch: Any = None, largest_tokens: int = 0,
+    ) -> tuple[dict[str, Any], Setting | None]:
+        """Memory metrics of the step (``peak`` and ``budget`` agreed over ranks) and, under auto, the
+        setting of the next step (None: keep it). ``batch``: this rank's (auto's first decision sizes the
+        step from it); ``largest_tokens``: the positions of the step's largest micro-batch, over ranks."""
         metrics: dict[str, Any] = {
             "memory/retained_grad_bytes": result.retained_grad_bytes,
             "memory/unsharded_param_bytes": result.unsharded_param_bytes,
@@ -102,21 +113,32 @@ class MemoryGovernor:
             return metrics, None
         self.auto.budget = budget
         metrics["memory/budget_bytes"] = budget
-        decisions = len(self.auto.decisions)
-        next_mode = self.auto.decide(peak, mode, n) if not self.auto.decided else self.auto.observe(peak, n)
+        decisions, current = len(self.auto.decisions), self.auto.mode
+        activations = self.tuning.activation_bytes(largest_tokens, current.fused_head) if self.tuning else 0
+        if self.auto.decided:
+            next_mode = self.auto.observe(peak, n, activations)
+        else:
+            shape = self.tuning.shape(batch, n, largest_tokens) if self.tuning else StepShape.fixed(n)
+            next_mode = self.auto.decide(peak, current, shape, activations)
+        if next_mode != current:  # the base of the estimated steps, until the next one measures it
+            self.base_peak = self.auto.predicted_peak - self.estimator.extra_bytes(
+                next_mode.choice, self.auto.shape.microbatches[next_mode.cap])
+            self._measure_next = True
+        metrics["memory/predicted_peak_bytes"] = self.auto.predicted_peak
         decided = len(self.auto.decisions) > decisions
         if decided and is_main:
             print(f"syncwise: {self.name + ': ' if self.name else ''}{self.auto.decisions[-1]}", flush=True)
         metrics["sync/decision"] = self.auto.decisions[-1] if decided else ""
-        metrics["sync/next_mode"] = next_mode.label
+        metrics["sync/next_mode"] = next_mode.choice.label
         return metrics, next_mode
 
     def state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"base_peak": self.base_peak}
         if self.auto is not None:
             state["auto"] = {
-                "base_peak": self.auto.base_peak, "ceiling": self.auto.ceiling, "mode": self.auto.mode.mode.value,
-                "units": sorted(self.auto.mode.units), "decisions": self.auto.decisions,
+                "base_peak": self.auto.base_peak, "ceiling": self.auto.ceiling,
+                "mode": self.auto.mode.choice.mode.value, "units": sorted(self.auto.mode.choice.units),
+                "fused_head": self.auto.mode.fused_head, "cap": self.auto.mode.cap, "decisions": self.auto.decisions,
             }
         return state
 
@@ -125,5 +147,6 @@ class MemoryGovernor:
         if self.auto is not None and state.get("auto"):
             auto = state["auto"]
             self.auto.base_peak, self.auto.ceiling = auto["base_peak"], int(auto["ceiling"])
-            self.auto.mode = SyncChoice(SyncMode(auto["mode"]), frozenset(auto.get("units", ())))
+            choice = SyncChoice(SyncMode(auto["mode"]), frozenset(auto.get("units", ())))
+            self.auto.mode = Setting(choice, auto.get("fused_head"), auto.get("cap"))
             self.auto.decisions = list(auto["decisions"])

@@ -38,6 +38,7 @@ class BatchPlan:
     real_tokens: int = 0  # tokens of this rank's samples
     computed_tokens: int = 0  # positions its micro-batches compute (real tokens when packed)
     workloads: list[float] = field(default_factory=list)  # estimated compute of each micro-batch
+    largest_tokens: int = 0  # positions of its largest micro-batch (what its activations scale with)
 
 
 def check_model_limits(batch: Batch, vocab_size: int | None, max_positions: int | None) -> None:
@@ -72,15 +73,22 @@ def plan_batch(
     vocab_size: int | None = None,
     max_positions: int | None = None,
     loss_fn: LossFn | None = None,
+    split: tuple[int, int] | None = None,
+    stretch_cap: bool = False,
 ) -> BatchPlan:
     """Validate ``batch``, agree with every rank (one all-reduce), split it into micro-batches, heaviest
     first. With ``packing``, each micro-batch is packed into one row where that computes less than padding
     it (:func:`~syncwise.data.packing.packing_pays`): micro-batches without padding stay as they are. The keys
-    ``loss_fn`` declares (:func:`~syncwise.losses.reads`) are checked with the rest, before the all-reduce."""
+    ``loss_fn`` declares (:func:`~syncwise.losses.reads`) are checked with the rest, before the all-reduce.
+    ``split``: (sequences per micro-batch, token cap) of this step (default: ``cfg.fixed_split``);
+    ``stretch_cap``: a cap auto chose grows to this rank's longest sequence instead of refusing it."""
+    size, max_tokens = split or cfg.fixed_split
     error: BatchError | None = None
     sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]
     try:
-        needed = microbatches_needed(batch, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, packing)
+        if stretch_cap and max_tokens > 0 and (lengths := sequence_lengths(batch)).numel():
+            max_tokens = max(max_tokens, int(lengths.max()))
+        needed = microbatches_needed(batch, size, max_tokens, packing)
         check_model_limits(batch, vocab_size, max_positions)
         check_batch_keys(batch, loss_fn)
         if packing and (reason := packable(batch)):
@@ -99,23 +107,24 @@ def plan_batch(
     if require_tokens and totals[0] == 0:
         raise BatchError("batch: loss_mask (or attention_mask) leaves no target token on any rank: nothing to train on")
     micro_batches = split_batch(
-        batch, int(per_rank[:, 0].max()), balance=cfg.max_tokens_per_micro_batch > 0,
-        max_tokens=cfg.max_tokens_per_micro_batch, packed=packing, linear_coef=cfg.workload_linear_coef,
+        batch, int(per_rank[:, 0].max()), balance=max_tokens > 0,
+        max_tokens=max_tokens, packed=packing, linear_coef=cfg.workload_linear_coef,
     )
     # Heaviest first on every rank, so micro-batch i costs about the same everywhere: ranks that meet in
     # its collectives then wait less for each other.
     loads = [_workload(mb, cfg.workload_linear_coef) for mb in micro_batches]
     order = sorted(range(len(micro_batches)), key=lambda i: (-loads[i], i))
     micro_batches, loads = [micro_batches[i] for i in order], [loads[i] for i in order]
-    computed = 0
+    computed = largest = 0
     for position, mb in enumerate(micro_batches):
         if mb.data is None:
             continue
         lengths = sequence_lengths(mb.data).tolist()
         packs = packing and packing_pays(lengths, cfg.workload_linear_coef, varlen_attention)
-        if packing and not packs and cfg.max_tokens_per_micro_batch > 0:  # padded, it must keep within the cap
-            packs = token_cost(lengths, packed=False) > cfg.max_tokens_per_micro_batch
-        computed += token_cost(lengths, packed=True) if packs else mb.data["input_ids"].numel()
+        if packing and not packs and max_tokens > 0:  # padded, it must keep within the cap
+            packs = token_cost(lengths, packed=False) > max_tokens
+        tokens = token_cost(lengths, packed=True) if packs else mb.data["input_ids"].numel()
+        computed, largest = computed + tokens, max(largest, tokens)
         if packs:
             micro_batches[position] = MicroBatch(mb.indices, *pack(mb.data), offset=mb.offset)
     norm = Normalizer(
@@ -125,6 +134,7 @@ def plan_batch(
     return BatchPlan(
         micro_batches, norm, seq_len=batch["input_ids"].shape[1],
         real_tokens=int(sequence_lengths(batch).sum()), computed_tokens=computed, workloads=loads,
+        largest_tokens=largest,
     )
 
 

@@ -51,6 +51,7 @@ class ForwardBackwardResult:
     unsharded_param_bytes: int = 0  # most all-gathered parameter bytes held after any backward
     workload_imbalance: float = 1.0  # max / min estimated compute over this rank's non-empty micro-batches
     workloads: list[float] = field(default_factory=list)  # estimated compute of each micro-batch, in order
+    largest_tokens: int = 0  # positions of this rank's largest micro-batch
 
 
 def forward_microbatch(
@@ -125,6 +126,7 @@ class _Collector:
             },
             num_microbatches=len(plan.micro_batches),
             workload_imbalance=_imbalance(plan.workloads),
+            largest_tokens=plan.largest_tokens,
             **extra,
         )
 

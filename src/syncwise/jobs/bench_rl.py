@@ -31,38 +31,47 @@ from ..models import PRESETS, build_model, count_parameters
 from ..runtime.distributed import DistInfo, run_rank
 from .bench import time_interleaved
 
-# name -> overrides; the first is the reference the others are compared with.
+# name -> overrides; the first is the reference the others are compared with. Rows whose name says nothing
+# of the LM head fuse it (engine.fused_lm_head=true), beside the same row with the logits materialised and
+# with the head auto's to choose.
+CAP = ("engine.packing=true", "engine.max_tokens_per_micro_batch=512")
+FUSED, MATERIALISED_HEAD = "engine.fused_lm_head=true", "engine.fused_lm_head=false"
 RL_CONFIGS: dict[str, tuple[str, ...]] = {
-    "padded, 4 per micro-batch": ("engine.packing=false", "engine.micro_batch_size=4", "sync.mode=deferred"),
-    "packed, 4 per micro-batch": ("engine.packing=true", "engine.micro_batch_size=4", "sync.mode=deferred"),
-    "packed, 512-token cap": ("engine.packing=true", "engine.max_tokens_per_micro_batch=512", "sync.mode=deferred"),
-    "packed, 512-token cap, deferred_unsharded": (
-        "engine.packing=true", "engine.max_tokens_per_micro_batch=512", "sync.mode=deferred_unsharded",
-    ),
-    "packed, 512-token cap, logits materialised": (
-        "engine.packing=true", "engine.max_tokens_per_micro_batch=512", "sync.mode=deferred",
-        "engine.fused_lm_head=false",
-    ),
+    "padded, 4 per micro-batch": ("engine.packing=false", "engine.micro_batch_size=4", "sync.mode=deferred", FUSED),
+    "packed, 4 per micro-batch": ("engine.packing=true", "engine.micro_batch_size=4", "sync.mode=deferred", FUSED),
+    "packed, 512-token cap": (*CAP, "sync.mode=deferred", FUSED),
+    "packed, 512-token cap, logits materialised": (*CAP, "sync.mode=deferred", MATERIALISED_HEAD),
+    "packed, 512-token cap, LM head auto": (*CAP, "sync.mode=deferred"),
+    "packed, 512-token cap, per_microbatch": (*CAP, "sync.mode=per_microbatch", FUSED),
+    "packed, 512-token cap, per_microbatch, logits materialised": (*CAP, "sync.mode=per_microbatch", MATERIALISED_HEAD),
+    "packed, 512-token cap, per_microbatch, LM head auto": (*CAP, "sync.mode=per_microbatch"),
+    "packed, 512-token cap, deferred_unsharded": (*CAP, "sync.mode=deferred_unsharded", FUSED),
     "packed, 512-token cap, deferred_unsharded, logits materialised": (
-        "engine.packing=true", "engine.max_tokens_per_micro_batch=512", "sync.mode=deferred_unsharded",
-        "engine.fused_lm_head=false",
+        *CAP, "sync.mode=deferred_unsharded", MATERIALISED_HEAD,
     ),
+    "packed, 2048-token cap, deferred_unsharded, logits materialised": (
+        "engine.packing=true", "engine.max_tokens_per_micro_batch=2048", "sync.mode=deferred_unsharded",
+        MATERIALISED_HEAD,
+    ),
+    "defaults (sync mode, LM head and token cap auto)": (),
     "padded, 4 per micro-batch, checkpointed": (
-        "engine.packing=false", "engine.micro_batch_size=4", "sync.mode=deferred",
+        "engine.packing=false", "engine.micro_batch_size=4", "sync.mode=deferred", FUSED,
         "engine.activation_checkpointing=true",
     ),
-    "packed, 512-token cap, checkpointed": (
-        "engine.packing=true", "engine.max_tokens_per_micro_batch=512", "sync.mode=deferred",
-        "engine.activation_checkpointing=true",
-    ),
+    "packed, 512-token cap, checkpointed": (*CAP, "sync.mode=deferred", FUSED, "engine.activation_checkpointing=true"),
 }
 UNIFORM_CONFIGS = ("padded, 4 per micro-batch", "packed, 4 per micro-batch")
 MATERIALISED = ", logits materialised"  # engine.fused_lm_head=false: the same configuration with the logits kept
+HEAD_AUTO = ", LM head auto"  # engine.fused_lm_head=auto: the same configuration, the head auto's to choose
+DEFAULTS = "defaults (sync mode, LM head and token cap auto)"
 # Hand-written baseline -> (the engine configuration it mirrors, its sync mode, its token cap).
 HAND_WRITTEN: dict[str, tuple[str, str, int]] = {
-    "hand-written packed loop, 512-token cap": ("packed, 512-token cap", "deferred", 512),
+    "hand-written packed loop, 512-token cap": ("packed, 512-token cap, logits materialised", "deferred", 512),
+    "hand-written packed loop, 512-token cap, per_microbatch": (
+        "packed, 512-token cap, per_microbatch, logits materialised", "per_microbatch", 512,
+    ),
     "hand-written packed loop, 512-token cap, deferred_unsharded": (
-        "packed, 512-token cap, deferred_unsharded", "deferred_unsharded", 512,
+        "packed, 512-token cap, deferred_unsharded, logits materialised", "deferred_unsharded", 512,
     ),
 }
 
@@ -215,7 +224,8 @@ def _record(entry: dict[str, Any], params: int) -> dict[str, Any]:
         "computed_tokens_per_step": m["batch/computed_tokens"], "padding_fraction": m["batch/padding_fraction"],
         "microbatches": m["train/num_microbatches"], "cross_rank_imbalance": m["batch/cross_rank_imbalance"],
         "peak_bytes": first.get("memory/peak_bytes"), "peak_measured": first.get("memory/peak_measured"),
-        "sync_mode": m["sync/mode"],
+        "sync_mode": m["sync/mode"], "fused_lm_head": bool(m["engine/fused_lm_head"]),
+        "token_cap": m["engine/max_tokens_per_micro_batch"],
     }
 
 
@@ -235,20 +245,34 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
         if r["data"] == "rl" and materialised in steps:
             r["fused_vs_materialised"] = r["step_time_median_s"] / steps[materialised]
             r["materialised_peak_bytes"] = peaks[materialised]
+        if r["data"] == "rl" and r["config"].endswith(HEAD_AUTO):
+            r["auto_vs_materialised"] = r["step_time_median_s"] / steps[(r["preset"], r["config"][:-len(HEAD_AUTO)]
+                                                                         + MATERIALISED)]
+    for r in records:  # the defaults against the fastest hand-set split (a cap or a size) of the engine
+        hand_set = [x for x in records if x["preset"] == r["preset"] and x["data"] == "rl"
+                    and x["config"] not in HAND_WRITTEN and x["config"] != DEFAULTS]
+        if r["config"] == DEFAULTS and r["data"] == "rl" and hand_set:
+            best = max(hand_set, key=lambda x: x["real_tokens_per_s"])
+            r["defaults_vs_best_hand_set"] = r["real_tokens_per_s"] / best["real_tokens_per_s"]
+            r["best_hand_set"] = best["config"]
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:
     lines = [
         "| model | data | configuration | step s (median) | real tokens/s | vs padded | padding | micro-batches "
-        "| cross-rank imbalance | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| cross-rank imbalance | peak MiB | ran in |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         peak = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] else "–"
+        ran = r["sync_mode"]
+        if "fused_lm_head" in r:
+            cap = f", cap {r['token_cap']:g}" if r["token_cap"] else ""
+            ran += f", {'fused' if r['fused_lm_head'] else 'materialised'}{cap}"
         lines.append(
             f"| {r['preset']} ({r['params'] / 1e6:.1f}M) | {r['data']} | {r['config']} | {r['step_time_median_s']:.3f} "
             f"| {r['real_tokens_per_s']:.0f} | {r['throughput_vs_padded']:.2f} | {r['padding_fraction']:.1%} "
-            f"| {r['microbatches']} | {_fmt(r['cross_rank_imbalance'])} | {peak} |"
+            f"| {r['microbatches']:g} | {_fmt(r['cross_rank_imbalance'])} | {peak} | {ran} |"
         )
     return "\n".join(lines)
 
@@ -276,6 +300,14 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
             peak = f"; first-step peak {peaks_mib[0]:.1f} vs {peaks_mib[1]:.1f} MiB" if all(peaks_mib) else ""
             lines.append(f"{r['preset']}: fused LM head / materialised logits step time, {r['sync_mode']} "
                          f"{r['fused_vs_materialised']:.3f} (target <= 1.00){peak}")
+    for r in records:
+        if "auto_vs_materialised" in r:
+            lines.append(f"{r['preset']}: LM head auto / materialised logits step time, {r['sync_mode']} "
+                         f"{r['auto_vs_materialised']:.3f} (target <= 1.00 where they fit)")
+        if "defaults_vs_best_hand_set" in r:
+            lines.append(f"{r['preset']}: defaults / fastest hand-set configuration ({r['best_hand_set']}) real "
+                         f"tokens per second {r['defaults_vs_best_hand_set']:.3f} (target >= 0.97); the defaults "
+                         f"ran {r['sync_mode']}, {r['microbatches']:g} micro-batch(es)")
     engine_rows = [r for r in records if r["data"] == "rl" and r["config"] not in HAND_WRITTEN]
     best = max(engine_rows, key=lambda r: r["real_tokens_per_s"], default=None)
     if best:

@@ -135,8 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (with --seq-len)")
     plan.add_argument("--activation-checkpointing", action="store_true", help="each decoder layer recomputed")
     plan.add_argument("--logprob-chunk", type=int, default=1024, help="tokens per log-prob chunk (0: unchunked)")
+    plan.add_argument("--fused-lm-head", default="auto", type=lambda v: {"true": True, "false": False}.get(v, v),
+                      help="engine.fused_lm_head: auto (chosen with the mode, the default), true or false")
     plan.add_argument("--no-fused-lm-head", dest="fused_lm_head", action="store_false",
                       help="engine.fused_lm_head=false: the [tokens, vocabulary] logits and their gradient exist")
+    plan.add_argument("--auto-cap", action="store_true",
+                      help="engine.max_tokens_per_micro_batch=auto: the step's --microbatches x --micro-batch-size "
+                           "sequences of --seq-len split under the cap auto chooses with the mode")
+    plan.add_argument("--compute-tflops", type=float, default=400.0,
+                      help="dense matmul TFLOP/s per rank: what the fused head's extra compute costs (auto)")
     plan.add_argument("--lora-rank", type=int, default=0,
                       help="LoRA adapters of this rank on every linear projection (0: the whole model trains)")
     plan.add_argument("--rollout-sequences", type=int, default=0,

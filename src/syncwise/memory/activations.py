@@ -56,10 +56,12 @@ def kv_cache_bytes(config, tokens: int, dtype: str) -> int:
 def estimate_activations(
     config, seq_len: int, micro_batch_size: int = 1, checkpointing: bool = False, dtype: str = "bfloat16",
     logprob_chunk: int = 1024, fused_head: bool = False, head_trains: bool = True, value_head: bool = False,
+    packed_loop: bool = False,
 ) -> ActivationEstimate:
     """The activation peak of one micro-batch of ``micro_batch_size`` sequences of ``seq_len`` tokens
     (``head_trains``: the output layer has a gradient -- not under LoRA; ``value_head``: PPO's critic, whose
-    head gives one value per token: no vocabulary-wide logits)."""
+    head gives one value per token: no vocabulary-wide logits; ``packed_loop``: packed rows whose attention runs
+    one sdpa call per sequence, :mod:`syncwise.data.attention`)."""
     hidden = _shape(config, "hidden_size")
     heads, kv_heads, head_dim = attention_shape(config)
     inter = _shape(config, "intermediate_size", 4 * hidden)
@@ -68,6 +70,8 @@ def estimate_activations(
     tokens = seq_len * micro_batch_size
     size = DTYPE_BYTES[dtype]
     full_layer = tokens * (4 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter) * size
+    if packed_loop:  # each sequence's attention output, kept by its sdpa call beside the row's concatenated copy
+        full_layer += tokens * heads * head_dim * size
     kept = tokens * hidden * size if checkpointing else full_layer
     chunk = min(tokens, logprob_chunk) if logprob_chunk > 0 else tokens
     low_precision = size < 4
@@ -91,3 +95,9 @@ def estimate_activations(
     layer_phase = full_layer if checkpointing else tokens * (2 * hidden + 3 * inter) * size
     peak = saved + max(loss_phase, layer_phase)
     return ActivationEstimate(tokens, kept, saved, loss_phase, layer_phase, peak)
+
+
+def working_bytes(act: ActivationEstimate, in_loss: int, in_layer: int) -> int:
+    """A micro-batch's activations at their peak with what FSDP2 holds in flight beside them in each phase
+    (``in_loss``, ``in_layer``: :func:`syncwise.memory.plan.in_flight_bytes`): the larger of the two phases."""
+    return act.saved_bytes + max(act.loss_phase_bytes + in_loss, act.layer_phase_bytes + in_layer)

@@ -1,19 +1,26 @@
-"""``sync.mode=auto``: the fastest sync configuration whose predicted peak memory fits the budget.
+"""``auto``: the fastest configuration whose predicted peak memory fits the budget.
 
-The candidates come from :func:`syncwise.memory.costs.candidates`, fastest first: ``deferred_unsharded``,
-``deferred``, ``partial`` deferring U-1 units, ..., 1 unit, (``replica_deferred``,) ``per_microbatch``.
-The first step runs in the safe mode (``per_microbatch``) and measures its peak. Every candidate's
-predicted peak is that measured base plus the bytes it holds beyond ``per_microbatch`` (the estimator in
-:mod:`syncwise.memory.accounting`); the fastest that fits is chosen, and the decision is logged with its numbers.
-Later steps keep measuring (CUDA: the allocator's peak, every step; CPU: a full tracked step every
-``sync.peak_every`` steps, else the base plus the sync bytes measured from the tensors); if a peak exceeds
-the budget, auto steps down to the next candidate that fits -- one unit fewer deferred, not straight to
-``per_microbatch`` -- and never back up.
+What auto chooses among: the sync configurations (``sync.mode=auto``; from
+:func:`syncwise.memory.costs.candidates`: ``deferred_unsharded``, ``deferred``, ``partial`` deferring U-1
+units, ..., 1 unit, (``replica_deferred``,) ``per_microbatch``), and where they are ``auto`` too, the LM
+head's path (``engine.fused_lm_head``: logits materialised, or fused) and the token cap
+(``engine.max_tokens_per_micro_batch``: powers of two). Each :class:`Setting` is one point of that space.
+
+The first step runs in the safest setting (``per_microbatch``, the fused head, each rank's longest sequence
+as the cap) and measures its peak. Every setting's predicted peak is that measured peak with the measured
+setting's own extra taken out -- the bytes its sync mode holds beyond ``per_microbatch`` (the estimator in
+:mod:`syncwise.memory.accounting`) and its largest micro-batch's activations (:class:`StepShape`, from the
+activation model ``syncwise plan`` uses) -- and the candidate's put in. Settings are ranked by predicted step
+time (:class:`StepShape` ``seconds``: communication over the measured links, plus the fused head's extra
+compute at the measured rate); the fastest that fits is chosen, and the decision is logged with its numbers
+and the runner-up. Later steps keep measuring; if a peak exceeds the budget, auto steps down to the next
+setting in that order that fits -- never back up.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..sync.modes import SyncChoice, SyncMode
@@ -21,78 +28,181 @@ from .accounting import ShardedModel, format_bytes
 
 log = logging.getLogger("syncwise.auto")
 
+LONGEST = 1  # the cap of the first step under an auto cap: each rank's longest sequence alone sets it
+CAPS = tuple(2**k for k in range(20, 6, -1))  # the caps auto chooses among: 1M .. 128 tokens
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configuration a step runs in: a sync choice and, where auto chooses them, the LM head's path
+    and the token cap (None: set by the config, not auto's to choose)."""
+
+    choice: SyncChoice
+    fused_head: bool | None = None
+    cap: int | None = None  # tokens per micro-batch, stretched to the longest sequence of a step
+
+    @property
+    def label(self) -> str:
+        parts = [self.choice.label]
+        if self.fused_head is not None:
+            parts.append("fused head" if self.fused_head else "logits materialised")
+        if self.cap is not None:
+            parts.append(f"{self.cap}-token cap" if self.cap > LONGEST else "longest-sequence cap")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What auto knows of the step it decides for (agreed by every rank): the micro-batches each cap gives,
+    the activation peak of a setting's largest micro-batch, and a setting's predicted seconds."""
+
+    microbatches: dict[int | None, int]  # cap -> micro-batches of the step (None: the configured split)
+    heads: tuple[bool | None, ...] = (None,)  # the head paths to choose among, fastest first
+    activation_bytes: Callable[[int | None, bool | None], int] = lambda cap, fused: 0
+    seconds: Callable[[Setting, int], float] | None = None  # (setting, micro-batches) -> predicted seconds
+
+    @classmethod
+    def fixed(cls, num_microbatches: int) -> StepShape:
+        """Only the sync mode to choose: the split and the head are the config's."""
+        return cls({None: num_microbatches})
+
+
+def step_shape(
+    splits: dict[int, tuple[int, int]], fixed: tuple[int, int], heads: tuple[bool | None, ...],
+    activations: Callable[[int, bool | None], int], comm_seconds: Callable[[SyncChoice, int], float] | None,
+    head_seconds: float,
+) -> StepShape:
+    """A step's shape from how it splits: ``splits`` cap -> (micro-batches, the largest one's positions) for
+    every cap at or above the longest sequence (the larger caps kept only where they split into fewer);
+    ``fixed``: the same for the configured split (used where there is no cap to choose); ``activations``:
+    (positions, fused) -> bytes; ``comm_seconds``: a step's collectives in a sync choice over n micro-batches
+    (None: unsharded, nothing to wait for); ``head_seconds``: what the fused head adds to a step."""
+    kept: list[tuple[int, int, int]] = []
+    for cap, (n, largest) in sorted(splits.items()):
+        if not kept or n < kept[-1][1]:
+            kept.append((cap, max(n, 1), largest))
+    counts: dict[int | None, int] = {cap: n for cap, n, _ in reversed(kept)} or {None: fixed[0]}
+    largest_at: dict[int | None, int] = {cap: largest for cap, _, largest in kept} | {None: fixed[1]}
+
+    def seconds(setting: Setting, n: int) -> float:
+        comm = comm_seconds(setting.choice, n) if comm_seconds is not None else 0.0
+        return comm + (head_seconds if setting.fused_head else 0.0)
+
+    return StepShape(counts, heads, lambda cap, fused: activations(largest_at[cap], fused), seconds)
+
 
 @dataclass
 class AutoSync:
     estimator: ShardedModel
-    candidates: list[SyncChoice]  # fastest first (syncwise.memory.costs.candidates)
+    syncs: list[SyncChoice]  # fastest first (syncwise.memory.costs.candidates)
     budget: int
-    base_peak: int | None = None  # measured peak of per_microbatch (activations, params, optimizer, ...)
+    base_peak: int | None = None  # measured peak without any setting's extra (params, optimizer, ...)
     ceiling: int = 0  # index into the candidates auto may not go above after stepping down
-    mode: SyncChoice = SyncChoice(SyncMode.PER_MICROBATCH)
+    mode: Setting = Setting(SyncChoice(SyncMode.PER_MICROBATCH))
     decisions: list[str] = field(default_factory=list)
+    shape: StepShape | None = None
+    candidates: list[Setting] = field(default_factory=list)  # ranked fastest first at the decision
+    predicted_peak: int = 0  # of the chosen setting
+    runner_up: Setting | None = None  # the next fastest that fits
 
     @property
     def decided(self) -> bool:
         return self.base_peak is not None
 
-    def decide(
-        self, measured_peak: int, measured_mode: SyncChoice, num_microbatches: int, source: str = "measured"
-    ) -> SyncChoice:
-        """Take a peak (of a step run in ``measured_mode``; ``source`` says how it was obtained) and choose
-        the configuration for what follows."""
-        self.base_peak = measured_peak - self.estimator.extra_bytes(measured_mode, num_microbatches)
-        return self._choose(
-            num_microbatches, reason=f"{source} peak {format_bytes(measured_peak)} in {measured_mode.label}"
-        )
+    def extra_bytes(self, setting: Setting) -> int:
+        """What ``setting`` adds to the base: its sync mode's held bytes and its activations."""
+        n = self.shape.microbatches[setting.cap]
+        return self.estimator.extra_bytes(setting.choice, n) + self.shape.activation_bytes(setting.cap,
+                                                                                            setting.fused_head)
 
-    def _choose(self, num_microbatches: int, reason: str) -> SyncChoice:
+    def decide(
+        self, measured_peak: int, measured: Setting, shape: StepShape, measured_activations: int = 0,
+        source: str = "measured",
+    ) -> Setting:
+        """Take a peak (of a step run in ``measured``, whose largest micro-batch's activations were
+        ``measured_activations``; ``source`` says how the peak was obtained) and choose the setting of what
+        follows for a step of ``shape``."""
+        self.shape = shape
+        caps, heads = list(shape.microbatches), shape.heads
+        ranked = [Setting(choice, head, cap) for choice in self.syncs for head in heads for cap in caps]
+        if shape.seconds is not None and len(ranked) > len(self.syncs):  # head or cap to choose too
+            order = {s: i for i, s in enumerate(ranked)}
+            ranked.sort(key=lambda s: (round(shape.seconds(s, shape.microbatches[s.cap]), 9), order[s]))
+        self.candidates, self.ceiling = ranked, 0
+        n = shape.microbatches.get(measured.cap, shape.microbatches[caps[0]])
+        self.base_peak = measured_peak - self.estimator.extra_bytes(measured.choice, n) - measured_activations
+        return self._choose(reason=f"{source} peak {format_bytes(measured_peak)} in {measured.label}")
+
+    def _choose(self, reason: str) -> Setting:
         free = self.budget - self.base_peak
         rejected: list[tuple[str, int]] = []
-        chosen = self.candidates[-1]
-        found = None
-        for index, mode in enumerate(self.candidates):
+        chosen, found, self.runner_up = self.candidates[-1], None, None
+        for index, setting in enumerate(self.candidates):
             if index < self.ceiling:
                 continue
-            extra = self.estimator.extra_bytes(mode, num_microbatches)
-            if self.base_peak + extra <= self.budget:
-                chosen, found, self.ceiling = mode, f"{mode.label} needs +{format_bytes(extra)} -> fits", index
+            extra = self.extra_bytes(setting)
+            if self.base_peak + extra > self.budget:
+                if found is None:
+                    rejected.append((setting.label, extra))
+            elif found is None:
+                chosen, found, self.ceiling = setting, f"{setting.label} needs +{format_bytes(extra)} -> fits", index
+            else:
+                self.runner_up = setting
                 break
-            rejected.append((mode.label, extra))
         parts = _collapse(rejected, free)
         if found:
             parts.append(found)
         else:
             self.ceiling = len(self.candidates) - 1
             parts.append(f"nothing fits: the cheapest, {chosen.label}")
+        self.predicted_peak = self.base_peak + self.extra_bytes(chosen)
         changed = chosen != self.mode or not self.decisions
         self.mode = chosen
         trainable, total = sum(self.estimator.unit_trainable_numels), self.estimator.num_params
         frozen = (f"; {trainable / 1e6:.3g}M of {total / 1e6:.4g}M parameters train (LoRA / frozen): deferring "
                   f"holds their gradients only, deferred_unsharded also every parameter" if trainable < total else "")
-        message = (
-            f"auto sync ({reason}; budget {format_bytes(self.budget)}, {num_microbatches} micro-batches{frozen}): "
-            + "; ".join(parts) + f" => {chosen.label}"
-        )
+        n = self.shape.microbatches[chosen.cap]
+        split = f"{n} micro-batches" if len(self.shape.microbatches) == 1 else f"{n} micro-batches at its cap"
+        message = (f"auto sync ({reason}; budget {format_bytes(self.budget)}, {split}{frozen}): "
+                   + "; ".join(parts) + f" => {chosen.label} (predicted peak {format_bytes(self.predicted_peak)}"
+                   + self._time_of(chosen) + ")")
+        if self.runner_up is not None and len(self.candidates) > len(self.syncs):
+            message += f"; runner-up {self.runner_up.label}{self._time_of(self.runner_up, ' ')}"
         if changed:
             self.decisions.append(message)
             log.info(message)
         return chosen
 
-    def observe(self, peak: int, num_microbatches: int) -> SyncChoice:
-        """After a step in ``self.mode``: step down if its peak went over the budget."""
+    def _time_of(self, setting: Setting, sep: str = ", ") -> str:
+        if self.shape.seconds is None or len(self.candidates) == len(self.syncs):
+            return ""
+        seconds = self.shape.seconds(setting, self.shape.microbatches[setting.cap])
+        text = f"predicted comm + head {seconds * 1e3:.0f} ms"
+        return f" ({text})" if sep == " " else f"{sep}{text}"
+
+    def observe(self, peak: int, num_microbatches: int, measured_activations: int = 0) -> Setting:
+        """After a step of ``num_microbatches`` in ``self.mode`` (its largest micro-batch's activations
+        ``measured_activations``): step down if its peak went over the budget. (Resumed from a checkpoint,
+        without the first step's shape: only the sync mode steps down.)"""
         if peak <= self.budget:
             return self.mode
-        self.base_peak = peak - self.estimator.extra_bytes(self.mode, num_microbatches)
+        if self.shape is None or self.mode not in self.candidates:
+            self.shape = StepShape({self.mode.cap: num_microbatches})
+            self.candidates = [Setting(c, self.mode.fused_head, self.mode.cap) for c in self.syncs]
+        n = self.shape.microbatches[self.mode.cap]
+        self.base_peak = peak - self.estimator.extra_bytes(self.mode.choice, n) - measured_activations
         current = self.candidates.index(self.mode)
         self.ceiling = min(current + 1, len(self.candidates) - 1)
-        return self._choose(
-            num_microbatches, reason=f"peak {format_bytes(peak)} over budget in {self.mode.label}, stepping down"
-        )
+        return self._choose(reason=f"peak {format_bytes(peak)} over budget in {self.mode.label}, stepping down")
 
 
 def _collapse(rejected: list[tuple[str, int]], free: int) -> list[str]:
-    """"X needs +a, f free -> no" for each rejected candidate, a run of partial(K) in one part."""
+    """"X needs +a, f free -> no" for each rejected candidate, a run of partial(K) in one part; beyond six,
+    the count and the fastest."""
+    if len(rejected) > 6:
+        (first, most) = rejected[0]
+        return [f"{len(rejected)} faster settings do not fit ({first} needs +{format_bytes(most)}, "
+                f"{format_bytes(free)} free)"]
     parts: list[str] = []
     index = 0
     while index < len(rejected):

@@ -20,11 +20,12 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from ..config import LoraConfig
+from ..data.batching import capped_bins, token_cost
 from ..models import meta_model_units
 from ..sync.modes import SyncChoice, SyncMode, spec, supported_modes
 from .accounting import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
-from .activations import estimate_activations, kv_cache_bytes
-from .autosync import AutoSync
+from .activations import estimate_activations, kv_cache_bytes, working_bytes
+from .autosync import CAPS, AutoSync, Setting, StepShape, step_shape
 from .costs import Links, candidates
 from .plan_input import SHAPES, PlanInput
 from .schedule import step_traffic, unit_traffic
@@ -57,6 +58,8 @@ class Plan:
     partial: list[ModePlan] = field(default_factory=list)  # partial(K), K = U-1 .. 1
     auto_choice: str = ""
     auto_reason: str = ""
+    auto_runner_up: str = ""  # the next fastest setting that fits (where auto chooses the head or the cap too)
+    auto_predicted_peak: int = 0  # of auto's choice
     activation_bytes: int = 0
     rollout: RolloutMemory | None = None
     links_measured: bool = False
@@ -196,7 +199,7 @@ def _model_plan(inp: PlanInput, hf_config, links: Links, sharded: ShardedModel, 
                                    inp.param_dtype, inp.logprob_chunk, inp.fused_lm_head,
                                    head_trains=not inp.lora_rank, value_head=value_head)
         activation_bytes = act.peak_bytes
-        working = act.saved_bytes + max(act.loss_phase_bytes + in_loss, act.layer_phase_bytes + in_layer)
+        working = working_bytes(act, in_loss, in_layer)
     else:  # activations as measured (if given), plus the most FSDP2 holds in flight with them
         activation_bytes = int(inp.activation_gib * 2**30)
         working = activation_bytes + in_layer if activation_bytes else 0
@@ -221,9 +224,48 @@ def _model_plan(inp: PlanInput, hf_config, links: Links, sharded: ShardedModel, 
         row = _row(choice, sharded, units, inp, links, base, budget)
         (plan.partial if spec(choice.mode).per_unit else plan.modes).append(row)
     auto = AutoSync(sharded, choices, budget)
-    plan.auto_choice = auto.decide(base, SyncChoice(SyncMode.PER_MICROBATCH), n, source="estimated").label
+    shape, first = (_step_shape(inp, hf_config, sharded, links, units, in_loss, in_layer, value_head) if inp.seq_len
+                    else (StepShape.fixed(n), Setting(SyncChoice(SyncMode.PER_MICROBATCH))))
+    # the estimated base stands for the first step's measured peak: per_microbatch, its activations as configured
+    plan.auto_choice = auto.decide(base, first, shape, working if inp.seq_len else 0, source="estimated").label
     plan.auto_reason = auto.decisions[-1]
+    plan.auto_runner_up = auto.runner_up.label if auto.runner_up is not None else ""
+    plan.auto_predicted_peak = auto.predicted_peak
     return plan
+
+
+def _step_shape(inp: PlanInput, hf_config, sharded: ShardedModel, links: Links, units, in_loss: int, in_layer: int,
+                value_head: bool) -> tuple[StepShape, Setting, int]:
+    """The step as ``inp`` describes it, for auto's choice of the LM head's path (``--fused-lm-head auto``)
+    and the token cap (``--auto-cap``), as the engine's first step sizes it (:mod:`syncwise.engine.tuning`):
+    the shape and the setting standing for the first step."""
+    heads = (False, True) if inp.fused_lm_head == "auto" and not value_head else (None,)
+    fixed_fused = inp.fused_lm_head is not False
+
+    def activations(tokens: int, fused: bool | None) -> int:
+        act = estimate_activations(hf_config, tokens, 1, inp.activation_checkpointing, inp.param_dtype,
+                                   inp.logprob_chunk, fixed_fused if fused is None else fused,
+                                   head_trains=not inp.lora_rank, value_head=value_head)
+        return working_bytes(act, in_loss, in_layer)
+
+    lengths = [inp.seq_len] * (inp.microbatches * inp.micro_batch_size)
+    splits = {}
+    for cap in CAPS if inp.auto_cap else ():
+        bins = capped_bins(lengths, cap, packed=True)
+        if cap >= inp.seq_len:
+            splits[cap] = (len(bins), max(token_cost([lengths[i] for i in part], True) for part in bins))
+    shard, hsdp = inp.world_size // inp.replicas, inp.replicas > 1
+
+    def comm_seconds(choice: SyncChoice, n: int) -> float:
+        traffic = step_traffic(choice, n, units, unsharded_forward=True, hsdp=hsdp)
+        return links.step_time(traffic.counts, traffic.bytes, shard, inp.replicas)
+
+    # the fused head makes each token's logits once more in backward: 2 x hidden x vocabulary FLOPs a token
+    head_flops = 2 * sum(lengths) * hf_config.hidden_size * hf_config.vocab_size
+    fixed = (inp.microbatches, inp.micro_batch_size * inp.seq_len)
+    shape = step_shape(splits, fixed, heads, activations, comm_seconds, head_flops / (inp.compute_tflops * 1e12))
+    first = Setting(SyncChoice(SyncMode.PER_MICROBATCH), True if heads != (None,) else None)  # as configured
+    return shape, first
 
 
 def format_plan(plan: Plan) -> str:
@@ -251,7 +293,8 @@ def format_plan(plan: Plan) -> str:
                   f"{format_bytes(r.scores_bytes)} -> peak "
                   f"{format_bytes(r.peak_bytes)} ({'fits' if r.fits else 'does NOT fit'}; the same in every mode)"]
     if plan.critic is None:
-        lines += ["", f"auto would choose: {plan.auto_choice}", f"  {plan.auto_reason}"]
+        lines += ["", f"auto would choose: {plan.auto_choice} (predicted peak {format_bytes(plan.auto_predicted_peak)})"
+                  + (f"; runner-up: {plan.auto_runner_up}" if plan.auto_runner_up else ""), f"  {plan.auto_reason}"]
     else:
         lines += ["", f"auto would choose: actor {plan.auto_choice}, critic {plan.critic.auto_choice}",
                   f"  actor: {plan.auto_reason}", f"  critic: {plan.critic.auto_reason}"]

@@ -52,7 +52,12 @@ class PlanInput:
     micro_batch_size: int = 1
     activation_checkpointing: bool = False
     logprob_chunk: int = 1024  # tokens whose fp32 log-softmax exists at once (engine.logprob_chunk_size)
-    fused_lm_head: bool = True  # engine.fused_lm_head: no [tokens, vocabulary] logits kept
+    # engine.fused_lm_head: true (no [tokens, vocabulary] logits kept), false, or auto (chosen with the mode)
+    fused_lm_head: bool | str = "auto"
+    # engine.max_tokens_per_micro_batch=auto: the step's sequences (microbatches x micro_batch_size of seq_len)
+    # split under the token cap auto chooses with the mode (needs seq_len)
+    auto_cap: bool = False
+    compute_tflops: float = 400.0  # the device's dense matmul rate: what the fused head's extra compute costs
     lora_rank: int = 0  # > 0: only LoRA adapters of this rank train (model.lora.rank, target all-linear)
     # GRPO's rollout on every rank: sequences sampled at once (rl.prompts_per_rank x rl.samples_per_prompt;
     # 0: no rollout copy), their prompt and new tokens (rl.max_new_tokens), the copy's dtype.
@@ -83,6 +88,12 @@ class PlanInput:
             raise ValueError("--latency-us and --activation-gib must be >= 0")
         if self.seq_len < 0 or self.micro_batch_size < 1 or self.logprob_chunk < 0:
             raise ValueError("--seq-len must be >= 0, --micro-batch-size >= 1, --logprob-chunk >= 0")
+        if self.fused_lm_head not in (True, False, "auto"):
+            raise ValueError(f"--fused-lm-head: {self.fused_lm_head!r} is not one of auto, true, false")
+        if self.auto_cap and not self.seq_len:
+            raise ValueError("--auto-cap needs --seq-len (the sequences the cap splits)")
+        if self.compute_tflops <= 0:
+            raise ValueError("--compute-tflops must be > 0")
         if self.replica_bandwidth_gbps is not None and self.replica_bandwidth_gbps <= 0:
             raise ValueError("--replica-bandwidth-gbps must be > 0")
         LoraConfig(rank=self.lora_rank).validate(prefix="--lora-")  # >= 0; peft installed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..sync.modes import SyncChoice, SyncMode, spec
 from .accounting import ShardedModel
 from .costs import Links, deferral_order
 
@@ -41,3 +42,11 @@ def resolve_deferred_units(
 
 def _listing(names: list[str], shown: int = 6) -> str:
     return ", ".join(names) if len(names) <= shown else ", ".join(names[: shown - 1]) + f", ..., {names[-1]}"
+
+
+def configured_choice(mode: SyncMode, names: list[str], deferred_units: int | str, model: ShardedModel) -> SyncChoice:
+    """``sync.mode`` as configured; for ``partial``, with the units ``sync.deferred_units`` names or counts
+    (the ones that save the most time per byte held). ``names``: the FSDP units' names, in order."""
+    if not spec(mode).per_unit:
+        return SyncChoice(mode)
+    return SyncChoice(mode, resolve_deferred_units(deferred_units, names, model))

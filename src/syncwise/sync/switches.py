@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import fsdp_internals as fsdp
-from .modes import SYNC, Switches
+from .modes import SYNC, Switches, SyncChoice, spec
 
 SwitchesFor = Callable[[FSDPModule], Switches]
 
@@ -92,3 +92,16 @@ def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     """
     with apply_switches(module, SYNC if enabled else Switches(sync_grads=False, all_reduce_grads=False)):
         yield
+
+
+def switches_of(choice: SyncChoice, units: list[nn.Module], unsharded_forward: bool):
+    """(micro-batch index, count) -> the switches ``choice`` gives each unit of ``units`` (FSDP1 / DDP, which
+    know only one set for the whole model: the same for all)."""
+    index = {id(unit): k for k, unit in enumerate(units)}
+
+    def switches(i: int, num_microbatches: int) -> Switches | SwitchesFor:
+        if not spec(choice.mode).per_unit:
+            return choice.switches(i, num_microbatches, 0, unsharded_forward)
+        return lambda unit: choice.switches(i, num_microbatches, index.get(id(unit), -1), unsharded_forward)
+
+    return switches

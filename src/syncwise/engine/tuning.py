@@ -1,0 +1,171 @@
+"""What ``auto`` chooses beside the sync mode, and what it must know of a step to choose it.
+
+``engine.fused_lm_head=auto``: the logits materialised (faster: the fused head makes each chunk's logits
+again in backward) where they and their gradient fit the budget beside the chosen sync mode, else fused.
+``engine.max_tokens_per_micro_batch=auto``: the token cap, a power of two; a larger one means fewer
+micro-batches (fewer all-gathers and reduce-scatters per step) and more activation memory. Both are chosen
+with the sync mode in one decision (:mod:`syncwise.memory.autosync`) from a :class:`StepShape` that
+:meth:`Tuning.shape` builds on the first step, identically on every rank: the micro-batches each cap gives
+(every rank's count, the largest), the activations of a setting's largest micro-batch (the activation model
+``syncwise plan`` uses, :func:`syncwise.memory.activations.estimate_activations`), and a setting's predicted
+seconds -- its collectives over the links measured here (a short sweep, :mod:`syncwise.memory.calibrate`)
+and, for the fused head, the output layer's matmul once more per token, timed here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..data.batching import Batch, capped_bins, capped_partition, sequence_lengths, token_cost, workloads
+from ..memory.activations import estimate_activations, working_bytes
+from ..memory.autosync import CAPS, LONGEST, StepShape, step_shape
+from ..memory.calibrate import fit, sweep
+from ..runtime.distributed import agree
+from ..sync.counting import CollectiveCounts
+from ..sync.modes import SyncChoice
+
+LINK_SIZES = (64 * 1024, 4 * 2**20)  # the sweep auto fits its links to: one latency-bound, one bandwidth-bound
+HEAD_TIMING_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """The activation peak of one micro-batch of this engine's model, with FSDP2's bytes in flight beside it
+    (``in_loss``, ``in_layer``: :func:`syncwise.memory.plan.in_flight_bytes`)."""
+
+    hf_config: object
+    dtype: str  # the compute dtype's name
+    checkpointing: bool
+    logprob_chunk: int
+    head_trains: bool
+    value_head: bool
+    in_loss: int
+    in_layer: int
+    packed_loop: bool = False  # packed rows' attention one sdpa call per sequence
+
+    def __call__(self, tokens: int, fused: bool) -> int:
+        act = estimate_activations(self.hf_config, tokens, 1, self.checkpointing, self.dtype, self.logprob_chunk,
+                                   fused, self.head_trains, self.value_head, self.packed_loop)
+        return working_bytes(act, self.in_loss, self.in_layer)
+
+
+@dataclass
+class Tuning:
+    """The dimensions beyond the sync mode that auto chooses for one engine."""
+
+    heads: tuple[bool | None, ...]  # (False, True) under fused_lm_head=auto, else (None,): the config's
+    auto_cap: bool
+    fixed_fused: bool  # the head's path where it is not auto's
+    packing: bool
+    linear_coef: float  # engine.workload_linear_coef: how the engine balances a capped split
+    activations: ActivationModel | None
+    traffic: Callable[[SyncChoice, int], CollectiveCounts] | None  # a step's collectives; None unsharded
+    shard: int  # ranks in a shard group
+    replicas: int  # HSDP replicas
+    head_shape: tuple[int, int] | None  # the output layer's weight (vocabulary, hidden), None without one
+    compute_dtype: torch.dtype
+    device: torch.device
+    timeout_s: float
+
+    @property
+    def chooses(self) -> bool:
+        return self.heads != (None,) or self.auto_cap
+
+    def first(self) -> tuple[bool | None, int | None]:
+        """The first step's head and cap: the fused head, each rank's longest sequence as the cap."""
+        return (True if self.heads != (None,) else None), (LONGEST if self.auto_cap else None)
+
+    def activation_bytes(self, tokens: int, fused: bool | None) -> int:
+        if self.activations is None:
+            return 0
+        return self.activations(max(tokens, 1), self.fixed_fused if fused is None else fused)
+
+    def shape(self, batch: Batch, num_microbatches: int, largest_tokens: int) -> StepShape:
+        """Collective (every rank, the same step): the step ``batch`` on this rank, split into
+        ``num_microbatches`` whose largest (over ranks) computes ``largest_tokens`` positions."""
+        caps = CAPS if self.auto_cap else ()
+        lengths = sequence_lengths(batch)
+        longest = int(lengths.max()) if lengths.numel() else 0
+        own = [float(x) for cap in caps for x in self._split_at(lengths, max(cap, longest))]
+        head_s = self._head_seconds_per_token() if True in self.heads else 0.0
+        samples = sweep(self.device, LINK_SIZES, repeats=3) if self.traffic and self.shard > 1 else []
+        own += [float(lengths.sum()), float(longest), head_s, *(sample.seconds for sample in samples)]
+        _, per_rank = agree([], own, "auto's step shape (after the first step)", self.device, self.timeout_s)
+        most = per_rank.max(dim=0).values.tolist()  # every rank's figures alike: the slowest's timings
+        timed = len(samples)
+        rank_tokens, longest, head_s = int(most[-3 - timed]), int(most[-2 - timed]), most[-1 - timed]
+        agreed = [replace(sample, seconds=most[len(most) - timed + i]) for i, sample in enumerate(samples)]
+        links = fit(agreed, self.shard) if agreed else None
+        splits = {cap: (int(most[2 * i]), int(most[2 * i + 1])) for i, cap in enumerate(caps) if cap >= longest}
+
+        def comm_seconds(choice: SyncChoice, n: int) -> float:
+            traffic = self.traffic(choice, n)
+            return links.step_time(traffic.counts, traffic.bytes, self.shard, self.replicas)
+
+        return step_shape(splits, (num_microbatches, largest_tokens), self.heads, self.activation_bytes,
+                          comm_seconds if links is not None else None, head_s * rank_tokens)
+
+    def _split_at(self, lengths: torch.Tensor, cap: int) -> tuple[int, int]:
+        """This rank's micro-batches under ``cap`` and the positions of the largest, split as the engine
+        splits (:func:`~syncwise.data.batching.split_batch`)."""
+        if not lengths.numel():
+            return 0, 0
+        sizes = lengths.tolist()
+        count = len(capped_bins(sizes, cap, self.packing))
+        parts = capped_partition(sizes, workloads(lengths, self.linear_coef), count, cap, self.packing)
+        return count, max(token_cost([sizes[i] for i in part], self.packing) for part in parts)
+
+    def _head_seconds_per_token(self) -> float:
+        """The output layer's matmul for one token, timed here (the best of three): what the fused head
+        spends again per token in backward."""
+        if self.head_shape is None:
+            return 0.0
+        vocab, hidden = self.head_shape
+        weight = torch.randn(vocab, hidden, dtype=self.compute_dtype, device=self.device)
+        states = torch.randn(HEAD_TIMING_TOKENS, hidden, dtype=self.compute_dtype, device=self.device)
+        best = float("inf")
+        for _ in range(3):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            states @ weight.T
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - start)
+        return best / HEAD_TIMING_TOKENS
+
+
+def build_tuning(config, features, estimator, traffic, compute_dtype: torch.dtype, device: torch.device,
+                 trainable: bool, measurable: bool, say: bool) -> Tuning | None:
+    """What auto chooses beside the sync mode for this engine (None: nothing). ``estimator``: the engine's
+    :class:`~syncwise.memory.accounting.ShardedModel`; ``traffic``: a step's collectives for a sync choice and
+    a micro-batch count (None unsharded); ``measurable``: whether a peak can be measured here (auto chooses
+    from a measured peak)."""
+    from ..memory.plan import in_flight_bytes
+
+    eng = config.engine
+    heads = (False, True) if eng.fused_lm_head == "auto" and features.fused_head and trainable else (None,)
+    auto_cap = eng.auto_cap and trainable and features.hf_config is not None
+    if heads == (None,) and not auto_cap:
+        return None
+    if not measurable:
+        if say:
+            print("syncwise: engine.fused_lm_head / max_tokens_per_micro_batch=auto choose from a measured peak, "
+                  "which FSDP1 on CPU cannot give: the fused head and 2 sequences per micro-batch", flush=True)
+        return None
+    activations = None
+    if features.hf_config is not None:
+        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[compute_dtype]
+        in_loss, in_layer = in_flight_bytes(estimator)
+        activations = ActivationModel(features.hf_config, dtype_name, eng.activation_checkpointing,
+                                      eng.logprob_chunk_size, not features.lora, features.value_head, in_loss, in_layer,
+                                      features.attention_kernel == "loop")
+    hf = features.hf_config
+    head = (int(hf.vocab_size), int(hf.hidden_size)) if heads != (None,) else None
+    return Tuning(heads, auto_cap, bool(features.fused_head), features.packing, eng.workload_linear_coef,
+                  activations, traffic, estimator.shard_size, eng.hsdp_replicas, head, compute_dtype, device,
+                  config.dist.timeout_s)

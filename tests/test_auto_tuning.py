@@ -1,0 +1,74 @@
+"""``engine.fused_lm_head=auto`` and ``engine.max_tokens_per_micro_batch=auto`` (the defaults): chosen with
+the sync mode in one decision from the first step's measured peak, the same on every rank; a budget change
+moves the choice; a later peak over the budget steps down; the predicted peak of the choice is within 10%
+of the peak then measured (2 gloo ranks, qwen2-tiny, long-tailed sequences)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_harness import run_distributed
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from scenarios_auto_tuning import tuned_runs
+
+    # ample, then a budget that leaves room for part of what ample chose, then one for about the first step only
+    return run_distributed(tuned_runs, 2, [0, 150_000_000, 90_000_000], timeout_s=900)
+
+
+def test_ranks_agree_on_every_choice(runs):
+    first, second = runs
+    assert first["runs"].keys() == second["runs"].keys()
+    for budget, steps in first["runs"].items():
+        other = second["runs"][budget]
+        for mine, theirs in zip(steps, other, strict=True):
+            for key in ("sync/mode", "engine/fused_lm_head", "engine/max_tokens_per_micro_batch",
+                        "train/num_microbatches", "sync/decision", "memory/budget_bytes"):
+                assert mine[key] == theirs[key], (budget, key)
+
+
+def test_the_first_step_is_safe_and_ample_memory_materialises_the_logits_in_one_micro_batch(runs):
+    steps = runs[0]["runs"][0]
+    first, chosen = steps[0], steps[1]
+    assert first["sync/mode"] == "per_microbatch" and first["engine/fused_lm_head"] == 1.0
+    assert first["engine/max_tokens_per_micro_batch"] == 1  # each rank's longest sequence sets the cap
+    assert "runner-up" in first["sync/decision"] and "predicted peak" in first["sync/decision"]
+    assert chosen["sync/mode"] == "deferred_unsharded" and chosen["engine/fused_lm_head"] == 0.0
+    assert chosen["train/num_microbatches"] == 1 < first["train/num_microbatches"]
+    assert steps[2] == {**chosen, "sync/decision": ""} or steps[2]["sync/decision"] == ""
+
+
+def test_a_smaller_budget_moves_the_choice_to_a_smaller_cap_or_the_fused_head(runs):
+    settings = {}
+    for budget, steps in runs[0]["runs"].items():
+        chosen = steps[1]
+        settings[budget] = (chosen["engine/max_tokens_per_micro_batch"], chosen["engine/fused_lm_head"],
+                            chosen["sync/mode"])
+        if budget:
+            assert chosen["memory/peak_bytes"] <= budget, (budget, chosen)
+    ample, mid, tight = settings[0], settings[150_000_000], settings[90_000_000]
+    assert mid[0] < ample[0] and tight != mid
+    assert tight[0] <= mid[0] and (tight[1] == 1.0 or tight[0] < mid[0])
+
+
+def test_the_predicted_peak_of_the_choice_is_within_10_percent_of_the_measured(runs):
+    for budget, steps in runs[0]["runs"].items():
+        chosen = steps[1]  # the step after the decision is measured (sync.peak_every=1)
+        assert chosen["memory/peak_measured"] == 1
+        assert chosen["memory/predicted_peak_bytes"] == pytest.approx(chosen["memory/peak_bytes"], rel=0.10), budget
+
+
+def test_a_later_peak_over_the_budget_steps_down_and_never_back_up(runs):
+    steps, candidates = runs[0]["stepped"], runs[0]["stepped_candidates"]
+    chosen, over, after = steps[1], steps[2], steps[3:]
+    assert "stepping down" in over["sync/decision"]
+    label = over["sync/decision"].split(" => ")[1].split(" (predicted")[0]
+    before = steps[0]["sync/decision"].split(" => ")[1].split(" (predicted")[0]
+    assert candidates.index(label) > candidates.index(before)
+    assert all(s["sync/decision"] == "" or "stepping down" in s["sync/decision"] for s in after)
+    smaller = (after[0]["engine/max_tokens_per_micro_batch"] < chosen["engine/max_tokens_per_micro_batch"]
+               or after[0]["engine/fused_lm_head"] > chosen["engine/fused_lm_head"]
+               or after[0]["sync/mode"] != chosen["sync/mode"])
+    assert smaller
