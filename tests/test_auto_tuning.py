@@ -37,7 +37,19 @@ def test_the_first_step_is_safe_and_ample_memory_materialises_the_logits_in_one_
     assert "runner-up" in first["sync/decision"] and "predicted peak" in first["sync/decision"]
     assert chosen["sync/mode"] == "deferred_unsharded" and chosen["engine/fused_lm_head"] == 0.0
     assert chosen["train/num_microbatches"] == 1 < first["train/num_microbatches"]
-    assert steps[2] == {**chosen, "sync/decision": ""} or steps[2]["sync/decision"] == ""
+    assert steps[2]["sync/decision"] == ""  # the chosen cap's timed step
+
+
+def test_the_chosen_cap_and_the_smaller_ones_that_fit_are_timed_and_the_fastest_kept(runs):
+    steps = runs[0]["runs"][0]
+    chosen = steps[1]["engine/max_tokens_per_micro_batch"]
+    timed = [s["sync/decision"] for s in steps if s["sync/decision"].startswith("auto timed")]
+    assert len(timed) == 1, [s["sync/decision"] for s in steps]
+    caps = [int(part.split(":")[0]) for part in timed[0].split("(")[1].split(")")[0].split(", ")]
+    assert caps[0] == chosen and caps == sorted(caps, reverse=True) and len(caps) == 3
+    kept = int(timed[0].split("=> ")[1].split(", ")[-1].split("-token")[0])
+    assert kept in caps and steps[-1]["engine/max_tokens_per_micro_batch"] == kept
+    assert steps[-1]["memory/peak_bytes"] <= steps[1]["memory/peak_bytes"] * 1.10  # a smaller cap: no more
 
 
 def test_a_smaller_budget_moves_the_choice_to_a_smaller_cap_or_the_fused_head(runs):

@@ -88,3 +88,19 @@ def test_the_fused_head_wins_where_its_extra_compute_costs_less_than_the_micro_b
         chosen = auto.decide(100_000 + 5120, Setting(per_microbatch, True, 1), _shape(head_seconds),
                              measured_activations=5120)
         assert chosen == expected, head_seconds
+
+
+def test_the_chosen_cap_and_the_next_smaller_ones_that_fit_are_timed_and_the_fastest_kept():
+    deferred = SyncChoice(SyncMode.DEFERRED)
+    auto = AutoSync(MODEL, [deferred], 10**6)
+    chosen = auto.decide(100_000 + 5120, Setting(deferred, True, 1), _shape(0.001), measured_activations=5120)
+    assert chosen == Setting(deferred, False, 4096)
+    assert [s.cap for s in auto.trials] == [4096, 2048, 1024]  # same mode and head, smaller caps, all fit
+    assert auto.time_trial(15.0) == Setting(deferred, False, 2048)  # the next to time
+    assert auto.time_trial(10.0) == Setting(deferred, False, 1024)
+    kept = auto.time_trial(11.0)  # all timed: the fastest, 2048 tokens, from now on
+    assert kept == Setting(deferred, False, 2048) and auto.mode == kept and not auto.trials
+    assert "auto timed a step at each cap (4096: 15 s, 2048: 10 s, 1024: 11 s)" in auto.decisions[-1]
+    assert auto.predicted_peak == auto.peak_of(kept) < auto.peak_of(chosen)
+    stepped = auto.observe(10**7, 2)  # a later peak over the budget steps down from the kept cap
+    assert auto.candidates.index(stepped) > auto.candidates.index(kept)

@@ -37,6 +37,9 @@ def test_round_trip_through_dict():
         ("engine.micro_batch_size=two", "engine.micro_batch_size: expected an integer, got 'two'"),
         ("engine.micro_batch_size=-1", "engine.micro_batch_size: must be >= 0 (0 = the token cap decides), got -1"),
         ("engine.cpu_offload=maybe", "engine.cpu_offload: expected true or false, got 'maybe'"),
+        ("engine.max_tokens_per_micro_batch=lots", "engine.max_tokens_per_micro_batch: expected a token count or auto"),
+        ("engine.max_tokens_per_micro_batch=-5", "engine.max_tokens_per_micro_batch: must be >= 0"),
+        ("engine.fused_lm_head=sometimes", "engine.fused_lm_head: expected true, false or auto, got 'sometimes'"),
         ("optim.lr=fast", "optim.lr: expected a number, got 'fast'"),
         ("optim.betas=0.9", "optim.betas: expected a list of 2 values, got 0.9"),
         ("model.param_dtype=fp8", "model.param_dtype: 'fp8' is not one of float32, bfloat16, float16"),
@@ -83,3 +86,15 @@ def test_an_override_that_is_not_yaml_is_one_line_naming_the_key():
     with pytest.raises(ConfigError, match=r"^rl.stop: cannot read '\[####\]' as a YAML value"):
         load_config(None, ["rl.stop=[####]"])
     assert load_config(None, ["rl.stop=['####']"]).rl.stop == ["####"]
+
+
+def test_the_split_auto_chooses_unless_a_size_or_a_cap_is_set():
+    """engine.max_tokens_per_micro_batch=auto (the default) is auto's to choose; a set micro_batch_size wins
+    over it; a set cap wins over the size; neither: 2 sequences."""
+    assert load_config(None, []).engine.auto_cap and load_config(None, []).engine.fused_lm_head == "auto"
+    sized = load_config(None, ["engine.micro_batch_size=4"]).engine
+    assert not sized.auto_cap and sized.fixed_split == (4, 0)
+    capped = load_config(None, ["engine.micro_batch_size=4", "engine.max_tokens_per_micro_batch=512"]).engine
+    assert not capped.auto_cap and capped.fixed_split == (4, 512)
+    assert load_config(None, ["engine.max_tokens_per_micro_batch=0"]).engine.fixed_split == (2, 0)
+    assert load_config(None, ["engine.fused_lm_head=false"]).engine.fused_lm_head is False

@@ -144,6 +144,8 @@ def test_partial_rows_reduce_scatter_k_plus_the_rest_every_microbatch(config_dir
     (["--budget-fraction", "1.5"], "--budget-fraction must be in (0, 1]"),
     (["--micro-batch-size", "0"], "--micro-batch-size >= 1"),
     (["--calibrate", "--nproc", "1"], "--calibrate needs --nproc >= 2"),
+    (["--auto-cap"], "--auto-cap needs --seq-len"),
+    (["--fused-lm-head", "maybe"], "--fused-lm-head: 'maybe' is not one of auto, true, false"),
 ])
 def test_plan_flags_out_of_range_are_one_line(flag, message):
     proc = subprocess.run([sys.executable, "-m", "syncwise", "plan", "qwen3-4b", *flag], capture_output=True,
@@ -212,3 +214,23 @@ def test_plan_command_with_a_critic_shows_both_models_and_auto_pair():
     assert proc.returncode == 0, proc.stderr
     assert "critic (the same decoder with a one-output value head)" in proc.stdout
     assert "auto would choose: actor " in proc.stdout and ", critic " in proc.stdout
+
+
+def test_plan_chooses_the_head_and_cap_with_the_mode_as_the_engine_does():
+    """--auto-cap with --seq-len: the step's sequences split under each power-of-two cap; auto's choice of
+    sync mode, LM head's path and cap and its runner-up, printed; a smaller device moves the choice."""
+    def plan_at(gib: float):
+        return make_plan(PlanInput(model="qwen3-4b", world_size=8, seq_len=2048, micro_batch_size=2, auto_cap=True,
+                                   device_memory_gib=gib))
+
+    ample, small = plan_at(80), plan_at(40)
+    assert ample.auto_choice == "deferred_unsharded, logits materialised, 8192-token cap"
+    assert ample.auto_runner_up == "deferred_unsharded, logits materialised, 4096-token cap"
+    assert ample.auto_predicted_peak <= ample.budget_bytes
+    assert small.auto_choice.startswith("partial(") and "fused head" in small.auto_choice
+    assert small.auto_predicted_peak <= small.budget_bytes < ample.auto_predicted_peak
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "plan", "qwen3-4b", "--seq-len", "2048",
+                           "--micro-batch-size", "2", "--auto-cap"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"auto would choose: {ample.auto_choice} (predicted peak" in proc.stdout
+    assert f"runner-up: {ample.auto_runner_up}" in proc.stdout

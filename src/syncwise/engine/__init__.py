@@ -227,7 +227,7 @@ class Engine:
         peak, budget, stop = agreed["peak"], agreed["budget"], agreed["stop"]
         largest = int(metrics.pop("batch/largest_microbatch_tokens_max", 0))
         memory, next_setting = self.governor.after_step(result, peak, budget, measured, mode, self.info.is_main,
-                                                        batch, largest)
+                                                        batch, largest, time.perf_counter() - started)
         if next_setting is not None:
             self._use(next_setting)
         metrics.update({

@@ -19,6 +19,7 @@ from ..config import SyncConfig
 from ..memory.accounting import PeakMeter, ShardedModel, pending_optimizer_state_bytes, resolve_budget
 from ..memory.autosync import AutoSync, Setting, StepShape
 from ..memory.costs import Links, candidates
+from ..runtime.distributed import agree
 from ..sync.modes import SyncChoice, SyncMode
 from .step import ForwardBackwardResult
 from .tuning import Tuning
@@ -94,11 +95,12 @@ class MemoryGovernor:
 
     def after_step(
         self, result: ForwardBackwardResult, peak: int | None, budget: int, measured: int, mode: SyncChoice,
-        is_main: bool, batch: Any = None, largest_tokens: int = 0,
+        is_main: bool, batch: Any = None, largest_tokens: int = 0, seconds: float = 0.0,
     ) -> tuple[dict[str, Any], Setting | None]:
         """Memory metrics of the step (``peak`` and ``budget`` agreed over ranks) and, under auto, the
         setting of the next step (None: keep it). ``batch``: this rank's (auto's first decision sizes the
-        step from it); ``largest_tokens``: the positions of the step's largest micro-batch, over ranks."""
+        step from it); ``largest_tokens``: the positions of the step's largest micro-batch, over ranks;
+        ``seconds``: this rank's time of the step (caps on trial are timed by the slowest rank's)."""
         metrics: dict[str, Any] = {
             "memory/retained_grad_bytes": result.retained_grad_bytes,
             "memory/unsharded_param_bytes": result.unsharded_param_bytes,
@@ -115,22 +117,33 @@ class MemoryGovernor:
         metrics["memory/budget_bytes"] = budget
         decisions, current = len(self.auto.decisions), self.auto.mode
         activations = self.tuning.activation_bytes(largest_tokens, current.fused_head) if self.tuning else 0
+        trial = False
         if self.auto.decided:
+            if self.auto.shape is not None:  # (a run resumed from a checkpoint has none until it steps down)
+                metrics["memory/predicted_peak_bytes"] = self.auto.peak_of(current)
             next_mode = self.auto.observe(peak, n, activations)
+            if next_mode == current and self.auto.trials and not measured:  # a metered step is no timing
+                seconds = float(agree([], [seconds], "auto's cap trial", self.device, self.tuning.timeout_s)[1].max())
+                next_mode, trial = self.auto.time_trial(seconds), True
         else:
             shape = self.tuning.shape(batch, n, largest_tokens) if self.tuning else StepShape.fixed(n)
             next_mode = self.auto.decide(peak, current, shape, activations)
-        if next_mode != current:  # the base of the estimated steps, until the next one measures it
-            self.base_peak = self.auto.predicted_peak - self.estimator.extra_bytes(
+            metrics["memory/predicted_peak_bytes"] = self.auto.predicted_peak
+        if next_mode != current:  # the base of the estimated steps, until a step measures it
+            self.base_peak = self.auto.peak_of(next_mode) - self.estimator.extra_bytes(
                 next_mode.choice, self.auto.shape.microbatches[next_mode.cap])
-            self._measure_next = True
-        metrics["memory/predicted_peak_bytes"] = self.auto.predicted_peak
+            self._measure_next = not trial  # a new choice is measured; a cap on trial fits below the measured one
         decided = len(self.auto.decisions) > decisions
         if decided and is_main:
             print(f"syncwise: {self.name + ': ' if self.name else ''}{self.auto.decisions[-1]}", flush=True)
         metrics["sync/decision"] = self.auto.decisions[-1] if decided else ""
         metrics["sync/next_mode"] = next_mode.choice.label
         return metrics, next_mode
+
+    @property
+    def settled(self) -> bool:
+        """Auto has decided, timed its caps and measured its choice (or there is no auto)."""
+        return self.auto is None or (self.auto.decided and not self.auto.trials and not self._measure_next)
 
     def state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"base_peak": self.base_peak}
@@ -144,7 +157,8 @@ class MemoryGovernor:
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.base_peak = state.get("base_peak")
-        if self.auto is not None and state.get("auto"):
+        # a checkpoint from before auto chose the head and cap too: decided again from a measured step
+        if self.auto is not None and state.get("auto") and (self.tuning is None or "cap" in state["auto"]):
             auto = state["auto"]
             self.auto.base_peak, self.auto.ceiling = auto["base_peak"], int(auto["ceiling"])
             choice = SyncChoice(SyncMode(auto["mode"]), frozenset(auto.get("units", ())))

@@ -131,6 +131,7 @@ def _engine(preset: str, config: str, info: DistInfo) -> Engine:
 
 def time_interleaved(entries: list[dict[str, Any]], warmup: int, repeats: int, info: DistInfo) -> None:
     """One step of every entry per round, in an order rotated each round (machine drift hits all alike);
+    an engine under auto takes the extra warm-up steps it needs to settle (its decision, the caps it times);
     each entry's ``times`` gets its timed steps, ``metrics`` its engine's last metrics and
     ``first_metrics`` its first step's (the one whose memory peak the engine measures). Ctrl-C / SIGTERM
     stop it before the next step (agreed by every rank, outside the timed part): :class:`JobStopped`."""
@@ -147,6 +148,8 @@ def time_interleaved(entries: list[dict[str, Any]], warmup: int, repeats: int, i
             if isinstance(runner, Engine):
                 entry["metrics"] = runner.train_batch(entry["batch"], sft_loss)
                 entry.setdefault("first_metrics", entry["metrics"])
+                while round_index < warmup and not runner.governor.settled:  # auto's decision, caps timed
+                    entry["metrics"] = runner.train_batch(entry["batch"], sft_loss)
             else:
                 runner.step(entry["batch"])
             dist.barrier()  # a step ends when the slowest rank is done

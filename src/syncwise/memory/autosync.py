@@ -29,6 +29,7 @@ from .accounting import ShardedModel, format_bytes
 log = logging.getLogger("syncwise.auto")
 
 LONGEST = 1  # the cap of the first step under an auto cap: each rank's longest sequence alone sets it
+TRIAL_CAPS = 3  # the chosen cap and the next smaller ones that fit, each timed for a step before auto settles
 CAPS = tuple(2**k for k in range(20, 6, -1))  # the caps auto chooses among: 1M .. 128 tokens
 
 
@@ -104,6 +105,8 @@ class AutoSync:
     candidates: list[Setting] = field(default_factory=list)  # ranked fastest first at the decision
     predicted_peak: int = 0  # of the chosen setting
     runner_up: Setting | None = None  # the next fastest that fits
+    trials: list[Setting] = field(default_factory=list)  # caps still on trial after the decision
+    timed: dict[Setting, float] = field(default_factory=dict)  # a step's seconds in each cap on trial
 
     @property
     def decided(self) -> bool:
@@ -131,7 +134,36 @@ class AutoSync:
         self.candidates, self.ceiling = ranked, 0
         n = shape.microbatches.get(measured.cap, shape.microbatches[caps[0]])
         self.base_peak = measured_peak - self.estimator.extra_bytes(measured.choice, n) - measured_activations
-        return self._choose(reason=f"{source} peak {format_bytes(measured_peak)} in {measured.label}")
+        chosen = self._choose(reason=f"{source} peak {format_bytes(measured_peak)} in {measured.label}")
+        # What a micro-batch's size does to compute is the device's (on a CPU a larger one can be slower per
+        # token: caches, memory bandwidth shared by the ranks): the chosen cap and the next smaller ones that
+        # fit are each timed for a step, and the fastest kept (time_trial).
+        smaller = sorted((s for s in self.candidates if s.choice == chosen.choice and s.fused_head == chosen.fused_head
+                          and s.cap is not None and chosen.cap is not None and s.cap < chosen.cap
+                          and self.peak_of(s) <= self.budget), key=lambda s: -s.cap)
+        self.trials, self.timed = ([chosen, *smaller[: TRIAL_CAPS - 1]] if smaller else []), {}
+        return chosen
+
+    def peak_of(self, setting: Setting) -> int:
+        """The predicted peak of ``setting`` (from the base as it stands)."""
+        return self.base_peak + self.extra_bytes(setting)
+
+    def time_trial(self, seconds: float) -> Setting:
+        """After a step of ``seconds`` (the slowest rank's, not metered) in ``self.mode`` while caps are on
+        trial: the next cap to time or, all timed, the fastest, kept from now on."""
+        self.timed[self.mode] = seconds
+        pending = [s for s in self.trials if s not in self.timed]
+        if pending:
+            self.mode = pending[0]
+            return self.mode
+        best = min(self.trials, key=lambda s: (self.timed[s], self.trials.index(s)))
+        times = ", ".join(f"{s.cap}: {self.timed[s]:.3g} s" for s in self.trials)
+        message = f"auto timed a step at each cap ({times}) => {best.label}"
+        self.trials, self.mode, self.ceiling = [], best, self.candidates.index(best)
+        self.predicted_peak = self.peak_of(best)
+        self.decisions.append(message)
+        log.info(message)
+        return best
 
     def _choose(self, reason: str) -> Setting:
         free = self.budget - self.base_peak
@@ -155,7 +187,7 @@ class AutoSync:
         else:
             self.ceiling = len(self.candidates) - 1
             parts.append(f"nothing fits: the cheapest, {chosen.label}")
-        self.predicted_peak = self.base_peak + self.extra_bytes(chosen)
+        self.predicted_peak = self.peak_of(chosen)
         changed = chosen != self.mode or not self.decisions
         self.mode = chosen
         trainable, total = sum(self.estimator.unit_trainable_numels), self.estimator.num_params
@@ -193,6 +225,7 @@ class AutoSync:
         self.base_peak = peak - self.estimator.extra_bytes(self.mode.choice, n) - measured_activations
         current = self.candidates.index(self.mode)
         self.ceiling = min(current + 1, len(self.candidates) - 1)
+        self.trials = []  # over the budget: no more timing, the next that fits
         return self._choose(reason=f"peak {format_bytes(peak)} over budget in {self.mode.label}, stepping down")
 
 
