@@ -163,4 +163,4 @@ class MemoryGovernor:
             self.auto.base_peak, self.auto.ceiling = auto["base_peak"], int(auto["ceiling"])
             choice = SyncChoice(SyncMode(auto["mode"]), frozenset(auto.get("units", ())))
             self.auto.mode = Setting(choice, auto.get("fused_head"), auto.get("cap"))
-            self.auto.decisions = list(auto["decisions"])
+            self.auto.decisions = list(auto["decisions"])  # (caps still on trial: the checkpoint's is kept)
