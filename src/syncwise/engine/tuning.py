@@ -27,6 +27,7 @@ from ..memory.calibrate import fit, sweep
 from ..runtime.distributed import agree
 from ..sync.counting import CollectiveCounts
 from ..sync.modes import SyncChoice
+from .wrap import DTYPE_BY_NAME
 
 LINK_SIZES = (64 * 1024, 4 * 2**20)  # the sweep auto fits its links to: one latency-bound, one bandwidth-bound
 HEAD_TIMING_TOKENS = 256
@@ -70,10 +71,6 @@ class Tuning:
     compute_dtype: torch.dtype
     device: torch.device
     timeout_s: float
-
-    @property
-    def chooses(self) -> bool:
-        return self.heads != (None,) or self.auto_cap
 
     def first(self) -> tuple[bool | None, int | None]:
         """The first step's head and cap: the fused head, each rank's longest sequence as the cap."""
@@ -154,12 +151,13 @@ def build_tuning(config, features, estimator, traffic, compute_dtype: torch.dtyp
         return None
     if not measurable:
         if say:
+            fallback = "the fused head" + (", 2 sequences per micro-batch" if auto_cap else "")
             print("syncwise: engine.fused_lm_head / max_tokens_per_micro_batch=auto choose from a measured peak, "
-                  "which FSDP1 on CPU cannot give: the fused head and 2 sequences per micro-batch", flush=True)
+                  f"which FSDP1 on CPU cannot give: {fallback}", flush=True)
         return None
     activations = None
     if features.hf_config is not None:
-        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[compute_dtype]
+        dtype_name = next(name for name, dtype in DTYPE_BY_NAME.items() if dtype == compute_dtype)
         in_loss, in_layer = in_flight_bytes(estimator)
         activations = ActivationModel(features.hf_config, dtype_name, eng.activation_checkpointing,
                                       eng.logprob_chunk_size, not features.lora, features.value_head, in_loss, in_layer,
