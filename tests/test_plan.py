@@ -179,7 +179,9 @@ def test_rollout_copy_is_in_every_modes_base_and_sampling_has_its_own_peak():
     assert r.kv_cache_bytes == 2 * 36 * 8 * 128 * 64 * 1536 * 2
     assert r.scores_bytes == 64 * (151936 * (2 + 8) + 1024 * 4)  # one step's logits (compact sampler)
     assert r.fits
-    assert without.auto_choice == "deferred_unsharded" and plan.auto_choice != "deferred_unsharded"
+    # the copy takes the room of the gathered parameters (the LM head's path is auto's too: the logits fit)
+    assert without.auto_choice == "deferred_unsharded, logits materialised"
+    assert plan.auto_choice == "deferred, logits materialised"
     hf = make_plan(PlanInput(**common, **rollout, rollout_sampler="generate")).rollout
     assert hf.scores_bytes == 3 * 64 * 1024 * 151936 * 4  # generate: fp32 scores of every step, kept
     assert not hf.fits and hf.kv_cache_bytes == r.kv_cache_bytes
