@@ -142,8 +142,8 @@ def in_flight_bytes(sharded: ShardedModel) -> tuple[int, int]:
 
 def _row(choice: SyncChoice, sharded: ShardedModel, units, inp: PlanInput, links: Links, base: int,
          budget: int) -> ModePlan:
-    n, shard, hsdp = inp.microbatches, inp.world_size // inp.replicas, inp.replicas > 1
-    traffic = step_traffic(choice, n, units, unsharded_forward=True, hsdp=hsdp)
+    n = inp.microbatches
+    traffic, comm_time = _comm(choice, n, units, inp, links)
     extra = sharded.extra_bytes(choice, n)
     return ModePlan(
         mode=choice.label,
@@ -154,8 +154,14 @@ def _row(choice: SyncChoice, sharded: ShardedModel, units, inp: PlanInput, links
         fits=base + extra <= budget,
         collectives=dict(traffic.counts),
         collective_bytes=dict(traffic.bytes),
-        comm_time_s=links.step_time(traffic.counts, traffic.bytes, shard, inp.replicas),
+        comm_time_s=comm_time,
     )
+
+
+def _comm(choice: SyncChoice, n: int, units, inp: PlanInput, links: Links):
+    """A step's collectives in ``choice`` over ``n`` micro-batches and their time over ``links``."""
+    traffic = step_traffic(choice, n, units, unsharded_forward=True, hsdp=inp.replicas > 1)
+    return traffic, links.step_time(traffic.counts, traffic.bytes, inp.world_size // inp.replicas, inp.replicas)
 
 
 def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Plan:
@@ -224,7 +230,7 @@ def _model_plan(inp: PlanInput, hf_config, links: Links, sharded: ShardedModel, 
         row = _row(choice, sharded, units, inp, links, base, budget)
         (plan.partial if spec(choice.mode).per_unit else plan.modes).append(row)
     auto = AutoSync(sharded, choices, budget)
-    shape, first = (_step_shape(inp, hf_config, sharded, links, units, in_loss, in_layer, value_head) if inp.seq_len
+    shape, first = (_step_shape(inp, hf_config, links, units, in_loss, in_layer, value_head) if inp.seq_len
                     else (StepShape.fixed(n), Setting(SyncChoice(SyncMode.PER_MICROBATCH))))
     # the estimated base stands for the first step's measured peak: per_microbatch, its activations as configured
     plan.auto_choice = auto.decide(base, first, shape, working if inp.seq_len else 0, source="estimated").label
@@ -234,8 +240,8 @@ def _model_plan(inp: PlanInput, hf_config, links: Links, sharded: ShardedModel, 
     return plan
 
 
-def _step_shape(inp: PlanInput, hf_config, sharded: ShardedModel, links: Links, units, in_loss: int, in_layer: int,
-                value_head: bool) -> tuple[StepShape, Setting, int]:
+def _step_shape(inp: PlanInput, hf_config, links: Links, units, in_loss: int, in_layer: int,
+                value_head: bool) -> tuple[StepShape, Setting]:
     """The step as ``inp`` describes it, for auto's choice of the LM head's path (``--fused-lm-head auto``)
     and the token cap (``--auto-cap``), as the engine's first step sizes it (:mod:`syncwise.engine.tuning`):
     the shape and the setting standing for the first step."""
@@ -250,15 +256,12 @@ def _step_shape(inp: PlanInput, hf_config, sharded: ShardedModel, links: Links, 
 
     lengths = [inp.seq_len] * (inp.microbatches * inp.micro_batch_size)
     splits = {}
-    for cap in CAPS if inp.auto_cap else ():
+    for cap in (c for c in CAPS if c >= inp.seq_len) if inp.auto_cap else ():
         bins = capped_bins(lengths, cap, packed=True)
-        if cap >= inp.seq_len:
-            splits[cap] = (len(bins), max(token_cost([lengths[i] for i in part], True) for part in bins))
-    shard, hsdp = inp.world_size // inp.replicas, inp.replicas > 1
+        splits[cap] = (len(bins), max(token_cost([lengths[i] for i in part], True) for part in bins))
 
     def comm_seconds(choice: SyncChoice, n: int) -> float:
-        traffic = step_traffic(choice, n, units, unsharded_forward=True, hsdp=hsdp)
-        return links.step_time(traffic.counts, traffic.bytes, shard, inp.replicas)
+        return _comm(choice, n, units, inp, links)[1]
 
     # the fused head makes each token's logits once more in backward: 2 x hidden x vocabulary FLOPs a token
     head_flops = 2 * sum(lengths) * hf_config.hidden_size * hf_config.vocab_size
