@@ -104,3 +104,35 @@ def test_the_chosen_cap_and_the_next_smaller_ones_that_fit_are_timed_and_the_fas
     assert auto.predicted_peak == auto.peak_of(kept) < auto.peak_of(chosen)
     stepped = auto.observe(10**7, 2)  # a later peak over the budget steps down from the kept cap
     assert auto.candidates.index(stepped) > auto.candidates.index(kept)
+
+
+def test_deferred_unsharded_adds_the_gathered_parameters_but_the_roots_which_every_peak_has():
+    unsharded = SyncChoice(SyncMode.DEFERRED_UNSHARDED)
+    held = MODEL.extra_bytes(unsharded, 4)
+    assert held == DEFERRED_EXTRA + 4 * 17_000  # every unit's unsharded gradient and gathered parameters
+    assert MODEL.peak_extra_bytes(unsharded, 4) == held - 4 * 1000  # the root's parameters: gathered anyway
+    assert MODEL.peak_extra_bytes(SyncChoice(SyncMode.DEFERRED), 4) == DEFERRED_EXTRA
+    assert MODEL.peak_extra_bytes(unsharded, 1) == 0  # one micro-batch holds nothing between micro-batches
+    measured = AutoSync(MODEL, [unsharded], 10**6)  # a measured peak: the root's parameters are in it
+    planned = AutoSync(MODEL, [unsharded], 10**6, root_in_base=False)  # a plan's sum without in-flight bytes
+    for auto in (measured, planned):
+        auto.decide(100_000, Setting(SyncChoice(SyncMode.PER_MICROBATCH)), StepShape.fixed(4))
+    assert planned.predicted_peak - measured.predicted_peak == 4 * 1000
+
+
+def test_an_optimizer_step_peak_is_a_floor_and_a_measured_step_within_budget_sets_the_base_again():
+    deferred, per_microbatch = SyncChoice(SyncMode.DEFERRED), SyncChoice(SyncMode.PER_MICROBATCH)
+    auto = AutoSync(MODEL, [deferred, per_microbatch], 100_000 + 900_000)
+    # the first step peaked in its optimizer step (150000), forward/backward at 100000 + its activations
+    chosen = auto.decide(150_000, Setting(per_microbatch, True, 1), _shape(0.001), measured_activations=5120,
+                         backward_peak=100_000 + 5120)
+    assert chosen == Setting(deferred, False, 4096) and auto.floor == 150_000
+    assert "optimizer step" in auto.decisions[-1]
+    assert auto.peak_of(chosen) == 100_000 + 30 * 4096  # one micro-batch: nothing held between micro-batches
+    assert auto.peak_of(Setting(per_microbatch, True, 1024)) == 150_000  # below the floor: the floor
+    # the chosen setting measured: forward/backward 20000 below the prediction -- the base follows it
+    backward = 100_000 - 20_000 + 30 * 4096
+    assert auto.observe(backward, 1, measured_activations=30 * 4096, backward_peak=backward) == chosen
+    assert auto.predicted_for(chosen, 1, 30 * 2048) == max(80_000 + 30 * 2048, 150_000)
+    assert auto.predicted_for(chosen, 1, 30 * 4096) == 80_000 + 30 * 4096
+    assert auto.observe(10**7, 1) != chosen  # over the budget: steps down as before

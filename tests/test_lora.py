@@ -194,10 +194,11 @@ def test_plan_with_lora_defers_fully_where_without_it_partial():
 
     full, lora = plan(0), plan(16)
     assert full.auto_choice.startswith("partial(")
-    # with the fused LM head (auto's choice: the logits do not fit) even the gathered parameters fit beside the
-    # adapters' gradients
-    assert lora.auto_choice == "deferred_unsharded, fused head"
-    assert "deferred_unsharded, fused head needs" in lora.auto_reason and "train (LoRA / frozen)" in lora.auto_reason
+    # even the gathered parameters (every unit's but the root's, gathered in every mode) fit beside the
+    # adapters' gradients, and the materialised logits beside them
+    assert lora.auto_choice == "deferred_unsharded, logits materialised"
+    assert "deferred_unsharded, logits materialised needs" in lora.auto_reason
+    assert "train (LoRA / frozen)" in lora.auto_reason
     rows = {m.mode: m for m in lora.modes}
     # deferral holds the adapters' fp32 gradients: 4 bytes x trainable parameters in all, less their shards
     assert rows["deferred"].retained_grad_bytes == 4 * lora.trainable_params

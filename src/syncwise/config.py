@@ -117,6 +117,14 @@ class EngineConfig:
         return self.max_tokens_per_micro_batch == "auto" and self.micro_batch_size == 0
 
     @property
+    def split_label(self) -> str:
+        """How a step is split into micro-batches, in words (a job's header line)."""
+        if self.auto_cap:
+            return "micro-batch token cap auto"
+        size, cap = self.fixed_split
+        return f"micro-batch token cap {cap}" if cap else f"{size} sequences per micro-batch"
+
+    @property
     def fixed_split(self) -> tuple[int, int]:
         """(sequences per micro-batch, token cap) as set: the cap wins where it is > 0; without either,
         2 sequences (also what an auto cap falls back to where it cannot be chosen)."""

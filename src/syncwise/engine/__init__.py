@@ -216,18 +216,18 @@ class Engine:
             try:
                 with meter if meter is not None else nullcontext():
                     result = self.forward_backward_batch(batch, loss_fn)
+                    if meter is not None:  # what the setting changes ends here; the optimizer's peak follows
+                        meter.mark_backward_end()
                     grad_norm = self.optimizer_step()
             finally:
                 self._peak_meter = None
             self.step_outputs = result.outputs
-            peak, measured = self.governor.local_peak(result, meter)
-            result.metrics["batch/largest_microbatch_tokens_max"] = float(result.largest_tokens)  # over ranks
+            peak, measured = self.governor.local_peak(result, meter, mode)  # (files its maxima in result.metrics)
             metrics, agreed = reduce_step(result.metrics, peak, self.governor.own_budget, result.workloads,
                                           self.info.device, self.config.dist.timeout_s)
         peak, budget, stop = agreed["peak"], agreed["budget"], agreed["stop"]
-        largest = int(metrics.pop("batch/largest_microbatch_tokens_max", 0))
-        memory, next_setting = self.governor.after_step(result, peak, budget, measured, mode, self.info.is_main,
-                                                        batch, largest, time.perf_counter() - started)
+        memory, next_setting = self.governor.after_step(result, metrics, peak, budget, measured, mode,
+                                                        self.info.is_main, batch, time.perf_counter() - started)
         if next_setting is not None:
             self._use(next_setting)
         metrics.update({
@@ -243,7 +243,6 @@ class Engine:
             "sync/mode": mode.label,
             "engine/fused_lm_head": float(fused),
             "engine/max_tokens_per_micro_batch": cap,
-            "batch/largest_microbatch_tokens": largest,
             "stop/signal": stop,
             **memory,
             **counter.totals.as_metrics(),

@@ -24,6 +24,9 @@ from ..sync.modes import SyncChoice, SyncMode
 from .step import ForwardBackwardResult
 from .tuning import Tuning
 
+LARGEST = "batch/largest_microbatch_tokens_max"  # the positions of the step's largest micro-batch
+BACKWARD_PEAK = "memory/backward_peak_bytes_max"  # the peak up to the end of the step's last backward
+
 
 class MemoryGovernor:
     def __init__(
@@ -81,35 +84,48 @@ class MemoryGovernor:
             return PeakMeter(self.model, self.optimizer, self.device)
         return None
 
-    def local_peak(self, result: ForwardBackwardResult, meter: PeakMeter | None) -> tuple[int | None, int]:
-        """This rank's peak for the step and whether it was measured (1) or estimated (0): between
-        measured steps on CPU, the last measured base plus the sync bytes measured from the tensors.
-        (None for FSDP1 on CPU, where the tracker cannot follow its flat-parameter views.)"""
+    def local_peak(
+        self, result: ForwardBackwardResult, meter: PeakMeter | None, mode: SyncChoice
+    ) -> tuple[int | None, int]:
+        """This rank's peak for the step (run in ``mode``) and whether it was measured (1) or estimated (0):
+        between measured steps on CPU, the last measured base plus the sync bytes measured from the tensors
+        (but the root's gathered parameters, which the base has). (None for FSDP1 on CPU, where the tracker
+        cannot follow its flat-parameter views.)"""
+        result.metrics[LARGEST] = float(result.largest_tokens)  # (maxima over ranks, in the step's all-reduce)
         if not self.measurable:
             return None, 0
         if meter is not None:
-            return meter.peak + self._state_to_come, 1
-        baseline = self.estimator.retained_grad_bytes(SyncMode.PER_MICROBATCH, result.num_microbatches)
-        held_extra = max(0, result.retained_grad_bytes - baseline) + result.unsharded_param_bytes
-        return self.base_peak + held_extra, 0
+            peak = meter.peak + self._state_to_come
+            backward = meter.backward_peak + self._state_to_come if meter.backward_peak is not None else peak
+            result.metrics[BACKWARD_PEAK] = float(backward)
+            return peak, 1
+        n = result.num_microbatches
+        baseline = self.estimator.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)
+        gathered = max(0, result.unsharded_param_bytes - self.estimator.root_gathered_bytes(mode, n))
+        peak = self.base_peak + max(0, result.retained_grad_bytes - baseline) + gathered
+        result.metrics[BACKWARD_PEAK] = float(peak)
+        return peak, 0
 
     def after_step(
-        self, result: ForwardBackwardResult, peak: int | None, budget: int, measured: int, mode: SyncChoice,
-        is_main: bool, batch: Any = None, largest_tokens: int = 0, seconds: float = 0.0,
+        self, result: ForwardBackwardResult, reduced: dict[str, float], peak: int | None, budget: int,
+        measured: int, mode: SyncChoice, is_main: bool, batch: Any = None, seconds: float = 0.0,
     ) -> tuple[dict[str, Any], Setting | None]:
-        """Memory metrics of the step (``peak`` and ``budget`` agreed over ranks) and, under auto, the
-        setting of the next step (None: keep it). ``batch``: this rank's (auto's first decision sizes the
-        step from it); ``largest_tokens``: the positions of the step's largest micro-batch, over ranks;
-        ``seconds``: this rank's time of the step (caps on trial are timed by the slowest rank's)."""
+        """Memory metrics of the step (``peak`` and ``budget`` agreed over ranks; ``reduced``: the step's
+        metrics over ranks, whose maxima :meth:`local_peak` filed are taken out) and, under auto, the setting
+        of the next step (None: keep it). ``batch``: this rank's (auto's first decision sizes the step from
+        it); ``seconds``: this rank's time of the step (caps on trial are timed by the slowest rank's)."""
+        largest_tokens = int(reduced.pop(LARGEST, 0))
+        backward_peak = int(reduced.pop(BACKWARD_PEAK, peak or 0))
         metrics: dict[str, Any] = {
             "memory/retained_grad_bytes": result.retained_grad_bytes,
             "memory/unsharded_param_bytes": result.unsharded_param_bytes,
+            "batch/largest_microbatch_tokens": largest_tokens,
         }
         if peak is None:
             return metrics, None
         n = result.num_microbatches
         if measured:
-            self.base_peak = peak - self.estimator.extra_bytes(mode, n)
+            self.base_peak = peak - self.estimator.peak_extra_bytes(mode, n)
         metrics.update({"memory/peak_bytes": peak, "memory/peak_measured": measured})
         if self.auto is None:
             return metrics, None
@@ -119,18 +135,18 @@ class MemoryGovernor:
         activations = self.tuning.activation_bytes(largest_tokens, current.fused_head) if self.tuning else 0
         trial = False
         if self.auto.decided:
-            if self.auto.shape is not None:  # (a run resumed from a checkpoint has none until it steps down)
-                metrics["memory/predicted_peak_bytes"] = self.auto.peak_of(current)
-            next_mode = self.auto.observe(peak, n, activations)
+            # what auto predicts for this step's own split (its micro-batches and largest micro-batch: a later
+            # batch splits unlike the first one the choice was made on), beside the peak
+            metrics["memory/predicted_peak_bytes"] = self.auto.predicted_for(current, n, activations)
+            next_mode = self.auto.observe(peak, n, activations, backward_peak if measured else None)
             if next_mode == current and self.auto.trials and not measured:  # a metered step is no timing
                 seconds = float(agree([], [seconds], "auto's cap trial", self.device, self.tuning.timeout_s)[1].max())
                 next_mode, trial = self.auto.time_trial(seconds), True
         else:
             shape = self.tuning.shape(batch, n, largest_tokens) if self.tuning else StepShape.fixed(n)
-            next_mode = self.auto.decide(peak, current, shape, activations)
-            metrics["memory/predicted_peak_bytes"] = self.auto.predicted_peak
+            next_mode = self.auto.decide(peak, current, shape, activations, backward_peak=backward_peak)
         if next_mode != current:  # the base of the estimated steps, until a step measures it
-            self.base_peak = self.auto.peak_of(next_mode) - self.estimator.extra_bytes(
+            self.base_peak = self.auto.peak_of(next_mode) - self.estimator.peak_extra_bytes(
                 next_mode.choice, self.auto.shape.microbatches[next_mode.cap])
             self._measure_next = not trial  # a new choice is measured; a cap on trial fits below the measured one
         decided = len(self.auto.decisions) > decisions
@@ -152,6 +168,7 @@ class MemoryGovernor:
                 "base_peak": self.auto.base_peak, "ceiling": self.auto.ceiling,
                 "mode": self.auto.mode.choice.mode.value, "units": sorted(self.auto.mode.choice.units),
                 "fused_head": self.auto.mode.fused_head, "cap": self.auto.mode.cap, "decisions": self.auto.decisions,
+                "floor": self.auto.floor,
             }
         return state
 
@@ -161,6 +178,7 @@ class MemoryGovernor:
         if self.auto is not None and state.get("auto") and (self.tuning is None or "cap" in state["auto"]):
             auto = state["auto"]
             self.auto.base_peak, self.auto.ceiling = auto["base_peak"], int(auto["ceiling"])
+            self.auto.floor = int(auto.get("floor", 0))
             choice = SyncChoice(SyncMode(auto["mode"]), frozenset(auto.get("units", ())))
             self.auto.mode = Setting(choice, auto.get("fused_head"), auto.get("cap"))
             self.auto.decisions = list(auto["decisions"])  # (caps still on trial: the checkpoint's is kept)

@@ -114,13 +114,26 @@ class ShardedModel:
             return 0
         return self._held_after(mode, 0, num_microbatches)[1]
 
+    def root_gathered_bytes(self, mode: SyncMode | SyncChoice, num_microbatches: int) -> int:
+        """Of :meth:`unsharded_param_bytes`, the root unit's (unit 0)."""
+        if num_microbatches <= 1 or not self.unit_shapes:
+            return 0
+        return self._held(as_choice(mode).switches(0, num_microbatches, 0), 0)[1]
+
     def extra_bytes(self, mode: SyncMode | SyncChoice, num_microbatches: int) -> int:
-        """Bytes ``mode`` holds beyond ``per_microbatch`` (what it adds to the peak)."""
+        """Bytes ``mode`` holds between micro-batches beyond ``per_microbatch``."""
         base = self.retained_grad_bytes(SyncMode.PER_MICROBATCH, num_microbatches)
         return (
             self.retained_grad_bytes(mode, num_microbatches) - base
             + self.unsharded_param_bytes(mode, num_microbatches)
         )
+
+    def peak_extra_bytes(self, mode: SyncMode | SyncChoice, num_microbatches: int) -> int:
+        """What ``mode`` adds to a measured ``per_microbatch`` peak: :meth:`extra_bytes` but the root's
+        gathered parameters -- FSDP keeps the root gathered from its forward to its backward in every mode,
+        so every step's peak has them already (measured: qwen2-style and GPT-2 directories with a 32000-token
+        tied embedding, ``deferred_unsharded`` adds exactly this to ``per_microbatch``'s peak)."""
+        return self.extra_bytes(mode, num_microbatches) - self.root_gathered_bytes(mode, num_microbatches)
 
 
 def _padded_numel(shape: tuple[int, ...], shard_size: int) -> int:
@@ -209,6 +222,7 @@ class PeakMeter:
         self.model, self.optimizer, self.device = model, optimizer, device
         self._tracker = None
         self.peak = 0
+        self.backward_peak: int | None = None  # the peak up to the end of the last backward (mark_backward_end)
         self.held_between_microbatches = 0  # most memory in use between two micro-batches (CPU tracker)
 
     @staticmethod
@@ -240,6 +254,16 @@ class PeakMeter:
         if self._tracker is not None:
             self.held_between_microbatches = max(self.held_between_microbatches, self._held_now())
             self._tracker.reset_mod_stats()
+
+    def mark_backward_end(self) -> None:
+        """The forward/backward peak so far: what the step's setting (sync mode, head, micro-batch size)
+        changes, apart from the optimizer step's peak after it, which none of them does."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.backward_peak = torch.cuda.max_memory_allocated(self.device)
+        elif self._tracker is not None:
+            snapshot = self._tracker.get_tracker_snapshot("peak")
+            self.backward_peak = max((dev["Total"] for dev in snapshot.values()), default=0)
 
     def _held_now(self) -> int:
         """Memory the step holds right now, without in-flight communication buffers.

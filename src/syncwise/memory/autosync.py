@@ -10,11 +10,13 @@ The first step runs in the safest setting (``per_microbatch``, the fused head, e
 as the cap) and measures its peak. Every setting's predicted peak is that measured peak with the measured
 setting's own extra taken out -- the bytes its sync mode holds beyond ``per_microbatch`` (the estimator in
 :mod:`syncwise.memory.accounting`) and its largest micro-batch's activations (:class:`StepShape`, from the
-activation model ``syncwise plan`` uses) -- and the candidate's put in. Settings are ranked by predicted step
-time (:class:`StepShape` ``seconds``: communication over the measured links, plus the fused head's extra
-compute at the measured rate); the fastest that fits is chosen, and the decision is logged with its numbers
-and the runner-up. Later steps keep measuring; if a peak exceeds the budget, auto steps down to the next
-setting in that order that fits -- never back up.
+activation model ``syncwise plan`` uses) -- and the candidate's put in; where the measured step peaked in its
+optimizer step rather than in forward/backward (small models, short sequences), the forward/backward peak is
+what the settings change, and the optimizer step's stays a floor under every prediction. Settings are
+ranked by predicted step time (:class:`StepShape` ``seconds``: communication over the measured links, plus
+the fused head's extra compute at the measured rate); the fastest that fits is chosen, and the decision is
+logged with its numbers and the runner-up. Later steps keep measuring; if a peak exceeds the budget, auto
+steps down to the next setting in that order that fits -- never back up.
 """
 
 from __future__ import annotations
@@ -97,7 +99,9 @@ class AutoSync:
     estimator: ShardedModel
     syncs: list[SyncChoice]  # fastest first (syncwise.memory.costs.candidates)
     budget: int
-    base_peak: int | None = None  # measured peak without any setting's extra (params, optimizer, ...)
+    base_peak: int | None = None  # measured forward/backward peak without any setting's extra (params, ...)
+    floor: int = 0  # the optimizer step's peak where it was above forward/backward's: no setting changes it
+    root_in_base: bool = True  # the base has the root's gathered parameters (a measured peak does)
     ceiling: int = 0  # index into the candidates auto may not go above after stepping down
     mode: Setting = Setting(SyncChoice(SyncMode.PER_MICROBATCH))
     decisions: list[str] = field(default_factory=list)
@@ -112,20 +116,29 @@ class AutoSync:
     def decided(self) -> bool:
         return self.base_peak is not None
 
+    def _held_extra(self, choice: SyncChoice, num_microbatches: int) -> int:
+        """What a sync choice adds to the base: the estimator's peak extra where the base is a measured peak
+        (it has the root's gathered parameters), its held extra where it is a plan's sum without them."""
+        if self.root_in_base:
+            return self.estimator.peak_extra_bytes(choice, num_microbatches)
+        return self.estimator.extra_bytes(choice, num_microbatches)
+
     def extra_bytes(self, setting: Setting) -> int:
         """What ``setting`` adds to the base: its sync mode's held bytes and its activations."""
         n = self.shape.microbatches[setting.cap]
-        return self.estimator.extra_bytes(setting.choice, n) + self.shape.activation_bytes(setting.cap,
+        return self._held_extra(setting.choice, n) + self.shape.activation_bytes(setting.cap,
                                                                                             setting.fused_head)
 
     def decide(
         self, measured_peak: int, measured: Setting, shape: StepShape, measured_activations: int = 0,
-        source: str = "measured",
+        source: str = "measured", backward_peak: int | None = None,
     ) -> Setting:
         """Take a peak (of a step run in ``measured``, whose largest micro-batch's activations were
-        ``measured_activations``; ``source`` says how the peak was obtained) and choose the setting of what
-        follows for a step of ``shape``."""
+        ``measured_activations``; ``source`` says how the peak was obtained; ``backward_peak``: the part of
+        it up to the end of the last backward, where it is known) and choose the setting of what follows for
+        a step of ``shape``."""
         self.shape = shape
+        backward_peak, source = self._phases(measured_peak, backward_peak, source)
         caps, heads = list(shape.microbatches), shape.heads
         ranked = [Setting(choice, head, cap) for choice in self.syncs for head in heads for cap in caps]
         if shape.seconds is not None and len(ranked) > len(self.syncs):  # head or cap to choose too
@@ -133,7 +146,7 @@ class AutoSync:
             ranked.sort(key=lambda s: (round(shape.seconds(s, shape.microbatches[s.cap]), 9), order[s]))
         self.candidates, self.ceiling = ranked, 0
         n = shape.microbatches.get(measured.cap, shape.microbatches[caps[0]])
-        self.base_peak = measured_peak - self.estimator.extra_bytes(measured.choice, n) - measured_activations
+        self.base_peak = backward_peak - self._held_extra(measured.choice, n) - measured_activations
         chosen = self._choose(reason=f"{source} peak {format_bytes(measured_peak)} in {measured.label}")
         # What a micro-batch's size does to compute is the device's (on a CPU a larger one can be slower per
         # token: caches, memory bandwidth shared by the ranks): the chosen cap and the next smaller ones that
@@ -144,9 +157,23 @@ class AutoSync:
         self.trials, self.timed = ([chosen, *smaller[: TRIAL_CAPS - 1]] if smaller else []), {}
         return chosen
 
+    def _phases(self, peak: int, backward_peak: int | None, source: str) -> tuple[int, str]:
+        """(the forward/backward peak, the source's words) of a measured step; where its optimizer step
+        peaked higher, that peak becomes the floor every setting's prediction keeps."""
+        if backward_peak is None or backward_peak >= peak:
+            return peak, source
+        self.floor = peak
+        return backward_peak, f"{source} (forward/backward {format_bytes(backward_peak)}, optimizer step)"
+
     def peak_of(self, setting: Setting) -> int:
         """The predicted peak of ``setting`` (from the base as it stands)."""
-        return self.base_peak + self.extra_bytes(setting)
+        return max(self.base_peak + self.extra_bytes(setting), self.floor)
+
+    def predicted_for(self, setting: Setting, num_microbatches: int, activations: int) -> int:
+        """The predicted peak of a step run in ``setting`` that split into ``num_microbatches``, its largest
+        micro-batch's activations ``activations`` (the model's, for the step as it came)."""
+        return max(self.base_peak + self._held_extra(setting.choice, num_microbatches) + activations,
+                   self.floor)
 
     def time_trial(self, seconds: float) -> Setting:
         """After a step of ``seconds`` (the slowest rank's, not metered) in ``self.mode`` while caps are on
@@ -194,8 +221,9 @@ class AutoSync:
         frozen = (f"; {trainable / 1e6:.3g}M of {total / 1e6:.4g}M parameters train (LoRA / frozen): deferring "
                   f"holds their gradients only, deferred_unsharded also every parameter" if trainable < total else "")
         n = self.shape.microbatches[chosen.cap]
-        split = f"{n} micro-batches" if len(self.shape.microbatches) == 1 else f"{n} micro-batches at its cap"
-        message = (f"auto sync ({reason}; budget {format_bytes(self.budget)}, {split}{frozen}): "
+        split = f"{n} micro-batch{'es' if n != 1 else ''}{'' if len(self.shape.microbatches) == 1 else ' at its cap'}"
+        what = "auto sync" if len(self.syncs) > 1 else f"auto ({self.syncs[0].label} as set)"  # head / cap only
+        message = (f"{what} ({reason}; budget {format_bytes(self.budget)}, {split}{frozen}): "
                    + "; ".join(parts) + f" => {chosen.label} (predicted peak {format_bytes(self.predicted_peak)}"
                    + self._time_of(chosen) + ")")
         if self.runner_up is not None and len(self.candidates) > len(self.syncs):
@@ -212,21 +240,31 @@ class AutoSync:
         text = f"predicted comm + head {seconds * 1e3:.0f} ms"
         return f" ({text})" if sep == " " else f"{sep}{text}"
 
-    def observe(self, peak: int, num_microbatches: int, measured_activations: int = 0) -> Setting:
+    def observe(
+        self, peak: int, num_microbatches: int, measured_activations: int = 0, backward_peak: int | None = None,
+    ) -> Setting:
         """After a step of ``num_microbatches`` in ``self.mode`` (its largest micro-batch's activations
-        ``measured_activations``): step down if its peak went over the budget. (Resumed from a checkpoint,
-        without the first step's shape: only the sync mode steps down.)"""
+        ``measured_activations``; ``backward_peak`` as in :meth:`decide`): step down if its peak went over
+        the budget. (Resumed from a checkpoint, without the first step's shape: only the sync mode steps
+        down.)"""
         if peak <= self.budget:
+            if backward_peak is not None and self.mode in self.candidates:  # a measured step: the base again,
+                # from the setting that runs (the first step's peak may have come where no activation was, e.g.
+                # a tied embedding's gradients summed at the end of backward; a larger setting's does not)
+                measured, _ = self._phases(peak, backward_peak, "")
+                self.base_peak = measured - self._held_extra(self.mode.choice, num_microbatches) \
+                    - measured_activations
             return self.mode
+        backward_peak, source = self._phases(peak, backward_peak, "peak")
         if self.shape is None or self.mode not in self.candidates:
             self.shape = StepShape({self.mode.cap: num_microbatches})
             self.candidates = [Setting(c, self.mode.fused_head, self.mode.cap) for c in self.syncs]
         n = self.shape.microbatches[self.mode.cap]
-        self.base_peak = peak - self.estimator.extra_bytes(self.mode.choice, n) - measured_activations
+        self.base_peak = backward_peak - self._held_extra(self.mode.choice, n) - measured_activations
         current = self.candidates.index(self.mode)
         self.ceiling = min(current + 1, len(self.candidates) - 1)
         self.trials = []  # over the budget: no more timing, the next that fits
-        return self._choose(reason=f"peak {format_bytes(peak)} over budget in {self.mode.label}, stepping down")
+        return self._choose(reason=f"{source} {format_bytes(peak)} over budget in {self.mode.label}, stepping down")
 
 
 def _collapse(rejected: list[tuple[str, int]], free: int) -> list[str]:

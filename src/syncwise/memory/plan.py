@@ -141,10 +141,11 @@ def in_flight_bytes(sharded: ShardedModel) -> tuple[int, int]:
 
 
 def _row(choice: SyncChoice, sharded: ShardedModel, units, inp: PlanInput, links: Links, base: int,
-         budget: int) -> ModePlan:
+         budget: int, root_in_base: bool) -> ModePlan:
     n = inp.microbatches
     traffic, comm_time = _comm(choice, n, units, inp, links)
-    extra = sharded.extra_bytes(choice, n)
+    # what the mode adds to the peak (the root's gathered parameters, where the base has them, not twice)
+    extra = sharded.peak_extra_bytes(choice, n) if root_in_base else sharded.extra_bytes(choice, n)
     return ModePlan(
         mode=choice.label,
         retained_grad_bytes=sharded.retained_grad_bytes(choice, n),
@@ -226,10 +227,11 @@ def _model_plan(inp: PlanInput, hf_config, links: Links, sharded: ShardedModel, 
                 links_measured=links.measured, latency_us=links.latency_s * 1e6, bandwidth_gbps=links.bandwidth / 1e9)
     units = unit_traffic(sharded, hsdp)
     choices = candidates(supported_modes("fsdp2", hsdp), sharded, links)
+    root_in_base = bool(working and in_loss)  # the root's gathered parameters are in flight in the base
     for choice in choices:
-        row = _row(choice, sharded, units, inp, links, base, budget)
+        row = _row(choice, sharded, units, inp, links, base, budget, root_in_base)
         (plan.partial if spec(choice.mode).per_unit else plan.modes).append(row)
-    auto = AutoSync(sharded, choices, budget)
+    auto = AutoSync(sharded, choices, budget, root_in_base=root_in_base)
     shape, first = (_step_shape(inp, hf_config, links, units, in_loss, in_layer, value_head) if inp.seq_len
                     else (StepShape.fixed(n), Setting(SyncChoice(SyncMode.PER_MICROBATCH))))
     # the estimated base stands for the first step's measured peak: per_microbatch, its activations as configured

@@ -80,7 +80,7 @@ class SFTTrainer:
         print(f"syncwise sft: {self.data.describe()}{held}", flush=True)
         print(
             f"syncwise sft: {self.config.engine.strategy} on {self.info.world_size} rank(s), sync.mode="
-            f"{self.config.sync.mode}, micro_batch_size={self.config.engine.micro_batch_size}, "
+            f"{self.config.sync.mode}, {self.config.engine.split_label}, "
             f"{self.engine.wrapped.num_units} FSDP units; {self.total_steps} steps of {size}"
             + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else ""),
             flush=True,
