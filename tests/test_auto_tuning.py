@@ -84,3 +84,8 @@ def test_a_later_peak_over_the_budget_steps_down_and_never_back_up(runs):
                or after[0]["engine/fused_lm_head"] > chosen["engine/fused_lm_head"]
                or after[0]["sync/mode"] != chosen["sync/mode"])
     assert smaller
+    # every step is measured here (sync.peak_every=1): each one sets the base again from the setting that runs,
+    # so from the second step in a setting on, the prediction for the step's own split is the measured peak
+    for step in after[1:]:
+        assert step["memory/peak_measured"] == 1
+        assert step["memory/predicted_peak_bytes"] == pytest.approx(step["memory/peak_bytes"], rel=0.03)

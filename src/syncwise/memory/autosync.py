@@ -126,8 +126,7 @@ class AutoSync:
     def extra_bytes(self, setting: Setting) -> int:
         """What ``setting`` adds to the base: its sync mode's held bytes and its activations."""
         n = self.shape.microbatches[setting.cap]
-        return self._held_extra(setting.choice, n) + self.shape.activation_bytes(setting.cap,
-                                                                                            setting.fused_head)
+        return self._held_extra(setting.choice, n) + self.shape.activation_bytes(setting.cap, setting.fused_head)
 
     def decide(
         self, measured_peak: int, measured: Setting, shape: StepShape, measured_activations: int = 0,
@@ -222,7 +221,10 @@ class AutoSync:
                   f"holds their gradients only, deferred_unsharded also every parameter" if trainable < total else "")
         n = self.shape.microbatches[chosen.cap]
         split = f"{n} micro-batch{'es' if n != 1 else ''}{'' if len(self.shape.microbatches) == 1 else ' at its cap'}"
-        what = "auto sync" if len(self.syncs) > 1 else f"auto ({self.syncs[0].label} as set)"  # head / cap only
+        chosen_here = [d for d, n in (("LM head", len(self.shape.heads)), ("token cap", len(self.shape.microbatches)))
+                       if n > 1]
+        what = "auto sync" if len(self.syncs) > 1 else (  # the sync mode set: the head and / or cap only
+            f"auto {' and '.join(chosen_here) or 'sync'} with {self.syncs[0].label} as set")
         message = (f"{what} ({reason}; budget {format_bytes(self.budget)}, {split}{frozen}): "
                    + "; ".join(parts) + f" => {chosen.label} (predicted peak {format_bytes(self.predicted_peak)}"
                    + self._time_of(chosen) + ")")
@@ -252,8 +254,8 @@ class AutoSync:
                 # from the setting that runs (the first step's peak may have come where no activation was, e.g.
                 # a tied embedding's gradients summed at the end of backward; a larger setting's does not)
                 measured, _ = self._phases(peak, backward_peak, "")
-                self.base_peak = measured - self._held_extra(self.mode.choice, num_microbatches) \
-                    - measured_activations
+                held = self._held_extra(self.mode.choice, num_microbatches)
+                self.base_peak = measured - held - measured_activations
             return self.mode
         backward_peak, source = self._phases(peak, backward_peak, "peak")
         if self.shape is None or self.mode not in self.candidates:
