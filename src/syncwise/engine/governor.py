@@ -102,9 +102,7 @@ class MemoryGovernor:
         n = result.num_microbatches
         baseline = self.estimator.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)
         gathered = max(0, result.unsharded_param_bytes - self.estimator.root_gathered_bytes(mode, n))
-        peak = self.base_peak + max(0, result.retained_grad_bytes - baseline) + gathered
-        result.metrics[BACKWARD_PEAK] = float(peak)
-        return peak, 0
+        return self.base_peak + max(0, result.retained_grad_bytes - baseline) + gathered, 0
 
     def after_step(
         self, result: ForwardBackwardResult, reduced: dict[str, float], peak: int | None, budget: int,
@@ -115,7 +113,8 @@ class MemoryGovernor:
         of the next step (None: keep it). ``batch``: this rank's (auto's first decision sizes the step from
         it); ``seconds``: this rank's time of the step (caps on trial are timed by the slowest rank's)."""
         largest_tokens = int(reduced.pop(LARGEST, 0))
-        backward_peak = int(reduced.pop(BACKWARD_PEAK, peak or 0))
+        backward_peak = reduced.pop(BACKWARD_PEAK, None)  # metered steps only (alike on every rank)
+        backward_peak = int(backward_peak) if backward_peak is not None else None
         metrics: dict[str, Any] = {
             "memory/retained_grad_bytes": result.retained_grad_bytes,
             "memory/unsharded_param_bytes": result.unsharded_param_bytes,
@@ -138,7 +137,7 @@ class MemoryGovernor:
             # what auto predicts for this step's own split (its micro-batches and largest micro-batch: a later
             # batch splits unlike the first one the choice was made on), beside the peak
             metrics["memory/predicted_peak_bytes"] = self.auto.predicted_for(current, n, activations)
-            next_mode = self.auto.observe(peak, n, activations, backward_peak if measured else None)
+            next_mode = self.auto.observe(peak, n, activations, backward_peak)
             if next_mode == current and self.auto.trials and not measured:  # a metered step is no timing
                 seconds = float(agree([], [seconds], "auto's cap trial", self.device, self.tuning.timeout_s)[1].max())
                 next_mode, trial = self.auto.time_trial(seconds), True

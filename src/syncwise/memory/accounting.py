@@ -128,13 +128,14 @@ class ShardedModel:
             + self.unsharded_param_bytes(mode, num_microbatches)
         )
 
-    def peak_extra_bytes(self, mode: SyncMode | SyncChoice, num_microbatches: int) -> int:
-        """What ``mode`` adds to a measured ``per_microbatch`` peak: :meth:`extra_bytes` but the root's
-        gathered parameters -- FSDP keeps the root gathered from its forward to its backward in every mode,
-        so every step's peak has them already (measured on a Llama and a GPT-2 directory with a 32000-token tied
-        embedding, 2 ranks, 7 micro-batches: ``deferred_unsharded`` adds exactly this to ``per_microbatch``'s
-        peak)."""
-        return self.extra_bytes(mode, num_microbatches) - self.root_gathered_bytes(mode, num_microbatches)
+    def peak_extra_bytes(self, mode: SyncMode | SyncChoice, num_microbatches: int, root_in_base: bool = True) -> int:
+        """What ``mode`` adds to a ``per_microbatch`` peak: :meth:`extra_bytes` but, where that peak has them
+        (``root_in_base``: a measured peak, or a plan's with FSDP2's bytes in flight), the root's gathered
+        parameters -- FSDP keeps the root gathered from its forward to its backward in every mode (measured
+        on a Llama and a GPT-2 directory with a 32000-token tied embedding, 2 ranks, 7 micro-batches:
+        ``deferred_unsharded`` adds exactly this to ``per_microbatch``'s peak)."""
+        root = self.root_gathered_bytes(mode, num_microbatches) if root_in_base else 0
+        return self.extra_bytes(mode, num_microbatches) - root
 
 
 def _padded_numel(shape: tuple[int, ...], shard_size: int) -> int:
@@ -259,12 +260,14 @@ class PeakMeter:
     def mark_backward_end(self) -> None:
         """The forward/backward peak so far: what the step's setting (sync mode, head, micro-batch size)
         changes, apart from the optimizer step's peak after it, which none of them does."""
+        self.backward_peak = self._peak_so_far()
+
+    def _peak_so_far(self) -> int:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.backward_peak = torch.cuda.max_memory_allocated(self.device)
-        elif self._tracker is not None:
-            snapshot = self._tracker.get_tracker_snapshot("peak")
-            self.backward_peak = max((dev["Total"] for dev in snapshot.values()), default=0)
+            return torch.cuda.max_memory_allocated(self.device)
+        snapshot = self._tracker.get_tracker_snapshot("peak")
+        return max((dev["Total"] for dev in snapshot.values()), default=0)
 
     def _held_now(self) -> int:
         """Memory the step holds right now, without in-flight communication buffers.
@@ -284,13 +287,11 @@ class PeakMeter:
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
+            self.peak = self._peak_so_far()
             return
         dist.reduce_scatter_single = self._reduce_scatter
         self._tracker.__exit__(*exc)
-        snapshot = self._tracker.get_tracker_snapshot("peak")
-        self.peak = max((dev["Total"] for dev in snapshot.values()), default=0)
+        self.peak = self._peak_so_far()
         self._tracker = None
 
 

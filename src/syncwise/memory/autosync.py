@@ -117,16 +117,23 @@ class AutoSync:
         return self.base_peak is not None
 
     def _held_extra(self, choice: SyncChoice, num_microbatches: int) -> int:
-        """What a sync choice adds to the base: the estimator's peak extra where the base is a measured peak
-        (it has the root's gathered parameters), its held extra where it is a plan's sum without them."""
-        if self.root_in_base:
-            return self.estimator.peak_extra_bytes(choice, num_microbatches)
-        return self.estimator.extra_bytes(choice, num_microbatches)
+        """What a sync choice adds to the base (:meth:`ShardedModel.peak_extra_bytes`)."""
+        return self.estimator.peak_extra_bytes(choice, num_microbatches, self.root_in_base)
 
     def extra_bytes(self, setting: Setting) -> int:
         """What ``setting`` adds to the base: its sync mode's held bytes and its activations."""
         n = self.shape.microbatches[setting.cap]
         return self._held_extra(setting.choice, n) + self.shape.activation_bytes(setting.cap, setting.fused_head)
+
+    def _set_base(
+        self, peak: int, backward_peak: int | None, choice: SyncChoice, num_microbatches: int, activations: int,
+        source: str,
+    ) -> str:
+        """The base from a measured step run in ``choice`` (its forward/backward peak less that choice's
+        held extra and its largest micro-batch's activations); returns ``source``'s words for the decision."""
+        backward_peak, source = self._phases(peak, backward_peak, source)
+        self.base_peak = backward_peak - self._held_extra(choice, num_microbatches) - activations
+        return source
 
     def decide(
         self, measured_peak: int, measured: Setting, shape: StepShape, measured_activations: int = 0,
@@ -137,7 +144,6 @@ class AutoSync:
         it up to the end of the last backward, where it is known) and choose the setting of what follows for
         a step of ``shape``."""
         self.shape = shape
-        backward_peak, source = self._phases(measured_peak, backward_peak, source)
         caps, heads = list(shape.microbatches), shape.heads
         ranked = [Setting(choice, head, cap) for choice in self.syncs for head in heads for cap in caps]
         if shape.seconds is not None and len(ranked) > len(self.syncs):  # head or cap to choose too
@@ -145,7 +151,7 @@ class AutoSync:
             ranked.sort(key=lambda s: (round(shape.seconds(s, shape.microbatches[s.cap]), 9), order[s]))
         self.candidates, self.ceiling = ranked, 0
         n = shape.microbatches.get(measured.cap, shape.microbatches[caps[0]])
-        self.base_peak = backward_peak - self._held_extra(measured.choice, n) - measured_activations
+        source = self._set_base(measured_peak, backward_peak, measured.choice, n, measured_activations, source)
         chosen = self._choose(reason=f"{source} peak {format_bytes(measured_peak)} in {measured.label}")
         # What a micro-batch's size does to compute is the device's (on a CPU a larger one can be slower per
         # token: caches, memory bandwidth shared by the ranks): the chosen cap and the next smaller ones that
@@ -166,13 +172,13 @@ class AutoSync:
 
     def peak_of(self, setting: Setting) -> int:
         """The predicted peak of ``setting`` (from the base as it stands)."""
-        return max(self.base_peak + self.extra_bytes(setting), self.floor)
+        return self.predicted_for(setting, self.shape.microbatches[setting.cap],
+                                  self.shape.activation_bytes(setting.cap, setting.fused_head))
 
     def predicted_for(self, setting: Setting, num_microbatches: int, activations: int) -> int:
         """The predicted peak of a step run in ``setting`` that split into ``num_microbatches``, its largest
         micro-batch's activations ``activations`` (the model's, for the step as it came)."""
-        return max(self.base_peak + self._held_extra(setting.choice, num_microbatches) + activations,
-                   self.floor)
+        return max(self.base_peak + self._held_extra(setting.choice, num_microbatches) + activations, self.floor)
 
     def time_trial(self, seconds: float) -> Setting:
         """After a step of ``seconds`` (the slowest rank's, not metered) in ``self.mode`` while caps are on
@@ -221,8 +227,8 @@ class AutoSync:
                   f"holds their gradients only, deferred_unsharded also every parameter" if trainable < total else "")
         n = self.shape.microbatches[chosen.cap]
         split = f"{n} micro-batch{'es' if n != 1 else ''}{'' if len(self.shape.microbatches) == 1 else ' at its cap'}"
-        chosen_here = [d for d, n in (("LM head", len(self.shape.heads)), ("token cap", len(self.shape.microbatches)))
-                       if n > 1]
+        chosen_here = [name for name, options in (("LM head", self.shape.heads), ("token cap", self.shape.microbatches))
+                       if len(options) > 1]
         what = "auto sync" if len(self.syncs) > 1 else (  # the sync mode set: the head and / or cap only
             f"auto {' and '.join(chosen_here) or 'sync'} with {self.syncs[0].label} as set")
         message = (f"{what} ({reason}; budget {format_bytes(self.budget)}, {split}{frozen}): "
@@ -253,16 +259,13 @@ class AutoSync:
             if backward_peak is not None and self.mode in self.candidates:  # a measured step: the base again,
                 # from the setting that runs (the first step's peak may have come where no activation was, e.g.
                 # a tied embedding's gradients summed at the end of backward; a larger setting's does not)
-                measured, _ = self._phases(peak, backward_peak, "")
-                held = self._held_extra(self.mode.choice, num_microbatches)
-                self.base_peak = measured - held - measured_activations
+                self._set_base(peak, backward_peak, self.mode.choice, num_microbatches, measured_activations, "")
             return self.mode
-        backward_peak, source = self._phases(peak, backward_peak, "peak")
         if self.shape is None or self.mode not in self.candidates:
             self.shape = StepShape({self.mode.cap: num_microbatches})
             self.candidates = [Setting(c, self.mode.fused_head, self.mode.cap) for c in self.syncs]
         n = self.shape.microbatches[self.mode.cap]
-        self.base_peak = backward_peak - self._held_extra(self.mode.choice, n) - measured_activations
+        source = self._set_base(peak, backward_peak, self.mode.choice, n, measured_activations, "peak")
         current = self.candidates.index(self.mode)
         self.ceiling = min(current + 1, len(self.candidates) - 1)
         self.trials = []  # over the budget: no more timing, the next that fits

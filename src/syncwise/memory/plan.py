@@ -144,8 +144,7 @@ def _row(choice: SyncChoice, sharded: ShardedModel, units, inp: PlanInput, links
          budget: int, root_in_base: bool) -> ModePlan:
     n = inp.microbatches
     traffic, comm_time = _comm(choice, n, units, inp, links)
-    # what the mode adds to the peak (the root's gathered parameters, where the base has them, not twice)
-    extra = sharded.peak_extra_bytes(choice, n) if root_in_base else sharded.extra_bytes(choice, n)
+    extra = sharded.peak_extra_bytes(choice, n, root_in_base)
     return ModePlan(
         mode=choice.label,
         retained_grad_bytes=sharded.retained_grad_bytes(choice, n),
