@@ -99,3 +99,25 @@ def test_a_bad_prompt_is_one_line_and_exit_2(gpt2, tmp_path, rows, overrides, me
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [f"syncwise: error: rl.dataset: {data} {message}"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_prompt_the_chat_template_refuses_is_one_line_and_exit_2(tmp_path):
+    """Issue 38 (10): a Gemma-style template's refusal (a system message) names the file and line, exit 2."""
+    from user_models import GEMMA_TEMPLATE, save_model_dir
+
+    from syncwise.sft.tasks import arith_chat_rows, chat_tokenizer
+
+    tokenizer = chat_tokenizer(arith_chat_rows(50, seed=1))
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    model = save_model_dir(tmp_path, "llama", tokenizer)
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": "2 + 2?"}], "answer": "4"},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}],
+             "answer": "4"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = _train(tmp_path, f"model.path={model}", f"rl.dataset={data}", "rl.reward_fn=syncwise.rewards:final_number",
+                  f"train.out_dir={tmp_path / 'out'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"syncwise: error: rl.dataset: {data} line 2: the prompt was refused by the chat template: System role not "
+        "supported"]

@@ -19,6 +19,10 @@ from syncwise.rewards import boxed, final_number
     ("#### 7 apples", "7", 1.0),
     ("first 3, then #### 4 and later #### 9", "9", 1.0),  # the last ####
     ("#### 12 #### ", "12", 0.0),  # the last #### has no number
+    ("#### 19 apples in 2 baskets", "19", 1.0),  # the number right after ####, not the last (issue 38)
+    ("#### 19 (after 2 steps)", "19", 1.0),
+    ("#### 19, then 20", "19", 1.0),
+    ("#### 2 baskets of 19", "19", 0.0),  # verl / lm-eval read 2
     ("no number here", "3", 0.0),
     ("", "3", 0.0),
     ("#### .5", "0.5", 1.0),

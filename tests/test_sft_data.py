@@ -78,7 +78,7 @@ def test_messages_with_generation_markers_equal_the_hand_tokenised_reference(tok
 def test_messages_without_markers_by_prefix_rendering_equal_the_reference(plain_tokenizer):
     assert assistant_mask_source(plain_tokenizer) == "prefix"
     ids, mask = tokenize_row({"messages": CHAT}, "messages", plain_tokenizer, "prefix")
-    assert (ids, mask) == _hand_tokenised(plain_tokenizer, CHAT, trailing_newline_trained=True)
+    assert (ids, mask) == _hand_tokenised(plain_tokenizer, CHAT, trailing_newline_trained=False)
 
 
 def test_prompt_completion_strings_and_text(tokenizer):
@@ -94,7 +94,8 @@ def test_conversational_prompt_completion(tokenizer):
     ids, mask = tokenize_row(row, "conversational_prompt_completion", tokenizer)
     want_ids, _ = _hand_tokenised(tokenizer, CHAT[:3], trailing_newline_trained=True)
     prompt_len = len(_hand_tokenised(tokenizer, CHAT[:2], False)[0]) + len(_piece(tokenizer, "<|im_start|>assistant\n"))
-    assert ids == want_ids and mask == [0] * prompt_len + [1] * (len(ids) - prompt_len)
+    separator = len(_piece(tokenizer, "\n"))  # after the last <|im_end|>: the template's, not trained
+    assert ids == want_ids and mask == [0] * prompt_len + [1] * (len(ids) - prompt_len - separator) + [0] * separator
 
 
 @pytest.mark.parametrize(("row", "fmt", "message"), [
@@ -200,3 +201,38 @@ def test_padded_batch_and_held_out_split(tokenizer, tmp_path):
     train, held = split_off(data, 0.25, seed=0)
     assert len(train) == 6 and len(held) == 2
     assert sorted(train.input_ids + held.input_ids) == sorted(data.input_ids)
+
+
+def test_tool_call_chats_train_the_call_with_the_rows_tools(tmp_path):
+    """Issue 38 (1): a Qwen2.5 tool-use row from a save_pretrained directory reaches the template as given --
+    the assistant's tool_calls, the tool message's name, the row's tools (a list, or as a JSON string) in the
+    system prompt -- and the tool-call turn is trained, not an empty assistant turn."""
+    from transformers import AutoTokenizer
+    from user_models import TOOL_CHAT, WEATHER_TOOL, save_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(save_model_dir(tmp_path, "qwen2"), local_files_only=True)
+    rows = [{"messages": TOOL_CHAT, "tools": [WEATHER_TOOL]}, {"messages": TOOL_CHAT, "tools": json.dumps([WEATHER_TOOL])}]
+    data = load_sft_data(_write(tmp_path / "tools.jsonl", rows), tokenizer, 1024, "right", "error")
+    assert data.input_ids[0] == data.input_ids[1] and data.loss_masks[0] == data.loss_masks[1]
+    ids, mask = data.input_ids[0], data.loss_masks[0]
+    assert ids == tokenizer.apply_chat_template(TOOL_CHAT, tools=[WEATHER_TOOL], tokenize=True, return_dict=True)[
+        "input_ids"]
+    assert '"name": "get_weather", "description"' in tokenizer.decode(ids)  # the schema, in the system prompt
+    trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert trained == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+                       "It is 22 degrees in Paris.<|im_end|>")
+    with pytest.raises(DatasetError, match=r"line 1: 'tools' is a string but not JSON"):
+        load_sft_data(_write(tmp_path / "bad.jsonl", [{"messages": TOOL_CHAT, "tools": "{nope"}]), tokenizer, 1024,
+                      "right", "error")
+    no_content = [TOOL_CHAT[0], {"role": "assistant", "content": None, "tool_calls": TOOL_CHAT[1]["tool_calls"]}]
+    ids, mask = tokenize_row({"messages": no_content, "tools": [WEATHER_TOOL]}, "messages", tokenizer, "prefix")
+    assert tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m]).startswith("<tool_call>")
+
+
+@pytest.mark.parametrize("template", ["markers", "prefix"])
+def test_both_mask_sources_train_the_same_tokens(tokenizer, plain_tokenizer, template):
+    """Issue 38 (11): found by rendering prefixes, a turn is trained through its end-of-turn token and not the
+    template's newline after it -- the tokens the {% generation %} markers give for the same chat."""
+    tok = tokenizer if template == "markers" else plain_tokenizer
+    ids, mask = tokenize_row({"messages": CHAT}, "messages", tok, template)
+    assert (ids, mask) == _hand_tokenised(tok, CHAT, trailing_newline_trained=False)

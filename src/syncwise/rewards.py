@@ -1,8 +1,9 @@
 """Built-in reward functions for verifiable answers, in the ``rl.reward_fn`` signature
 ``(prompt, response, row) -> float``: 1.0 when the response's answer equals the row's ``answer``, else 0.0.
 
-- :func:`final_number`: GSM8K's convention -- the number after the last ``####`` or, without one, the last
-  number in the response;
+- :func:`final_number`: GSM8K's convention -- the number right after the last ``####`` (the first one after
+  it, as verl's strict GSM8K extractor and lm-eval read it: ``#### 19 apples in 2 baskets`` answers 19) or,
+  without one, the last number in the response;
 - :func:`boxed`: LaTeX's ``\\boxed{...}`` (the last one), lightly normalised.
 
 Numbers compare as numbers: thousands separators (``1,234``), a leading ``+``, trailing zeros (``5.0``) and a
@@ -19,8 +20,8 @@ _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
 
 
 def final_number(prompt: str, response: str, row: dict[str, Any]) -> float:
-    """1.0 if the response's final number equals ``row["answer"]`` (GSM8K: the one after the last ``####``,
-    else the last number anywhere)."""
+    """1.0 if the response's final number equals ``row["answer"]`` (GSM8K: the first one after the last
+    ``####``, whatever text follows it; else the last number anywhere)."""
     return float(_same(_final_number(response), _answer(row)))
 
 
@@ -37,10 +38,10 @@ def _answer(row: dict[str, Any]) -> str:
 
 
 def _final_number(text: str) -> str | None:
-    tail = text.rsplit("####", 1)[1] if "####" in text else text
-    found = _NUMBER.findall(tail)
-    if not found and "####" in text:
-        return None
+    if "####" in text:
+        found = _NUMBER.search(text.rsplit("####", 1)[1])
+        return found.group(0) if found else None
+    found = _NUMBER.findall(text)
     return found[-1] if found else None
 
 

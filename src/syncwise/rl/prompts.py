@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import RLConfig
+from ..data.chat import RowError, refusal, row_tools
 
 
 @dataclass
@@ -27,15 +28,21 @@ def uses_template(prompt: Any, cfg: RLConfig) -> bool:
     return cfg.chat_template == "true"
 
 
-def encode_prompt(prompt: Any, cfg: RLConfig, tokenizer) -> list[int]:
-    """One prompt's token ids, before any length limit; a ValueError saying why it cannot be encoded."""
+def encode_prompt(prompt: Any, cfg: RLConfig, tokenizer, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """One prompt's token ids, before any length limit (``tools``: the row's, for the template's system
+    prompt); a ValueError saying why it cannot be encoded -- a template's refusal (a system message it does not
+    take, roles that must alternate) in one line."""
     if uses_template(prompt, cfg):
         if cfg.chat_template == "false":
             raise ValueError("is a list of messages, but rl.chat_template=false")
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("needs the tokenizer's chat template, and the tokenizer has none")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
+        try:
+            out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                                add_generation_prompt=True)
+        except Exception as exc:  # jinja2's TemplateError (raise_exception), a TypeError of a bad message, ...
+            raise ValueError(f"was refused by the chat template: {refusal(exc)}") from exc
         ids = list(out["input_ids"])
     else:
         ids = list(tokenizer(prompt)["input_ids"])
@@ -53,7 +60,11 @@ def encode_prompts(rows: list[dict[str, Any]], where: list[str] | None, name: st
     for i, row in enumerate(rows):
         place = f"{name} {where[i]}" if where else f"{name} row {i + 1}"
         try:
-            encoded = encode_prompt(row["prompt"], cfg, tokenizer)
+            tools = row_tools(row)
+        except RowError as exc:
+            raise ValueError(f"rl.dataset: {place}: {exc}") from exc
+        try:
+            encoded = encode_prompt(row["prompt"], cfg, tokenizer, tools)
         except ValueError as exc:
             raise ValueError(f"rl.dataset: {place}: the prompt {exc}") from exc
         if len(encoded) > limit:
