@@ -208,3 +208,31 @@ def test_plan_with_lora_defers_fully_where_without_it_partial():
     hidden, q, kv, ffn = 2560, 32 * 128, 8 * 128, 9728  # r x (in + out) per projection, 36 layers
     per_layer = (hidden + q) + 2 * (hidden + kv) + (q + hidden) + 2 * (hidden + ffn) + (ffn + hidden)
     assert lora.trainable_params == 16 * 36 * per_layer == 33_030_144
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_the_default_jobs_lora_targets_are_its_presets_only(tmp_path, arch):
+    """Issue 38 (3): `syncwise train`'s packaged config targets its random-weight preset's LM head too; on a
+    user's model.path LoRA is all-linear -- every decoder projection (GPT-2's Conv1D too), never the (tied)
+    head -- and PPO's LoRA critic builds on GPT-2; an explicit override still wins."""
+    from user_models import save_model_dir
+
+    from syncwise.config import packaged_config
+    from syncwise.models import build_model
+
+    path = save_model_dir(tmp_path, arch)
+    preset = load_config(packaged_config("grpo.yaml"), ["model.lora.rank=4"], packaged=True)
+    assert preset.model.lora.target_modules.endswith(",lm_head")
+    config = load_config(packaged_config("grpo.yaml"), [f"model.path={path}", "model.lora.rank=4",
+                                                        "rl.algorithm=ppo"], packaged=True)
+    assert config.model.lora.target_modules == "all-linear"
+    adapted = {name.rpartition(".lora_A")[0] for name, _ in build_model(config.model).named_parameters()
+               if ".lora_A." in name}
+    projections = {"gpt2": {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"},
+                   "qwen2": {f"self_attn.{p}_proj" for p in "qkvo"} | {f"mlp.{p}_proj" for p in ("gate", "up", "down")}}
+    assert {".".join(name.split(".")[-2:]) for name in adapted} == projections[arch]  # and nothing else
+    critic = build_model(config.critic_config().model, value_head=True)
+    assert any(".lora_A." in name for name, _ in critic.named_parameters())
+    explicit = load_config(packaged_config("grpo.yaml"), [f"model.path={path}", "model.lora.rank=4",
+                                                          "model.lora.target_modules=c_attn"], packaged=True)
+    assert explicit.model.lora.target_modules == "c_attn"

@@ -533,10 +533,17 @@ def packaged_config(name: str) -> Path:
     return Path(__file__).parent / "configs" / name
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+# Keys a packaged job config sets for its own preset (``grpo.yaml``'s LoRA targets include the LM head of its
+# random-weight Llama): with a ``model.path`` the user's model is not that preset, and they keep their defaults.
+PRESET_ONLY_KEYS = ("model.lora.target_modules",)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, packaged: bool = False) -> Config:
     """Build a validated :class:`Config` from an optional YAML file and ``section.key=value`` overrides.
 
     Values in overrides are parsed as YAML scalars (``lr=3e-4``, ``cpu_offload=true``, ``path=null``).
+    ``packaged``: ``path`` is a config shipped with syncwise (:func:`packaged_config`), whose
+    :data:`PRESET_ONLY_KEYS` do not apply to a ``model.path`` unless an override sets them.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -563,6 +570,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]
             raise ConfigError(f"{key.strip()}: cannot read {raw!r} as a YAML value ({problem}); quote it, e.g. "
                               f"{key.strip()}=\"['...']\"") from exc
+    if packaged and (data.get("model") or {}).get("path"):
+        overridden = {item.partition("=")[0].strip() for item in overrides or []}
+        for key in set(PRESET_ONLY_KEYS) - overridden:
+            *parents, leaf = key.split(".")
+            node = data
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node.pop(leaf, None)
     return load_config_dict(data)
 
 

@@ -78,7 +78,7 @@ def _job_config(spec: GRPOBenchSpec, name: str | None, out: Path, start: Path | 
     else:
         overrides = [*common, f"model.path={start}", "rl.warm_start_steps=0", "optim.lr=0", "optim.warmup_steps=0",
                      f"train.steps={spec.steps}", "train.export=false", *GRPO_CONFIGS[name]]
-    return config_to_dict(load_config(packaged_config("grpo.yaml"), [*overrides, *spec.extra]))
+    return config_to_dict(load_config(packaged_config("grpo.yaml"), [*overrides, *spec.extra], packaged=True))
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -31,10 +31,11 @@ def _run_job(worker_path: str, args: argparse.Namespace, job: str, default_confi
     from .preflight import PreflightError, preflight
 
     path, overrides = _split_args(args.args)
-    if path is None and default_config is not None:
+    packaged = path is None and default_config is not None
+    if packaged:
         path = str(packaged_config(default_config))
     try:
-        config = load_config(path, overrides)
+        config = load_config(path, overrides, packaged=packaged)
         preflight(config, job)
     except (ConfigError, PreflightError) as exc:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks; one says it
