@@ -103,9 +103,8 @@ def test_a_bad_prompt_is_one_line_and_exit_2(gpt2, tmp_path, rows, overrides, me
 
 def test_a_prompt_the_chat_template_refuses_is_one_line_and_exit_2(tmp_path):
     """Issue 38 (10): a Gemma-style template's refusal (a system message) names the file and line, exit 2."""
-    from user_models import GEMMA_TEMPLATE, save_model_dir
-
     from syncwise.sft.tasks import arith_chat_rows, chat_tokenizer
+    from user_models import GEMMA_TEMPLATE, save_model_dir
 
     tokenizer = chat_tokenizer(arith_chat_rows(50, seed=1))
     tokenizer.chat_template = GEMMA_TEMPLATE

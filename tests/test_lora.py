@@ -215,10 +215,9 @@ def test_the_default_jobs_lora_targets_are_its_presets_only(tmp_path, arch):
     """Issue 38 (3): `syncwise train`'s packaged config targets its random-weight preset's LM head too; on a
     user's model.path LoRA is all-linear -- every decoder projection (GPT-2's Conv1D too), never the (tied)
     head -- and PPO's LoRA critic builds on GPT-2; an explicit override still wins."""
-    from user_models import save_model_dir
-
     from syncwise.config import packaged_config
     from syncwise.models import build_model
+    from user_models import save_model_dir
 
     path = save_model_dir(tmp_path, arch)
     preset = load_config(packaged_config("grpo.yaml"), ["model.lora.rank=4"], packaged=True)

@@ -208,10 +208,12 @@ def test_tool_call_chats_train_the_call_with_the_rows_tools(tmp_path):
     the assistant's tool_calls, the tool message's name, the row's tools (a list, or as a JSON string) in the
     system prompt -- and the tool-call turn is trained, not an empty assistant turn."""
     from transformers import AutoTokenizer
+
     from user_models import TOOL_CHAT, WEATHER_TOOL, save_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(save_model_dir(tmp_path, "qwen2"), local_files_only=True)
-    rows = [{"messages": TOOL_CHAT, "tools": [WEATHER_TOOL]}, {"messages": TOOL_CHAT, "tools": json.dumps([WEATHER_TOOL])}]
+    rows = [{"messages": TOOL_CHAT, "tools": [WEATHER_TOOL]},
+            {"messages": TOOL_CHAT, "tools": json.dumps([WEATHER_TOOL])}]
     data = load_sft_data(_write(tmp_path / "tools.jsonl", rows), tokenizer, 1024, "right", "error")
     assert data.input_ids[0] == data.input_ids[1] and data.loss_masks[0] == data.loss_masks[1]
     ids, mask = data.input_ids[0], data.loss_masks[0]

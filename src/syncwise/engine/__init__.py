@@ -111,6 +111,9 @@ class Engine:
         # Per-sample outputs of the last train_batch (what its loss returned, e.g. ``log_probs`` taken with the
         # weights before that step), in batch order: an on-policy trainer needs no extra forward for them.
         self.step_outputs: dict[str, torch.Tensor] = {}
+        # LoRA checkpoints hold the adapters only, the frozen base rebuilt from model.path / the preset -- unless
+        # the base has been changed since (a warm start merged into it): then they hold it too.
+        self.checkpoint_frozen = False
 
     # ----------------------------------------------------------------------------------------------
     # passes over a batch
@@ -276,13 +279,12 @@ class Engine:
     def _state_options(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        # LoRA: the frozen base is rebuilt from model.path / the preset; a checkpoint holds the adapters.
-        lora = self.features.lora
-        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+        lora = self.features.lora  # (see checkpoint_frozen)
+        return StateDictOptions(ignore_frozen_params=lora and not self.checkpoint_frozen, strict=not lora)
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state (sharded DTensors under FSDP2), for ``torch.distributed.checkpoint``.
-        With LoRA, the adapters and their optimizer state only."""
+        With LoRA, the adapters and their optimizer state only (and the base, with ``checkpoint_frozen``)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if self.optimizer is None:

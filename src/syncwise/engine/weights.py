@@ -84,3 +84,25 @@ def _copy_into(own: dict[str, nn.Parameter], chunk: dict[str, torch.Tensor]) -> 
             raise KeyError(f"weight refresh: the trained model's {name!r} has no counterpart in the copy")
         own[name].copy_(value)
     return set(chunk)
+
+
+def load_plain_weights(model: nn.Module, source: dict[str, torch.Tensor], zero_adapters: bool = False) -> int:
+    """Collective: ``model``'s weights set from ``source``, a whole model's unsharded weights keyed as the plain
+    Hugging Face model's (:meth:`Engine.full_model_state`: LoRA merged): each of ``model``'s tensors whose plain
+    name and shape ``source`` has -- a LoRA model's frozen base weights included. ``zero_adapters``: the LoRA
+    adapters' output matrices (B) set to zero, so the adapted model computes ``source``'s function (a merged
+    policy as the new base). Returns the number of tensors set from ``source``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    own = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    update = {}
+    for key, value in own.items():
+        name = lora_adapters.plain_key(key)
+        if zero_adapters and lora_adapters.is_adapter_output(key):
+            update[key] = torch.zeros_like(value)
+        elif name in source and source[name].shape == value.shape:
+            update[key] = source[name]
+    copied = sum(1 for key in update if not lora_adapters.is_adapter_output(key))  # counted first: the call
+    # below fills the dict in with the keys it lacks
+    set_model_state_dict(model, update, options=StateDictOptions(full_state_dict=True, strict=False))
+    return copied

@@ -183,6 +183,11 @@ def plain_key(key: str) -> str:
     return key.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
 
 
+def is_adapter_output(key: str) -> bool:
+    """Whether a peft state-dict key is an adapter's output matrix (B, zero at the start: the delta is B @ A)."""
+    return ".lora_B." in key or ".lora_embedding_B." in key
+
+
 # peft's modules_to_save: the original module and the copy that trains, side by side
 _ORIGINAL = ".original_module."
 _TRAINED = f".modules_to_save.{ADAPTER}."

@@ -28,7 +28,6 @@ from ..config import Config
 from ..engine import Engine
 from ..losses import LossOutput, Normalizer, reads, target_mask
 from ..models import build_model
-from ..models.lora import plain_key
 from ..runtime.distributed import DistInfo, agree
 from .advantages import gae_advantages
 from .losses import ValueLossConfig, make_value_loss
@@ -148,25 +147,6 @@ class Critic:
         lora = f", LoRA rank {model.lora.rank}" if model.lora.rank else ""
         return (f"critic: {source} with a zero-initialised value head{lora}, lr {self.config.optim.lr:g}, "
                 f"sync.mode={self.config.sync.mode}")
-
-    def start_from(self, actor: Engine) -> int:
-        """Collective: the critic's decoder set to the actor's current weights (what a critic built from the
-        policy's checkpoint would hold; called after ``rl.warm_start_steps``, which train the actor alone).
-        The value head and LoRA adapters stay as they are. Returns the number of tensors copied."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            set_model_state_dict,
-        )
-
-        source = actor.full_model_state()  # plain names, LoRA merged
-        own = get_model_state_dict(self.engine.model, options=StateDictOptions(full_state_dict=True))
-        plain = {key: plain_key(key) for key in own}
-        update = {key: source[name] for key, name in plain.items()
-                  if name in source and source[name].shape == own[key].shape}
-        copied = len(update)  # counted first: set_model_state_dict fills the dict in with the keys it lacks
-        set_model_state_dict(self.engine.model, update, options=StateDictOptions(full_state_dict=True, strict=False))
-        return copied
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T-1] values of ``batch`` (forward only)."""

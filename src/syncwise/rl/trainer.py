@@ -36,7 +36,7 @@ import yaml
 from ..checkpoint import CheckpointManager, export_hf
 from ..config import Config, config_to_dict, load_config_dict
 from ..engine import Engine
-from ..losses import is_maximum, sft_loss
+from ..losses import is_maximum
 from ..metrics import JsonlLogger, TensorBoardLogger, job_history, plot_curves, plot_phases
 from ..models import build_model
 from ..models.lora import adapters_disabled
@@ -46,8 +46,9 @@ from .advantages import grpo_advantages, rloo_advantages, uniform_groups
 from .balance import Balance, balance_ranks, rank_token_imbalance, select_trained_rows, take_rows
 from .losses import make_policy_loss
 from .ppo import Critic, ppo_advantages
-from .rollout import Rollout, response_batch
+from .rollout import Rollout
 from .tasks import builtin_tokenizer, prompt_source
+from .warm_start import keep_changed_bases, start_from_policy, warm_start_step
 
 
 class TrainingStopped(RuntimeError):
@@ -191,6 +192,7 @@ class RLTrainer:
                        if rl.algorithm == "ppo" else None)
         self.rollout = Rollout(self.engine, self.tokenizer, rl, end_token_ids(config.model.path))
         self._hold_outside()
+        keep_changed_bases(config, self.engine, self.critic.engine if self.critic else None, self.uses_reference)
         self.loss_fn = make_policy_loss(rl.loss, temperature=rl.temperature)
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
         self.resumed_from = self.checkpoints.resolve(train.resume)
@@ -209,8 +211,11 @@ class RLTrainer:
 
     @property
     def _others(self) -> dict[str, Engine]:
-        """Engines checkpointed beside the actor's."""
-        return {"critic": self.critic.engine} if self.critic is not None else {}
+        """Engines checkpointed beside the actor's: PPO's critic, and a frozen reference the warm start set."""
+        others = {"critic": self.critic.engine} if self.critic is not None else {}
+        if self.reference is not None and self.config.rl.warm_start_steps:
+            others["reference"] = self.reference
+        return others
 
     def _hold_outside(self) -> None:
         """Tell each trained engine's auto what stays in memory outside it for the whole job: the rollout copy,
@@ -325,33 +330,24 @@ class RLTrainer:
         return metrics
 
     def warm_start(self) -> None:
-        """``rl.warm_start_steps`` supervised steps on the task's correct responses (loss on the response
-        and its end-of-sequence token), through the same engine; a resumed run has had them already."""
+        """``rl.warm_start_steps`` supervised steps on the task's correct responses through the same engine,
+        then the reference (and a critic of the policy's weights) start from the warm-started policy
+        (:mod:`syncwise.rl.warm_start`); a resumed run has had them already."""
         steps, rl = self.config.rl.warm_start_steps, self.config.rl
         if not steps or self.start > 0:
             return
-        tok = self.tokenizer
         for step in range(steps):
             rows = self.source.batch(step, self.info.rank, self.info.world_size, rl.prompts_per_rank * 2)
-            sequences, masks = [], []
-            for row in rows:
-                prompt = tok(row["prompt"])["input_ids"]
-                response = tok(self.source.demonstration(row))["input_ids"] + [tok.eos_token_id]
-                sequences.append(torch.tensor(prompt + response))
-                masks.append(torch.tensor([0] * len(prompt) + [1] * len(response)))
-            metrics = self.engine.train_batch(response_batch(sequences, masks, tok.pad_token_id), sft_loss)
+            metrics = warm_start_step(self.engine, rows, self.source, self.tokenizer)
             if metrics["stop/signal"]:  # agreed by every rank; nothing to keep yet
                 self.close_logs()
                 raise stopped(metrics["stop/signal"], 0, self.config.train.steps,
                               f"during warm-start step {step + 1} of {steps}; nothing saved")
-        critic_note = ""
-        if self.critic is not None and not {"path", "preset"} & set(self.config.critic.model):
-            # a critic of the policy's own weights starts from the warm-started policy, as one built from
-            # an SFT checkpoint would
-            critic_note = f"; the critic's decoder starts from it ({self.critic.start_from(self.engine)} tensors)"
+        notes = start_from_policy(self.config, self.engine, self.reference,
+                                  self.critic.engine if self.critic else None, self.uses_reference)
         if self.info.is_main:
             print(f"syncwise train: warm start: {steps} supervised steps on the task's answers, "
-                  f"loss {metrics['loss']:.3f}{critic_note}", flush=True)
+                  f"loss {metrics['loss']:.3f}" + "".join(f"; {note}" for note in notes), flush=True)
 
     def _samples_that_train(
         self, batch: dict[str, torch.Tensor], rewards: torch.Tensor
