@@ -123,6 +123,26 @@ def test_job_history_keeps_the_last_row_of_each_step(tmp_path):
     assert [(r["train/step"], r["v"]) for r in job_history(log)] == [(1, 0), (2, 1), (3, 1)]
 
 
+def test_a_fresh_run_in_a_used_folder_starts_its_own_log(runs, tmp_path):
+    """Issue 38 (6): a run that does not resume, in the folder of a 6-step job, logs, plots and summarises its
+    own 2 steps; the earlier log (and TensorBoard folder) is set aside, not lost. A run resumed from an
+    earlier checkpoint keeps the rows up to it and replaces the rest."""
+    used = tmp_path / "used"
+    shutil.copytree(runs["root"] / "full", used)
+    proc = _train(used, "train.steps=2", "train.logger=tensorboard")
+    assert [r["train/step"] for r in read_jsonl(used / "metrics.jsonl")] == [1, 2]
+    assert [r["train/step"] for r in read_jsonl(used / "metrics.old-1.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert (used / "tensorboard.old-1").is_dir() and (used / "tensorboard").is_dir()
+    assert "an earlier run's log in this folder moved to metrics.old-1.jsonl" in proc.stdout
+    assert "mean reward: first 2 steps" in proc.stdout
+    again = tmp_path / "again"
+    shutil.copytree(runs["root"] / "full", again)
+    _train(again, "train.steps=4", f"train.resume={again / 'checkpoints' / 'step_000003'}")
+    rows = read_jsonl(again / "metrics.jsonl")
+    assert [r["train/step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[:3] == read_jsonl(runs["root"] / "full" / "metrics.jsonl")[:3]
+
+
 @pytest.mark.parametrize(("strategy", "mode"), [("fsdp2", "per_microbatch"), ("fsdp1", "per_microbatch"),
                                                 ("fsdp1", "deferred")])
 def test_resume_runs_the_configured_sync_mode_and_fsdp1_exports(runs, tmp_path, strategy, mode):

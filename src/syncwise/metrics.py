@@ -23,13 +23,45 @@ class JsonlLogger:
         self._file.close()
 
 
+def set_aside(path: Path) -> Path | None:
+    """An earlier run's ``path`` (a log file or folder) renamed to ``<stem>.old-N<suffix>`` (the first free N),
+    so a new run starts its own and nothing is lost; None where there is nothing at ``path``."""
+    if not path.exists():
+        return None
+    n = 1
+    while (aside := path.with_name(f"{path.stem}.old-{n}{path.suffix}")).exists():
+        n += 1
+    path.rename(aside)
+    return aside
+
+
+def open_job_log(path: str | Path, resumed_step: int | None, step_key: str = "train/step") -> tuple[JsonlLogger, str]:
+    """The job's JSONL log and a note for its first line. A run that does not resume (``resumed_step`` None)
+    starts its own: an earlier run's log in the folder is set aside (:func:`set_aside`), never mixed into
+    this run's summary and curves. A resumed run keeps the rows up to its checkpoint's step and drops later
+    ones (of a run whose steps it replays)."""
+    path = Path(path)
+    note = ""
+    if resumed_step is None:
+        aside = set_aside(path)
+        note = f"; an earlier run's log in this folder moved to {aside.name}" if aside else ""
+    elif path.is_file():
+        rows = read_jsonl(path)
+        kept = [row for row in rows if row.get(step_key, 0) <= resumed_step]
+        if len(kept) < len(rows):
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in kept))
+            tmp.replace(path)
+    return JsonlLogger(path), note
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def job_history(path: str | Path, step_key: str = "train/step") -> list[dict[str, Any]]:
-    """Every step of a job from its JSONL log, across resumes: the log is appended by each run, and a run
-    resumed from an earlier checkpoint logs its steps again, so the last row of each step counts."""
+    """Every step of a job from its JSONL log, across resumes (:func:`open_job_log`: a resumed run appends
+    from its checkpoint's step on); where a step was logged twice, the last row counts."""
     rows = {row[step_key]: row for row in read_jsonl(path) if step_key in row}
     return [rows[step] for step in sorted(rows)]
 

@@ -37,7 +37,7 @@ from ..checkpoint import CheckpointManager, export_hf
 from ..config import Config, config_to_dict, load_config_dict
 from ..engine import Engine
 from ..losses import is_maximum
-from ..metrics import JsonlLogger, TensorBoardLogger, job_history, plot_curves, plot_phases
+from ..metrics import TensorBoardLogger, job_history, open_job_log, plot_curves, plot_phases, set_aside
 from ..models import build_model
 from ..models.lora import adapters_disabled
 from ..runtime.distributed import DistInfo, agree, init_distributed, run_rank
@@ -231,8 +231,11 @@ class RLTrainer:
         config, rl, train = self.config, self.config.rl, self.config.train
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config)))
-        self.loggers.append(JsonlLogger(self.out_dir / "metrics.jsonl"))
+        log, log_note = open_job_log(self.out_dir / "metrics.jsonl", self.start if self.resumed_from else None)
+        self.loggers.append(log)
         if train.logger == "tensorboard":
+            if not self.resumed_from:
+                set_aside(self.out_dir / "tensorboard")
             self.loggers.append(TensorBoardLogger(self.out_dir / "tensorboard"))
         prompts = self.source.encoded
         notes = "".join([", through the chat template" if prompts.templated else "",
@@ -245,7 +248,7 @@ class RLTrainer:
             f"{rl.samples_per_prompt} samples per rank, responses up to {self.rollout.max_new_tokens(self.source)} "
             f"tokens, sync.mode={config.sync.mode}"
             + (f"; {self.critic.describe()}" if self.critic is not None else "")
-            + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else ""),
+            + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else "") + log_note,
             flush=True,
         )
         if train.progress:

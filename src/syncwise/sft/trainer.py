@@ -24,7 +24,7 @@ from ..config import Config, config_to_dict
 from ..data.sft_dataset import SampleOrder, padded_batch, rank_share
 from ..engine import Engine
 from ..losses import sft_loss
-from ..metrics import JsonlLogger, format_step, job_history, plot_curves
+from ..metrics import JsonlLogger, format_step, job_history, open_job_log, plot_curves
 from ..models import build_model
 from ..runtime.distributed import DistInfo
 from ..runtime.signals import stopped
@@ -73,7 +73,7 @@ class SFTTrainer:
         sft = self.config.sft
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config)))
-        self.logger = JsonlLogger(self.out_dir / "metrics.jsonl")
+        self.logger, log_note = open_job_log(self.out_dir / "metrics.jsonl", self.start if self.resumed_from else None)
         size = (f"{sft.batch_tokens} tokens" if sft.batch_tokens else
                 f"{sft.batch_size} sequences ({self.total_steps * sft.batch_size / len(self.data):.3g} epochs)")
         held = f"; eval {self.eval_data.describe()}" if self.eval_data is not None else ""
@@ -82,7 +82,7 @@ class SFTTrainer:
             f"syncwise sft: {self.config.engine.strategy} on {self.info.world_size} rank(s), sync.mode="
             f"{self.config.sync.mode}, {self.config.engine.split_label}, "
             f"{self.engine.wrapped.num_units} FSDP units; {self.total_steps} steps of {size}"
-            + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else ""),
+            + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else "") + log_note,
             flush=True,
         )
         if sft.progress:
