@@ -55,7 +55,8 @@ def test_head_and_cap_chosen_with_the_mode_fastest_that_fits_and_a_budget_change
         100_000: Setting(deferred, True, 4096),  # the logits (122880) do not fit: fused (40960), one micro-batch
         35_000: Setting(per_microbatch, True, 2048),  # 4096 tokens do not fit; deferring two (34000 more) neither
         15_000: Setting(per_microbatch, True, 1024),
-        5_000: Setting(per_microbatch, True, 1024),  # nothing fits: the cheapest
+        # nothing fits (the measured step neither): the lowest predicted peak, the measured setting's own
+        5_000: first,
     }
     for free, setting in expected.items():
         auto = AutoSync(MODEL, [deferred, per_microbatch], 100_000 + free)
@@ -136,3 +137,22 @@ def test_an_optimizer_step_peak_is_a_floor_and_a_measured_step_within_budget_set
     assert auto.predicted_for(chosen, 1, 30 * 2048) == max(80_000 + 30 * 2048, 150_000)
     assert auto.predicted_for(chosen, 1, 30 * 4096) == 80_000 + 30 * 4096
     assert auto.observe(10**7, 1) != chosen  # over the budget: steps down as before
+
+
+def test_a_setting_that_measured_within_the_budget_is_kept_when_nothing_else_is_predicted_to_fit():
+    """Issue 38 (8): the first step (per_microbatch, fused, longest-sequence cap) measured within the budget
+    and every setting auto chooses among is predicted over it: auto keeps the measured setting, never the
+    slowest-ranked one over the budget; a later step over the budget with nothing lower left says so once."""
+    per_microbatch = SyncChoice(SyncMode.PER_MICROBATCH)
+    first = Setting(per_microbatch, True, 1)
+    auto = AutoSync(MODEL, [SyncChoice(SyncMode.DEFERRED), per_microbatch], 100_000 + 6000)
+    chosen = auto.decide(100_000 + 5120, first, _shape(0.001), measured_activations=5120, measured_microbatches=8)
+    assert chosen == first and auto.predicted_peak == 100_000 + 5120 <= auto.budget
+    # the split said beside the setting it is of (issue 38, 13: not "1 micro-batch at its cap" in the header)
+    assert "=> per_microbatch, fused head, longest-sequence cap (8 micro-batches, predicted peak" in auto.decisions[-1]
+    assert "micro-batch" not in auto.decisions[-1].split("):")[0]
+    said = len(auto.decisions)
+    assert auto.observe(100_000 + 7000, 8, measured_activations=5120) == first  # over: nothing lower is left
+    assert len(auto.decisions) == said + 1 and "running on over the budget" in auto.decisions[-1]
+    auto.observe(100_000 + 7000, 8, measured_activations=5120)
+    assert len(auto.decisions) == said + 1  # said once

@@ -27,7 +27,7 @@ from ..data import attention
 from ..data.batching import Batch
 from ..losses import LossFn
 from ..memory.accounting import PeakMeter, resident_bytes, sharded_model_of
-from ..memory.autosync import Setting
+from ..memory.autosync import LONGEST, Setting
 from ..memory.schedule import unit_traffic
 from ..memory.units import configured_choice, unit_names
 from ..models import build_model
@@ -111,9 +111,7 @@ class Engine:
         # Per-sample outputs of the last train_batch (what its loss returned, e.g. ``log_probs`` taken with the
         # weights before that step), in batch order: an on-policy trainer needs no extra forward for them.
         self.step_outputs: dict[str, torch.Tensor] = {}
-        # LoRA checkpoints hold the adapters only, the frozen base rebuilt from model.path / the preset -- unless
-        # the base has been changed since (a warm start merged into it): then they hold it too.
-        self.checkpoint_frozen = False
+        self.checkpoint_frozen = False  # LoRA: the frozen base changed since it was built (checkpoints hold it)
 
     # ----------------------------------------------------------------------------------------------
     # passes over a batch
@@ -245,7 +243,8 @@ class Engine:
             "train/lr": self.scheduler.get_last_lr()[0],
             "sync/mode": mode.label,
             "engine/fused_lm_head": float(fused),
-            "engine/max_tokens_per_micro_batch": cap,
+            # the longest-sequence cap (auto's first step) as it stretched: the longest sequence over the ranks
+            "engine/max_tokens_per_micro_batch": memory["batch/largest_microbatch_tokens"] if cap == LONGEST else cap,
             "stop/signal": stop,
             **memory,
             **counter.totals.as_metrics(),
@@ -279,7 +278,7 @@ class Engine:
     def _state_options(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        lora = self.features.lora  # (see checkpoint_frozen)
+        lora = self.features.lora  # LoRA checkpoints: the adapters; the base is rebuilt unless checkpoint_frozen
         return StateDictOptions(ignore_frozen_params=lora and not self.checkpoint_frozen, strict=not lora)
 
     def state_dict(self) -> dict[str, Any]:
@@ -347,6 +346,8 @@ class Engine:
         if saved.mode in self.supported_modes and saved.units <= units:
             self.governor.load_state(state)
             self._use(self.governor.setting)
+            if state.get("auto", {}).get("trial_cut_short") and self.info.is_main:
+                print(f"syncwise: {self.governor.auto.decisions[-1]}", flush=True)
         elif self.info.is_main:
             print(f"syncwise: the checkpoint's sync mode {saved.label} cannot run here "
                   f"(engine.strategy={self.config.engine.strategy}); sync.mode=auto decides again", flush=True)

@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from ..config import SyncConfig
-from ..memory.accounting import PeakMeter, ShardedModel, pending_optimizer_state_bytes, resolve_budget
+from ..memory.accounting import (
+    PeakMeter,
+    ShardedModel,
+    format_bytes,
+    pending_optimizer_state_bytes,
+    resolve_budget,
+)
 from ..memory.autosync import AutoSync, Setting, StepShape
 from ..memory.costs import Links, candidates
 from ..runtime.distributed import agree
@@ -61,8 +67,17 @@ class MemoryGovernor:
         allocator peak already counts it; the CPU tensor tracker sees only the engine's tensors, so there it
         comes off auto's budget."""
         if self.auto is not None and self.device.type != "cuda":
+            if self.own_budget - nbytes <= 0:
+                raise ValueError(self._budget_error(self.own_budget, nbytes,
+                                                    "the rollout copy and the other models kept beside it"))
             self.own_budget -= nbytes
             self.auto.budget = self.own_budget
+
+    def _budget_error(self, budget: int, held: int, what: str) -> str:
+        value = self.cfg.memory_budget
+        return (f"sync.memory_budget={int(value) if value > 1 else f'{value:g}'} ({format_bytes(budget)} per rank) is below what the "
+                f"job holds before any micro-batch: {format_bytes(held)} ({what}); raise it, or 0 for 90% of the "
+                "device's share")
 
     @property
     def setting(self) -> Setting | None:
@@ -130,6 +145,7 @@ class MemoryGovernor:
             return metrics, None
         self.auto.budget = budget
         metrics["memory/budget_bytes"] = budget
+        metrics["memory/over_budget_bytes"] = max(0, peak - budget)
         decisions, current = len(self.auto.decisions), self.auto.mode
         activations = self.tuning.activation_bytes(largest_tokens, current.fused_head) if self.tuning else 0
         trial = False
@@ -142,8 +158,12 @@ class MemoryGovernor:
                 seconds = float(agree([], [seconds], "auto's cap trial", self.device, self.tuning.timeout_s)[1].max())
                 next_mode, trial = self.auto.time_trial(seconds), True
         else:
+            held = peak - activations  # what the measured step held besides its micro-batch's activations
+            if held > budget:
+                raise ValueError(self._budget_error(budget, held, "parameters, gradients, optimizer state, buffers"))
             shape = self.tuning.shape(batch, n, largest_tokens) if self.tuning else StepShape.fixed(n)
-            next_mode = self.auto.decide(peak, current, shape, activations, backward_peak=backward_peak)
+            next_mode = self.auto.decide(peak, current, shape, activations, backward_peak=backward_peak,
+                                         measured_microbatches=n)
         if next_mode != current:  # the base of the estimated steps, until a step measures it
             self.base_peak = self.auto.peak_of(next_mode) - self.estimator.peak_extra_bytes(
                 next_mode.choice, self.auto.shape.microbatches[next_mode.cap])
@@ -163,11 +183,14 @@ class MemoryGovernor:
     def state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"base_peak": self.base_peak}
         if self.auto is not None:
+            # caps still on trial: the checkpoint records auto's predicted choice (the first on trial), which the
+            # resumed run keeps without timing more -- not whichever cap the trial was timing at the moment
+            mode = self.auto.trials[0] if self.auto.trials else self.auto.mode
             state["auto"] = {
                 "base_peak": self.auto.base_peak, "ceiling": self.auto.ceiling,
-                "mode": self.auto.mode.choice.mode.value, "units": sorted(self.auto.mode.choice.units),
-                "fused_head": self.auto.mode.fused_head, "cap": self.auto.mode.cap, "decisions": self.auto.decisions,
-                "floor": self.auto.floor,
+                "mode": mode.choice.mode.value, "units": sorted(mode.choice.units),
+                "fused_head": mode.fused_head, "cap": mode.cap, "decisions": self.auto.decisions,
+                "floor": self.auto.floor, "trial_cut_short": bool(self.auto.trials),
             }
         return state
 
@@ -180,4 +203,7 @@ class MemoryGovernor:
             self.auto.floor = int(auto.get("floor", 0))
             choice = SyncChoice(SyncMode(auto["mode"]), frozenset(auto.get("units", ())))
             self.auto.mode = Setting(choice, auto.get("fused_head"), auto.get("cap"))
-            self.auto.decisions = list(auto["decisions"])  # (caps still on trial: the checkpoint's is kept)
+            self.auto.decisions = list(auto["decisions"])
+            if auto.get("trial_cut_short"):
+                self.auto.decisions.append(f"auto: the checkpoint was taken while caps were on trial; resumed in "
+                                           f"its predicted choice, {self.auto.mode.label}, without timing more")

@@ -44,6 +44,28 @@ def check_model(config: Config) -> None:
         raise PreflightError(f"model.path: {folder / 'config.json'} does not load: {_first_line(exc)}") from exc
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise PreflightError(f"model.path: {path} has no weights ({' or '.join(WEIGHT_FILES[::2])})")
+    check_attention(config.model.attn_implementation, AutoConfig.from_pretrained(folder, local_files_only=True))
+
+
+# model.attn_implementation -> the flag a transformers model class sets when it has that kernel
+_ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                      "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}
+
+
+def check_attention(implementation: str, hf_config) -> None:
+    """The model's class has ``model.attn_implementation`` (Gemma-2's, say, has no sdpa kernel in
+    transformers): a one-line error naming the key and what the class does support, not transformers' message
+    from inside a rank."""
+    from transformers import AutoModelForCausalLM
+
+    flag = _ATTENTION_SUPPORT.get(implementation)
+    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    if flag is None or model_class is None or getattr(model_class, flag, True):
+        return
+    others = [name for name, other in _ATTENTION_SUPPORT.items() if getattr(model_class, other, False)]
+    raise PreflightError(f"model.attn_implementation={implementation}: {model_class.__name__} has no such kernel in "
+                         f"transformers; use model.attn_implementation=eager"
+                         + (f" (or {', '.join(others)})" if others else ""))
 
 
 def _hf_config(config: Config):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..sync.modes import SyncChoice, SyncMode
 from .accounting import ShardedModel, format_bytes
@@ -69,6 +69,17 @@ class StepShape:
         """Only the sync mode to choose: the split and the head are the config's."""
         return cls({None: num_microbatches})
 
+    def with_measured(self, measured: Setting, num_microbatches: int, activations: int) -> StepShape:
+        """This shape with the setting a step was measured in (the first step's longest-sequence cap, which
+        is no cap auto chooses among), as that step split and with its measured activations."""
+        own = self.activation_bytes
+
+        def activation_bytes(cap: int | None, fused: bool | None) -> int:
+            return activations if (cap, fused) == (measured.cap, measured.fused_head) else own(cap, fused)
+
+        return replace(self, microbatches={**self.microbatches, measured.cap: num_microbatches},
+                       activation_bytes=activation_bytes)
+
 
 def step_shape(
     splits: dict[int, tuple[int, int]], fixed: tuple[int, int], heads: tuple[bool | None, ...],
@@ -111,6 +122,7 @@ class AutoSync:
     runner_up: Setting | None = None  # the next fastest that fits
     trials: list[Setting] = field(default_factory=list)  # caps still on trial after the decision
     timed: dict[Setting, float] = field(default_factory=dict)  # a step's seconds in each cap on trial
+    said_over_budget: bool = False  # a step over the budget with nothing lower left has been reported
 
     @property
     def decided(self) -> bool:
@@ -137,27 +149,31 @@ class AutoSync:
 
     def decide(
         self, measured_peak: int, measured: Setting, shape: StepShape, measured_activations: int = 0,
-        source: str = "measured", backward_peak: int | None = None,
+        source: str = "measured", backward_peak: int | None = None, measured_microbatches: int | None = None,
     ) -> Setting:
         """Take a peak (of a step run in ``measured``, whose largest micro-batch's activations were
-        ``measured_activations``; ``source`` says how the peak was obtained; ``backward_peak``: the part of
-        it up to the end of the last backward, where it is known) and choose the setting of what follows for
-        a step of ``shape``."""
-        self.shape = shape
+        ``measured_activations``, in ``measured_microbatches``; ``source`` says how the peak was obtained;
+        ``backward_peak``: the part of it up to the end of the last backward, where it is known) and choose
+        the setting of what follows for a step of ``shape``. The measured setting stays a candidate, the last:
+        a setting that measured within the budget is never left for one predicted over it."""
         caps, heads = list(shape.microbatches), shape.heads
         ranked = [Setting(choice, head, cap) for choice in self.syncs for head in heads for cap in caps]
         if shape.seconds is not None and len(ranked) > len(self.syncs):  # head or cap to choose too
             order = {s: i for i, s in enumerate(ranked)}
             ranked.sort(key=lambda s: (round(shape.seconds(s, shape.microbatches[s.cap]), 9), order[s]))
+        n = measured_microbatches or shape.microbatches.get(measured.cap, shape.microbatches[caps[0]])
+        if measured not in ranked and (measured.choice in self.syncs):
+            ranked.append(measured)
+            shape = shape.with_measured(measured, n, measured_activations)
+        self.shape = shape
         self.candidates, self.ceiling = ranked, 0
-        n = shape.microbatches.get(measured.cap, shape.microbatches[caps[0]])
         source = self._set_base(measured_peak, backward_peak, measured.choice, n, measured_activations, source)
         chosen = self._choose(reason=f"{source} peak {format_bytes(measured_peak)} in {measured.label}")
         # What a micro-batch's size does to compute is the device's (on a CPU a larger one can be slower per
         # token: caches, memory bandwidth shared by the ranks): the chosen cap and the next smaller ones that
         # fit are each timed for a step, and the fastest kept (time_trial).
         smaller = sorted((s for s in self.candidates if s.choice == chosen.choice and s.fused_head == chosen.fused_head
-                          and s.cap is not None and chosen.cap is not None and s.cap < chosen.cap
+                          and s.cap is not None and chosen.cap is not None and LONGEST < s.cap < chosen.cap
                           and self.peak_of(s) <= self.budget), key=lambda s: -s.cap)
         self.trials, self.timed = ([chosen, *smaller[: TRIAL_CAPS - 1]] if smaller else []), {}
         return chosen
@@ -216,9 +232,12 @@ class AutoSync:
         parts = _collapse(rejected, free)
         if found:
             parts.append(found)
-        else:
-            self.ceiling = len(self.candidates) - 1
-            parts.append(f"nothing fits: the cheapest, {chosen.label}")
+        else:  # the lowest predicted peak of those left (stepping down: never back above the ceiling)
+            left = self.candidates[self.ceiling :] or self.candidates[-1:]
+            chosen = min(left, key=lambda s: (self.peak_of(s), left.index(s)))
+            self.ceiling = self.candidates.index(chosen)
+            parts.append(f"nothing fits: the lowest predicted peak, {chosen.label}, "
+                         f"{format_bytes(self.peak_of(chosen) - self.budget)} over the budget")
         self.predicted_peak = self.peak_of(chosen)
         changed = chosen != self.mode or not self.decisions
         self.mode = chosen
@@ -226,14 +245,16 @@ class AutoSync:
         frozen = (f"; {trainable / 1e6:.3g}M of {total / 1e6:.4g}M parameters train (LoRA / frozen): deferring "
                   f"holds their gradients only, deferred_unsharded also every parameter" if trainable < total else "")
         n = self.shape.microbatches[chosen.cap]
-        split = f"{n} micro-batch{'es' if n != 1 else ''}{'' if len(self.shape.microbatches) == 1 else ' at its cap'}"
+        count = f"{n} micro-batch{'es' if n != 1 else ''}"
+        # the split is the config's: said once; chosen with the cap: said beside the choice (not the measured step's)
+        split, chosen_split = (f", {count}", "") if len(self.shape.microbatches) == 1 else ("", f", {count}")
         chosen_here = [name for name, options in (("LM head", self.shape.heads), ("token cap", self.shape.microbatches))
                        if len(options) > 1]
         what = "auto sync" if len(self.syncs) > 1 else (  # the sync mode set: the head and / or cap only
             f"auto {' and '.join(chosen_here) or 'sync'} with {self.syncs[0].label} as set")
-        message = (f"{what} ({reason}; budget {format_bytes(self.budget)}, {split}{frozen}): "
-                   + "; ".join(parts) + f" => {chosen.label} (predicted peak {format_bytes(self.predicted_peak)}"
-                   + self._time_of(chosen) + ")")
+        message = (f"{what} ({reason}; budget {format_bytes(self.budget)}{split}{frozen}): "
+                   + "; ".join(parts) + f" => {chosen.label} ({chosen_split.lstrip(', ')}{', ' if chosen_split else ''}"
+                   f"predicted peak {format_bytes(self.predicted_peak)}" + self._time_of(chosen) + ")")
         if self.runner_up is not None and len(self.candidates) > len(self.syncs):
             message += f"; runner-up {self.runner_up.label}{self._time_of(self.runner_up, ' ')}"
         if changed:
@@ -269,7 +290,16 @@ class AutoSync:
         current = self.candidates.index(self.mode)
         self.ceiling = min(current + 1, len(self.candidates) - 1)
         self.trials = []  # over the budget: no more timing, the next that fits
-        return self._choose(reason=f"{source} {format_bytes(peak)} over budget in {self.mode.label}, stepping down")
+        previous = self.mode
+        chosen = self._choose(reason=f"{source} {format_bytes(peak)} over budget in {self.mode.label}, stepping down")
+        if chosen == previous and not self.said_over_budget:  # nothing left to step down to: said once
+            self.said_over_budget = True
+            message = (f"auto: the step peaked at {format_bytes(peak)}, over the budget {format_bytes(self.budget)}, "
+                       f"and no setting left is predicted lower than {chosen.label}; running on over the budget "
+                       "(memory/over_budget_bytes says by how much each step)")
+            self.decisions.append(message)
+            log.info(message)
+        return chosen
 
 
 def _collapse(rejected: list[tuple[str, int]], free: int) -> list[str]:
