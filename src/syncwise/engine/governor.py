@@ -75,9 +75,9 @@ class MemoryGovernor:
 
     def _budget_error(self, budget: int, held: int, what: str) -> str:
         value = self.cfg.memory_budget
-        return (f"sync.memory_budget={int(value) if value > 1 else f'{value:g}'} ({format_bytes(budget)} per rank) is below what the "
-                f"job holds before any micro-batch: {format_bytes(held)} ({what}); raise it, or 0 for 90% of the "
-                "device's share")
+        shown = int(value) if value > 1 else f"{value:g}"
+        return (f"sync.memory_budget={shown} ({format_bytes(budget)} per rank) is below what the job holds before "
+                f"any micro-batch: {format_bytes(held)} ({what}); raise it, or 0 for 90% of the device's share")
 
     @property
     def setting(self) -> Setting | None:
