@@ -53,6 +53,8 @@ def test_compact_sampler_draws_from_the_truncated_distribution():
     first = torch.stack([t[0] for t in out.tokens])
     drawn = torch.stack([lp[0] for lp in out.log_probs])
     assert torch.allclose(drawn, want[first], atol=1e-5)
+    full = torch.stack([lp[0] for lp in out.full_log_probs])  # the untruncated distribution's, as the trainer's
+    assert torch.allclose(full, (logits / 0.8).log_softmax(-1)[first], atol=1e-5)
     support = (want > -math.inf).nonzero().squeeze(1)
     assert 2 <= len(support) <= 6 and set(first.tolist()) <= set(support.tolist())
     counts = torch.bincount(first, minlength=32)[support].double()

@@ -120,3 +120,19 @@ def test_a_prompt_the_chat_template_refuses_is_one_line_and_exit_2(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"syncwise: error: rl.dataset: {data} line 2: the prompt was refused by the chat template: System role not "
         "supported"]
+
+
+@pytest.mark.parametrize("sampler", ["compact", "generate"])
+def test_truncated_sampling_is_said_and_compared_on_the_same_distribution(gpt2, tmp_path, sampler):
+    """Issue 38 (9): with rl.top_p the sampler's kept log-probs are of the untruncated distribution, as the
+    trainer's: on-policy in fp32 rollout/log_prob_diff is rounding (it was ~0.3, the truncation itself) and
+    rollout_is=token weights stay 1 (they were the kept mass, ~0.7); the kept mass is its own metric, and the
+    run says once what truncation does."""
+    proc = _train(tmp_path, f"model.path={gpt2}", "rl.top_p=0.7", "rl.loss.rollout_is=token", "train.steps=2",
+                  f"rl.sampler={sampler}", f"train.out_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("syncwise: warning: rl.top_k / rl.top_p / rl.min_p truncate the sampler's") == 1
+    for row in read_jsonl(tmp_path / "out" / "metrics.jsonl"):
+        assert row["rollout/log_prob_diff"] < 1e-4, row["rollout/log_prob_diff"]
+        assert row["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert 0.3 < row["rollout/kept_mass"] < 0.999

@@ -8,8 +8,11 @@ spent on sequences that have already ended, and the kept scores outgrow the KV c
 Here the prompts' KV cache is computed once and repeated for their samples; whenever an eighth of the
 active sequences has ended, the cache and the batch are compacted to the ones still running. The
 distribution is the one ``generate`` samples from: softmax(logits / temperature), truncated by top-k, then
-top-p, then min-p (:func:`truncated_log_probs`, as transformers' warpers in that order) and renormalised;
-each drawn token's log-prob is of that distribution. A sequence ends at any of its end tokens, or once its
+top-p, then min-p (:func:`truncated_log_probs`, as transformers' warpers in that order) and renormalised.
+Each drawn token's log-prob is kept twice: of that distribution, and of the untruncated softmax(logits /
+temperature) -- the one the trainer computes, so the two copies of the policy are compared on the same
+distribution (with truncation the first differs from it by log of the kept mass, which is no policy change:
+TRL #6789). A sequence ends at any of its end tokens, or once its
 text contains a stop string (the string kept, as vLLM's ``include_stop_str_in_output``). The prefill keeps
 only each prompt's last position's logits (``logits_to_keep=1``, as ``generate`` does): the rest would be
 [prompts, prompt length, vocabulary] for nothing.
@@ -83,12 +86,14 @@ class StopStrings:
 @dataclass
 class Samples:
     """Per sequence (``samples_per_prompt`` consecutive ones per prompt): the response tokens (up to and
-    including the end-of-sequence token) and the sampler's log-prob of each."""
+    including the end-of-sequence token) and the sampler's log-prob of each -- of the distribution it was drawn
+    from (``log_probs``) and of the untruncated one (``full_log_probs``; the same tensors without truncation)."""
 
     tokens: list[torch.Tensor]
     log_probs: list[torch.Tensor]
     computed_rows: int  # sequence-steps computed (the padded loop's would be sequences x longest response)
     ended: list[bool] = None  # ended by an end token or a stop string (False: cut by max_new_tokens)
+    full_log_probs: list[torch.Tensor] = None
 
 
 def left_padded(prompts: list[torch.Tensor], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,15 +142,18 @@ def sample(
     stopped = torch.zeros(total, dtype=torch.bool, device=device)  # ended by an end token or a stop string
     rows = torch.arange(total, device=device)  # the sequence each batch row is
     running = torch.ones_like(rows, dtype=torch.bool)  # rows whose sequence has not ended
-    drawn_rows, drawn_tokens, drawn_log_probs = [], [], []  # per step, for the rows still running
+    drawn_rows, drawn_tokens, drawn_log_probs, drawn_full = [], [], [], []  # per step, for the rows still running
     computed = 0
     for step in range(max_new_tokens):
-        log_p = truncated_log_probs((logits.float() / temperature).log_softmax(dim=-1), cut)
+        full = (logits.float() / temperature).log_softmax(dim=-1)
+        log_p = truncated_log_probs(full, cut)
         drawn = torch.multinomial(log_p.exp(), 1).squeeze(1)
         live = running.nonzero().squeeze(1)
         drawn_rows.append(rows[live])
         drawn_tokens.append(drawn[live])
         drawn_log_probs.append(log_p[live].gather(1, drawn[live, None]).squeeze(1))
+        if cut.active:
+            drawn_full.append(full[live].gather(1, drawn[live, None]).squeeze(1))
         finished = torch.isin(drawn, ends)
         if stop:
             for r in live.tolist():
@@ -170,5 +178,7 @@ def sample(
     sequence = torch.cat(drawn_rows)
     order = torch.sort(sequence, stable=True).indices
     counts = torch.bincount(sequence, minlength=total).tolist()
-    return Samples(list(torch.cat(drawn_tokens)[order].split(counts)),
-                   list(torch.cat(drawn_log_probs)[order].split(counts)), computed, stopped.tolist())
+    log_probs = list(torch.cat(drawn_log_probs)[order].split(counts))
+    full_log_probs = list(torch.cat(drawn_full)[order].split(counts)) if cut.active else log_probs
+    return Samples(list(torch.cat(drawn_tokens)[order].split(counts)), log_probs, computed, stopped.tolist(),
+                   full_log_probs)

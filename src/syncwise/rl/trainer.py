@@ -91,20 +91,23 @@ def rollout_stats(
 ) -> dict[str, float]:
     """Over every rank (one small all-reduce): rewards, response lengths, the groups without signal and the
     samples that train (``counts``: uniform groups and groups sampled on this rank, samples it trains on),
-    and how far the trainer's log-probs (before any update) are from the sampler's over the response tokens
-    that train -- any mismatch between the two copies of the policy (dtype, temperature, padding, stale
-    weights) biases the gradient."""
+    how far the trainer's log-probs (before any update) are from the sampler's over the response tokens
+    that train, both of the untruncated distribution -- any mismatch between the two copies of the policy
+    (dtype, temperature, padding, stale weights) biases the gradient -- and the probability mass the
+    sampler's truncation kept."""
     rewards, lengths = sampled["rewards"].double(), sampled["response_lengths"].double()
     diff = (sampler_log_probs - trainer_log_probs.cpu()).abs() * response_mask
     parts = sorted(sampled["reward_parts"].items())
+    kept = sampled["kept_mass"].double()
     sums = [rewards.sum(), (rewards**2).sum(), len(rewards), lengths.sum(), (rewards >= 1).sum(), diff.sum(),
-            response_mask.sum(), *counts, sampled["clipped"].sum(), *(values.double().sum() for _, values in parts)]
+            response_mask.sum(), *counts, sampled["clipped"].sum(), kept.sum(), kept.numel(),
+            *(values.double().sum() for _, values in parts)]
     totals, per_rank = agree([float(x) for x in sums], [float(diff.max()) if diff.numel() else 0.0],
                              "the rollout statistics all-reduce", info.device, timeout_s)
-    total, squares, count, length, solved, diff_sum, tokens, uniform_groups, groups, trained, clipped = (
-        totals[:11].tolist())
+    (total, squares, count, length, solved, diff_sum, tokens, uniform_groups, groups, trained, clipped, kept_sum,
+     kept_count) = totals[:13].tolist()
     mean = total / count
-    by_function = {f"reward/{name}": float(value) / count for (name, _), value in zip(parts, totals[11:], strict=True)}
+    by_function = {f"reward/{name}": float(value) / count for (name, _), value in zip(parts, totals[13:], strict=True)}
     return {
         **(by_function if len(parts) > 1 else {}),
         "response/clipped_fraction": clipped / count,  # cut by rl.max_new_tokens
@@ -115,6 +118,7 @@ def rollout_stats(
         "rollout/response_tokens": length,  # over every rank
         "rollout/log_prob_diff": diff_sum / max(tokens, 1.0),
         "rollout/log_prob_diff_max": float(per_rank.max()),
+        "rollout/kept_mass": kept_sum / max(kept_count, 1.0),  # what rl.top_k/top_p/min_p kept, per token
         "rollout/uniform_group_fraction": uniform_groups / groups,
         "rollout/trained_samples": trained,  # over every rank (rl.skip_uniform_groups leaves some out)
     }
