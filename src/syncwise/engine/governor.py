@@ -23,8 +23,10 @@ from ..memory.accounting import (
     pending_optimizer_state_bytes,
     resolve_budget,
 )
+from ..memory.activations import LayerActivationMeter
 from ..memory.autosync import AutoSync, Setting, StepShape
 from ..memory.costs import Links, candidates
+from ..models import decoder_layers
 from ..runtime.distributed import agree
 from ..sync.modes import SyncChoice, SyncMode
 from .step import ForwardBackwardResult
@@ -32,6 +34,24 @@ from .tuning import Tuning
 
 LARGEST = "batch/largest_microbatch_tokens_max"  # the positions of the step's largest micro-batch
 BACKWARD_PEAK = "memory/backward_peak_bytes_max"  # the peak up to the end of the step's last backward
+
+
+class CalibratingMeter(PeakMeter):
+    """The first step's peak meter, which also measures what one decoder layer keeps for backward
+    (:class:`~syncwise.memory.activations.LayerActivationMeter`): auto's activation model is scaled to it."""
+
+    def __init__(self, model: nn.Module, optimizer, device: torch.device, layer: nn.Module):
+        super().__init__(model, optimizer, device)
+        self.layer = LayerActivationMeter(layer)
+
+    def __enter__(self) -> CalibratingMeter:
+        super().__enter__()
+        self.layer.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.layer.__exit__(*exc)
+        super().__exit__(*exc)
 
 
 class MemoryGovernor:
@@ -45,6 +65,7 @@ class MemoryGovernor:
         self.base_peak: int | None = None  # measured peak minus the mode's held extra (per_microbatch's)
         self._state_to_come = 0  # optimizer state not yet allocated when the metered step began
         self._measure_next = False  # a true peak of the first step in a newly chosen setting
+        self._layer_sample: tuple[int, int] | None = None  # (bytes, tokens) one decoder layer saved, first step
         self.auto: AutoSync | None = None
         self.tuning = tuning  # the LM head's path and the token cap, where auto chooses them too
         self.own_budget = 0  # this rank's budget; auto uses the minimum over ranks
@@ -96,6 +117,9 @@ class MemoryGovernor:
             self._measure_next = False
             # Measured before the optimizer's state exists (the first step), the peak lacks it: add it.
             self._state_to_come = pending_optimizer_state_bytes(self.optimizer)
+            if self.auto is not None and not self.auto.decided and self.tuning is not None \
+                    and self.tuning.calibrates:
+                return CalibratingMeter(self.model, self.optimizer, self.device, decoder_layers(self.model)[0])
             return PeakMeter(self.model, self.optimizer, self.device)
         return None
 
@@ -109,6 +133,8 @@ class MemoryGovernor:
         result.metrics[LARGEST] = float(result.largest_tokens)  # (maxima over ranks, in the step's all-reduce)
         if not self.measurable:
             return None, 0
+        if isinstance(meter, CalibratingMeter):
+            self._layer_sample = meter.layer.sample
         if meter is not None:
             peak = meter.peak + self._state_to_come
             backward = meter.backward_peak + self._state_to_come if meter.backward_peak is not None else peak
@@ -147,6 +173,10 @@ class MemoryGovernor:
         metrics["memory/budget_bytes"] = budget
         metrics["memory/over_budget_bytes"] = max(0, peak - budget)
         decisions, current = len(self.auto.decisions), self.auto.mode
+        shape = None
+        if not self.auto.decided:  # sized from this step (and its decoder layer's measured activations)
+            shape = (self.tuning.shape(batch, n, largest_tokens, self._layer_sample) if self.tuning
+                     else StepShape.fixed(n))
         activations = self.tuning.activation_bytes(largest_tokens, current.fused_head) if self.tuning else 0
         trial = False
         if self.auto.decided:
@@ -161,7 +191,6 @@ class MemoryGovernor:
             held = peak - activations  # what the measured step held besides its micro-batch's activations
             if held > budget:
                 raise ValueError(self._budget_error(budget, held, "parameters, gradients, optimizer state, buffers"))
-            shape = self.tuning.shape(batch, n, largest_tokens) if self.tuning else StepShape.fixed(n)
             next_mode = self.auto.decide(peak, current, shape, activations, backward_peak=backward_peak,
                                          measured_microbatches=n)
         if next_mode != current:  # the base of the estimated steps, until a step measures it

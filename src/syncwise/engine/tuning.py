@@ -47,11 +47,21 @@ class ActivationModel:
     in_loss: int
     in_layer: int
     packed_loop: bool = False  # packed rows' attention one sdpa call per sequence
+    layer_scale: float = 1.0  # a decoder layer's measured activations over the formula's (1: not measured)
 
     def __call__(self, tokens: int, fused: bool) -> int:
         act = estimate_activations(self.hf_config, tokens, 1, self.checkpointing, self.dtype, self.logprob_chunk,
-                                   fused, self.head_trains, self.value_head, self.packed_loop)
+                                   fused, self.head_trains, self.value_head, self.packed_loop, self.layer_scale)
         return working_bytes(act, self.in_loss, self.in_layer)
+
+    def scale_for(self, sample: tuple[int, int] | None) -> float:
+        """A decoder layer's measured (bytes, tokens) over what the formula gives for that many tokens (0
+        without a sample)."""
+        if sample is None or not sample[1]:
+            return 0.0
+        formula = estimate_activations(self.hf_config, sample[1], 1, False, self.dtype,
+                                       packed_loop=self.packed_loop).per_layer_bytes
+        return sample[0] / formula if formula else 0.0
 
 
 @dataclass
@@ -76,23 +86,35 @@ class Tuning:
         """The first step's head and cap: the fused head, each rank's longest sequence as the cap."""
         return (True if self.heads != (None,) else None), (LONGEST if self.auto_cap else None)
 
+    @property
+    def calibrates(self) -> bool:
+        """The first step measures a decoder layer's activations (not under activation checkpointing, where a
+        layer keeps only its input and recomputes the rest: the formula's exact part)."""
+        return self.activations is not None and not self.activations.checkpointing
+
     def activation_bytes(self, tokens: int, fused: bool | None) -> int:
         if self.activations is None:
             return 0
         return self.activations(max(tokens, 1), self.fixed_fused if fused is None else fused)
 
-    def shape(self, batch: Batch, num_microbatches: int, largest_tokens: int) -> StepShape:
+    def shape(self, batch: Batch, num_microbatches: int, largest_tokens: int,
+              layer_sample: tuple[int, int] | None = None) -> StepShape:
         """Collective (every rank, the same step): the step ``batch`` on this rank, split into
-        ``num_microbatches`` whose largest (over ranks) computes ``largest_tokens`` positions."""
+        ``num_microbatches`` whose largest (over ranks) computes ``largest_tokens`` positions. ``layer_sample``:
+        what one decoder layer saved on this rank's largest micro-batch (bytes, tokens); the activation model
+        is scaled to the largest ratio over the ranks, from here on."""
         caps = CAPS if self.auto_cap else ()
         lengths = sequence_lengths(batch)
         longest = int(lengths.max()) if lengths.numel() else 0
         own = [float(x) for cap in caps for x in self._split_at(lengths, max(cap, longest))]
         head_s = self._head_seconds_per_token() if True in self.heads else 0.0
         samples = sweep(self.device, LINK_SIZES, repeats=3) if self.traffic and self.shard > 1 else []
-        own += [float(lengths.sum()), float(longest), head_s, *(sample.seconds for sample in samples)]
+        scale = self.activations.scale_for(layer_sample) if self.calibrates else 0.0
+        own += [scale, float(lengths.sum()), float(longest), head_s, *(sample.seconds for sample in samples)]
         _, per_rank = agree([], own, "auto's step shape (after the first step)", self.device, self.timeout_s)
         most = per_rank.max(dim=0).values.tolist()  # every rank's figures alike: the slowest's timings
+        if most[-4 - len(samples)] > 0:  # measured on every rank alike: the largest ratio
+            self.activations = replace(self.activations, layer_scale=most[-4 - len(samples)])
         timed = len(samples)
         rank_tokens, longest, head_s = int(most[-3 - timed]), int(most[-2 - timed]), most[-1 - timed]
         agreed = [replace(sample, seconds=most[len(most) - timed + i]) for i, sample in enumerate(samples)]

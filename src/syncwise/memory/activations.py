@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch import nn
+
 from .accounting import DTYPE_BYTES
 
 
@@ -56,12 +59,14 @@ def kv_cache_bytes(config, tokens: int, dtype: str) -> int:
 def estimate_activations(
     config, seq_len: int, micro_batch_size: int = 1, checkpointing: bool = False, dtype: str = "bfloat16",
     logprob_chunk: int = 1024, fused_head: bool = False, head_trains: bool = True, value_head: bool = False,
-    packed_loop: bool = False,
+    packed_loop: bool = False, layer_scale: float = 1.0,
 ) -> ActivationEstimate:
     """The activation peak of one micro-batch of ``micro_batch_size`` sequences of ``seq_len`` tokens
     (``head_trains``: the output layer has a gradient -- not under LoRA; ``value_head``: PPO's critic, whose
     head gives one value per token: no vocabulary-wide logits; ``packed_loop``: packed rows whose attention runs
-    one sdpa call per sequence, :mod:`syncwise.data.attention`)."""
+    one sdpa call per sequence, :mod:`syncwise.data.attention`; ``layer_scale``: what a decoder layer really
+    keeps over what the formula above says, measured (:class:`LayerActivationMeter`) -- 1 for Llama-shaped
+    layers, about 2 for GPT-2's, whose tanh-GELU, LayerNorms and dropout keep more)."""
     hidden = _shape(config, "hidden_size")
     heads, kv_heads, head_dim = attention_shape(config)
     inter = _shape(config, "intermediate_size", 4 * hidden)
@@ -72,6 +77,7 @@ def estimate_activations(
     full_layer = tokens * (4 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter) * size
     if packed_loop:  # each sequence's attention output, kept by its sdpa call beside the row's concatenated copy
         full_layer += tokens * heads * head_dim * size
+    full_layer = int(full_layer * layer_scale)
     kept = tokens * hidden * size if checkpointing else full_layer
     chunk = min(tokens, logprob_chunk) if logprob_chunk > 0 else tokens
     low_precision = size < 4
@@ -101,3 +107,48 @@ def working_bytes(act: ActivationEstimate, in_loss: int, in_layer: int) -> int:
     """A micro-batch's activations at their peak with what FSDP2 holds in flight beside them in each phase
     (``in_loss``, ``in_layer``: :func:`syncwise.memory.plan.in_flight_bytes`): the larger of the two phases."""
     return act.saved_bytes + max(act.loss_phase_bytes + in_loss, act.layer_phase_bytes + in_layer)
+
+
+class LayerActivationMeter:
+    """What autograd saves for backward inside one decoder layer's forward -- the real layer, with its own
+    activation function, norms, attention kernel and dropout -- on the micro-batch with the most tokens of a
+    metered step: ``sample`` = (bytes, tokens). Parameters (gathered or not) are not counted; each storage once
+    per call. The activation formula is Llama-shaped; this is what corrects it for other blocks (GPT-2)."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+        self.sample: tuple[int, int] | None = None
+        self._inside, self._seen, self._params, self._tokens = False, {}, set(), 0
+        self._handles: list = []
+        self._saved = None
+
+    def __enter__(self) -> LayerActivationMeter:
+        self._handles = [self.layer.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         self.layer.register_forward_hook(self._post)]
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._saved.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor):
+            return  # a forward-only pass, or a layer called in a way this does not follow
+        self._inside, self._seen, self._tokens = True, {}, hidden.shape[:-1].numel()
+        self._params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def _post(self, module: nn.Module, args: tuple, output) -> None:
+        if self._inside and (self.sample is None or self._tokens > self.sample[1]):
+            self.sample = (sum(self._seen.values()), self._tokens)
+        self._inside = False
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._inside and not isinstance(tensor, nn.Parameter):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self._params:
+                self._seen[storage.data_ptr()] = storage.nbytes()
+        return tensor

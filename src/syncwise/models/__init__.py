@@ -160,9 +160,10 @@ def uninitialised_model(
 
 
 def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
-    """Classes named in ``_no_split_modules`` that occur in the model: the per-layer FSDP units."""
+    """Classes named in ``_no_split_modules`` that occur in the model: the per-layer FSDP units (also once
+    wrapped: FSDP2 gives each unit a subclass of its own, ``FSDPLlamaDecoderLayer``)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    classes = {type(m) for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)}
     if not classes:
         raise ValueError(
             f"{type(model).__name__} names no decoder layer class in _no_split_modules ({sorted(names)}); "
