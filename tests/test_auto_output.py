@@ -80,6 +80,7 @@ def test_the_first_decided_step_is_predicted_within_10_percent(data, tmp_path, a
     prediction: the first step measures what a real decoder layer keeps (GPT-2's was 12-28% over the
     Llama-shaped formula's)."""
     from transformers import AutoTokenizer
+
     from user_models import save_model_dir
 
     model = save_model_dir(tmp_path, arch, AutoTokenizer.from_pretrained(data / "model"), hidden=hidden, layers=4)
