@@ -26,6 +26,16 @@ def test_the_layers_contract_is_kept():
     assert "Contracts: 1 kept, 0 broken." in proc.stdout
 
 
+def test_no_class_outgrows_300_lines():
+    """Issue 38: the architecture's limit holds for every class, not the Engine only (RLTrainer was 305)."""
+    import ast
+
+    long = [(str(path.relative_to(SRC)), node.name, node.end_lineno - node.lineno + 1)
+            for path in sorted(SRC.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300]
+    assert not long, long
+
+
 def test_the_engine_class_keeps_its_shape():
     """Issue 28.13: the Engine holds the pieces together in at most 300 lines; what a model supports
     (packing, the attention kernel, the fused head, LoRA) is decided in engine/features.py, not inline."""

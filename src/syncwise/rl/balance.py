@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..config import RLConfig
 from ..data.batching import Batch, sequence_lengths
-from ..runtime.distributed import agree, collective_timeout
+from ..runtime.distributed import DistInfo, agree, collective_timeout
+from .advantages import uniform_groups
 
 
 @dataclass
@@ -184,3 +186,25 @@ def _trim_right(batch: Batch, longest: int) -> Batch:
     if cut <= 0 or (mask is not None and bool(mask[:, longest:].any())):  # not right-padded: leave it
         return batch
     return {k: v[:, : v.shape[1] - cut] if v.dim() >= 2 else v for k, v in batch.items()}
+
+
+def samples_that_train(
+    batch: dict[str, torch.Tensor], rewards: torch.Tensor, rl: RLConfig, info: DistInfo, pad_id: int,
+    timeout_s: float,
+) -> tuple[dict[str, torch.Tensor], dict[str, float], tuple[int, int, int]]:
+    """Collective: ``rl.skip_uniform_groups`` leaves out the groups without signal, then ``rl.balance_ranks``
+    spreads the samples evenly over the ranks. Returns (this rank's batch, the balance metrics, (uniform
+    groups and groups sampled here, samples this rank trains on))."""
+    uniform = uniform_groups(rewards, rl.samples_per_prompt)
+    if rl.skip_uniform_groups:
+        batch = take_rows(batch, select_trained_rows(uniform, rl.samples_per_prompt, rl.mini_batches, info.device,
+                                                     timeout_s))
+    if rl.balance_ranks and info.world_size > 1:
+        batch, balance = balance_ranks(batch, pad_id, rl.mini_batches, timeout_s, rl.balance_min_gain)
+    else:  # measured all the same, so runs with and without balancing compare
+        imbalance = rank_token_imbalance(batch, info.device, timeout_s)
+        balance = Balance(imbalance, imbalance, 0)
+    metrics = {"batch/rank_token_imbalance_before": balance.before,
+               "batch/rank_token_imbalance_after": balance.after, "batch/samples_moved": balance.moved}
+    trained = int((batch["loss_mask"].sum(dim=1) > 0).sum())
+    return batch, metrics, (int(uniform.sum()), len(uniform), trained)

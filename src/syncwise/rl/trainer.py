@@ -42,8 +42,8 @@ from ..models import build_model
 from ..models.lora import adapters_disabled
 from ..runtime.distributed import DistInfo, agree, init_distributed, run_rank
 from ..runtime.signals import stopped
-from .advantages import grpo_advantages, rloo_advantages, uniform_groups
-from .balance import Balance, balance_ranks, rank_token_imbalance, select_trained_rows, take_rows
+from .advantages import grpo_advantages, rloo_advantages
+from .balance import samples_that_train
 from .losses import make_policy_loss
 from .ppo import Critic, ppo_advantages
 from .rollout import Rollout
@@ -281,7 +281,9 @@ class RLTrainer:
             batch["rewards"] = sampled["rewards"].float()  # moves with its sample; GAE reads it after balancing
         batch["rollout_log_probs"] = sampled["log_probs"]  # moves with its sample; the loss reads it if asked
         with clock("balance"):
-            batch, balance_metrics, counts = self._samples_that_train(batch, sampled["rewards"])
+            batch, balance_metrics, counts = samples_that_train(batch, sampled["rewards"], self.config.rl,
+                                                                self.info, self.tokenizer.pad_token_id,
+                                                                self.config.dist.timeout_s)
         sampler_log_probs = batch["rollout_log_probs"]
         if rl.loss.rollout_is == "none":
             del batch["rollout_log_probs"]
@@ -355,30 +357,6 @@ class RLTrainer:
         if self.info.is_main:
             print(f"syncwise train: warm start: {steps} supervised steps on the task's answers, "
                   f"loss {metrics['loss']:.3f}" + "".join(f"; {note}" for note in notes), flush=True)
-
-    def _samples_that_train(
-        self, batch: dict[str, torch.Tensor], rewards: torch.Tensor
-    ) -> tuple[dict[str, torch.Tensor], dict[str, float], tuple[int, int, int]]:
-        """Collective: ``rl.skip_uniform_groups`` leaves out the groups without signal, then
-        ``rl.balance_ranks`` spreads the samples evenly over the ranks (see :mod:`syncwise.rl.balance`).
-        Returns (this rank's batch, the balance metrics, (uniform groups and groups sampled here, samples
-        this rank trains on))."""
-        rl, timeout_s = self.config.rl, self.config.dist.timeout_s
-        uniform = uniform_groups(rewards, rl.samples_per_prompt)
-        if rl.skip_uniform_groups:
-            selection = select_trained_rows(uniform, rl.samples_per_prompt, rl.mini_batches, self.info.device,
-                                            timeout_s)
-            batch = take_rows(batch, selection)
-        if rl.balance_ranks and self.info.world_size > 1:
-            batch, balance = balance_ranks(batch, self.tokenizer.pad_token_id, rl.mini_batches, timeout_s,
-                                           rl.balance_min_gain)
-        else:  # measured all the same, so runs with and without balancing compare
-            imbalance = rank_token_imbalance(batch, self.info.device, timeout_s)
-            balance = Balance(imbalance, imbalance, 0)
-        metrics = {"batch/rank_token_imbalance_before": balance.before,
-                   "batch/rank_token_imbalance_after": balance.after, "batch/samples_moved": balance.moved}
-        trained = int((batch["loss_mask"].sum(dim=1) > 0).sum())
-        return batch, metrics, (int(uniform.sum()), len(uniform), trained)
 
     def _reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         temperature = self.config.rl.temperature
