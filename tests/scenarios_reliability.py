@@ -14,7 +14,6 @@ from syncwise.memory.schedule import FORWARD_ALL_REDUCES, forward_traffic, unifo
 from syncwise.models import build_model
 from syncwise.sync.counting import count_collectives
 
-
 TIGHT_BUDGET = int(5.3 * 2**20)  # bytes
 
 

@@ -42,7 +42,7 @@ def test_a_checkpoint_during_the_cap_trial_resumes_in_the_predicted_choice(data,
     assert [r["engine/max_tokens_per_micro_batch"] for r in read_jsonl(tmp_path / "metrics.jsonl")[3:]] == [decided] * 2
 
 
-@pytest.mark.parametrize(("job", "budget", "held"), [("train", 1_000_000, "the rollout copy"),
+@pytest.mark.parametrize(("job", "budget", "held"), [("train", 1_000_000, "the rollout engine"),
                                                      ("sft", 3_000_000, "parameters, gradients")])
 def test_a_budget_below_what_the_job_holds_is_one_line(data, tmp_path, job, budget, held):
     args = (["train", "train.steps=2", f"train.out_dir={tmp_path}", "train.progress=false"] if job == "train" else

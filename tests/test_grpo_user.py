@@ -129,7 +129,7 @@ def test_truncated_sampling_is_said_and_compared_on_the_same_distribution(gpt2, 
     rollout_is=token weights stay 1 (they were the kept mass, ~0.7); the kept mass is its own metric, and the
     run says once what truncation does."""
     proc = _train(tmp_path, f"model.path={gpt2}", "rl.top_p=0.7", "rl.loss.rollout_is=token", "train.steps=2",
-                  f"rl.sampler={sampler}", f"train.out_dir={tmp_path / 'out'}")
+                  f"rl.rollout_engine={sampler}", f"train.out_dir={tmp_path / 'out'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("syncwise: warning: rl.top_k / rl.top_p / rl.min_p truncate the sampler's") == 1
     for row in read_jsonl(tmp_path / "out" / "metrics.jsonl"):

@@ -26,7 +26,8 @@ BACKENDS = ("auto", "gloo", "nccl")
 POLICY_LOSSES = ("ppo", "gspo", "pg", "cispo")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-ROLLOUT_IS_LEVELS = ("none", "token", "sequence")
+ROLLOUT_IS_LEVELS = ("auto", "none", "token", "sequence")
+ROLLOUT_ENGINES = ("compact", "generate", "vllm")
 
 
 class ConfigError(ValueError):
@@ -221,7 +222,9 @@ class PolicyLossConfig:
     kl_clamp: float = 10.0  # k3: its value bounded to ±kl_clamp, zero gradient beyond, as verl (0: off)
     # Rollout importance correction: each token's policy loss weighted by exp(old - sampler log-prob),
     # truncated at rollout_is_cap and detached; per token, or one weight per sequence (its summed log-ratio).
-    rollout_is: str = "none"
+    # auto: token where the sampler is another network than the trainer's (rl.rollout_engine=vllm, or
+    # rl.rollout_dtype other than model.param_dtype), none where it is the same (Config.sampler_differs)
+    rollout_is: str = "auto"
     rollout_is_cap: float = 2.0
 
     def validate(self, prefix: str = "rl.loss.") -> PolicyLossConfig:
@@ -268,9 +271,13 @@ class RLConfig:
     stop: list[str] = field(default_factory=list)
     # Responses cut by rl.max_new_tokens left out of the loss (TRL's mask_truncated_completions)
     mask_truncated: bool = False
-    # compact: each prompt prefilled once, ended sequences dropped, only drawn tokens' log-probs kept
-    # (syncwise.rl.sampling); generate: Hugging Face generate (the earlier path, for comparison)
-    sampler: str = "compact"
+    # What samples the responses (syncwise.rl.rollout): compact -- each prompt prefilled once, ended
+    # sequences dropped, only drawn tokens' log-probs kept (syncwise.rl.sampling); generate -- Hugging Face
+    # generate (the earlier path, for comparison); vllm -- a vLLM engine on every rank (syncwise.rl.vllm_rollout)
+    rollout_engine: str = "compact"
+    # vllm: its KV cache per rank, in bytes. 0: the rank's whole rollout batch at full length
+    # (prompts_per_rank x samples_per_prompt x (max_prompt_length + max_new_tokens)), within sync.memory_budget
+    vllm_kv_cache_bytes: int = 0
     # The rollout copy's dtype (bfloat16: half the copy and its KV cache; the sampler then differs from the
     # fp32 trainer -- rollout/log_prob_diff says by how much, rl.loss.rollout_is corrects for it)
     rollout_dtype: str = "float32"
@@ -434,7 +441,10 @@ class Config:
     def _validate_rl(self, ppo: bool) -> Config:
         """The rl, train and sft sections."""
         _choice("rl.advantage", self.rl.advantage, ("grpo", "drgrpo", "rloo"))
-        _choice("rl.sampler", self.rl.sampler, ("compact", "generate"))
+        _choice("rl.rollout_engine", self.rl.rollout_engine, ROLLOUT_ENGINES)
+        if self.rl.vllm_kv_cache_bytes < 0:
+            raise ConfigError(f"rl.vllm_kv_cache_bytes: must be >= 0 (0: sized from the batch), got "
+                              f"{self.rl.vllm_kv_cache_bytes}")
         _choice("rl.rollout_dtype", self.rl.rollout_dtype, DTYPES)
         self.rl.loss.validate()
         if self.rl.dataset and not self.rl.reward_fn:
@@ -477,9 +487,24 @@ class Config:
                 f"rl.samples_per_prompt=1: rl.advantage={self.rl.advantage} compares samples of one prompt, and a "
                 f"group of one has advantage 0 (no gradient, ever); use rl.samples_per_prompt >= 2"
             )
+        truncated = self.rl.top_k or self.rl.top_p < 1 or self.rl.min_p
+        if self.rl.rollout_engine == "vllm" and truncated and self.rl.temperature != 1:
+            raise ConfigError(
+                f"rl.rollout_engine=vllm with rl.top_k/top_p/min_p needs rl.temperature=1 (got "
+                f"{self.rl.temperature:g}): vLLM gives a drawn token's log-prob before the temperature or after the "
+                f"truncation, never of the temperature-scaled full distribution the trainer's are; or use "
+                f"rl.rollout_engine=compact")
+        if self.rl.loss.rollout_is == "auto":  # resolved here: what runs is what config.yaml records
+            self.rl.loss.rollout_is = "token" if self.sampler_differs else "none"
         _non_negative("train.checkpoint_every", self.train.checkpoint_every)
         _validate_sft_config(self.sft)
         return self
+
+    @property
+    def sampler_differs(self) -> bool:
+        """Whether the rollout samples from another network than the trainer computes: vLLM's kernels, or a
+        copy in another dtype than the trainer's compute dtype (what rl.loss.rollout_is=auto corrects)."""
+        return self.rl.rollout_engine == "vllm" or self.rl.rollout_dtype != self.model.param_dtype
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -596,7 +621,7 @@ def config_to_dict(config: Config) -> dict[str, Any]:
 MOVED = {f"rl.{old}": f"rl.loss.{new}" for old, new in (
     ("clip_low", "clip_low"), ("clip_high", "clip_high"), ("loss_agg", "agg"), ("entropy_coef", "entropy_coef"),
     ("kl_coef", "kl_coef"), ("kl_estimator", "kl_estimator"),
-)}
+)} | {"rl.sampler": "rl.rollout_engine"}
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:

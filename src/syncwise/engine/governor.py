@@ -90,7 +90,7 @@ class MemoryGovernor:
         if self.auto is not None and self.device.type != "cuda":
             if self.own_budget - nbytes <= 0:
                 raise ValueError(self._budget_error(self.own_budget, nbytes,
-                                                    "the rollout copy and the other models kept beside it"))
+                                                    "the rollout engine and the other models kept beside it"))
             self.own_budget -= nbytes
             self.auto.budget = self.own_budget
 

@@ -13,7 +13,7 @@ so a machine that slows down in between slows every configuration alike. Per con
 the measured steps of every round: the step time and each phase of it (``time/*`` of ``metrics.jsonl``),
 response tokens per second of sampling and end to end, and the cross-rank token imbalance before and after
 balancing. The first configuration -- Hugging Face ``generate``, no balancing and a forward-only pass for
-the old log-probs: the path before ``rl.sampler=compact``, ``rl.balance_ranks`` and the on-policy
+the old log-probs: the path before ``rl.rollout_engine=compact``, ``rl.balance_ranks`` and the on-policy
 shortcut -- is the reference. Writes ``bench_grpo.json``, ``bench_grpo.md`` and ``grpo_phases.png``.
 """
 
@@ -33,15 +33,17 @@ from ..runtime.launcher import launch_local
 
 # name -> overrides; the first is the reference.
 GRPO_CONFIGS: dict[str, tuple[str, ...]] = {
-    "generate, unbalanced (before)": ("rl.sampler=generate", "rl.balance_ranks=false", "rl.old_log_prob_pass=true"),
-    "compact sampler, unbalanced, old log-prob pass": ("rl.sampler=compact", "rl.balance_ranks=false",
+    "generate, unbalanced (before)": ("rl.rollout_engine=generate", "rl.balance_ranks=false",
+                                      "rl.old_log_prob_pass=true"),
+    "compact sampler, unbalanced, old log-prob pass": ("rl.rollout_engine=compact", "rl.balance_ranks=false",
                                                        "rl.old_log_prob_pass=true"),
-    "compact sampler, unbalanced": ("rl.sampler=compact", "rl.balance_ranks=false"),
-    "compact sampler, balanced": ("rl.sampler=compact", "rl.balance_ranks=true"),
-    "compact, balanced, skip uniform groups": ("rl.sampler=compact", "rl.balance_ranks=true",
+    "compact sampler, unbalanced": ("rl.rollout_engine=compact", "rl.balance_ranks=false"),
+    "compact sampler, balanced": ("rl.rollout_engine=compact", "rl.balance_ranks=true"),
+    "compact, balanced, skip uniform groups": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
                                                "rl.skip_uniform_groups=true"),
-    "compact, balanced, per_microbatch": ("rl.sampler=compact", "rl.balance_ranks=true", "sync.mode=per_microbatch"),
-    "compact, balanced, padded": ("rl.sampler=compact", "rl.balance_ranks=true", "engine.packing=false"),
+    "compact, balanced, per_microbatch": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
+                                          "sync.mode=per_microbatch"),
+    "compact, balanced, padded": ("rl.rollout_engine=compact", "rl.balance_ranks=true", "engine.packing=false"),
 }
 QUICK_CONFIGS = ("generate, unbalanced (before)", "compact sampler, balanced", "compact, balanced, skip uniform groups")
 
@@ -144,7 +146,7 @@ def bench_grpo(spec: GRPOBenchSpec) -> int:
 
 
 def _sampler_of(name: str) -> str:
-    return "generate" if "rl.sampler=generate" in GRPO_CONFIGS[name] else "compact"
+    return "generate" if "rl.rollout_engine=generate" in GRPO_CONFIGS[name] else "compact"
 
 
 def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> str:

@@ -118,7 +118,8 @@ def rollout_stats(
         "rollout/response_tokens": length,  # over every rank
         "rollout/log_prob_diff": diff_sum / max(tokens, 1.0),
         "rollout/log_prob_diff_max": float(per_rank.max()),
-        "rollout/kept_mass": kept_sum / max(kept_count, 1.0),  # what rl.top_k/top_p/min_p kept, per token
+        # what rl.top_k/top_p/min_p kept, per token (absent where the engine does not report it: vLLM's)
+        **({"rollout/kept_mass": kept_sum / kept_count} if kept_count else {}),
         "rollout/uniform_group_fraction": uniform_groups / groups,
         "rollout/trained_samples": trained,  # over every rank (rl.skip_uniform_groups leaves some out)
     }
@@ -194,7 +195,7 @@ class RLTrainer:
         # PPO: the value model, trained through its own engine over the same mini-batches
         self.critic = (Critic(config, info, train.steps * updates_per_step, **overrides)
                        if rl.algorithm == "ppo" else None)
-        self.rollout = Rollout(self.engine, self.tokenizer, rl, end_token_ids(config.model.path))
+        self.rollout = Rollout(config, self.engine, self.tokenizer, self.source, end_token_ids(config.model.path))
         self._hold_outside()
         keep_changed_bases(config, self.engine, self.critic.engine if self.critic else None, self.uses_reference)
         self.loss_fn = make_policy_loss(rl.loss, temperature=rl.temperature)
@@ -229,7 +230,7 @@ class RLTrainer:
         frozen = self.reference.resident_bytes() if self.reference is not None else 0
         for engine in engines:
             others = sum(e.resident_bytes() for e in engines if e is not engine)
-            engine.governor.hold_outside(self.rollout.copy_bytes + frozen + others)
+            engine.governor.hold_outside(self.rollout.held_bytes + frozen + others)
 
     def _open_logs(self) -> None:
         config, rl, train = self.config, self.config.rl, self.config.train
@@ -249,8 +250,8 @@ class RLTrainer:
             f"syncwise train: {rl.algorithm.upper()} on {rl.dataset or 'task ' + rl.task} "
             f"({len(self.source.rows)} prompts{notes}), "
             f"{config.engine.strategy} on {self.info.world_size} rank(s), {rl.prompts_per_rank} prompts x "
-            f"{rl.samples_per_prompt} samples per rank, responses up to {self.rollout.max_new_tokens(self.source)} "
-            f"tokens, sync.mode={config.sync.mode}"
+            f"{rl.samples_per_prompt} samples per rank, responses up to {self.rollout.max_new_tokens} "
+            f"tokens, sync.mode={config.sync.mode}; {self.rollout.describe()}, {_rollout_is_line(config)}"
             + (f"; {self.critic.describe()}" if self.critic is not None else "")
             + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else "") + log_note,
             flush=True,
@@ -273,7 +274,7 @@ class RLTrainer:
         with clock("weight_sync"):
             self.rollout.sync_weights()
         with clock("rollout"):
-            batch, sampled = self.rollout.generate(rows, prompt_ids, self.source)
+            batch, sampled = self.rollout.generate(rows, prompt_ids, self.source, step)
         clock.move("rollout", "reward", sampled["reward_s"])  # scored inside the rollout call
         if self.critic is None:
             batch["advantages"] = advantages_for(sampled["rewards"], self.config)
@@ -451,6 +452,16 @@ class RLTrainer:
 def run_rl(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]]:
     """Train; rank 0 returns (and logs) every step's metrics."""
     return RLTrainer(config, info or init_distributed(config.dist.backend, config.dist.timeout_s)).run()
+
+
+def _rollout_is_line(config: Config) -> str:
+    """What rl.loss.rollout_is does, for the first line (auto resolved in the config, from the sampler)."""
+    level = config.rl.loss.rollout_is
+    if level == "none":
+        return "rl.loss.rollout_is=none (the sampler computes the trainer's network)" if not config.sampler_differs \
+            else "rl.loss.rollout_is=none (no correction, though the sampler differs from the trainer)"
+    return (f"rl.loss.rollout_is={level}: each token's loss weighted by exp(old - sampler log-prob), capped at "
+            f"{config.rl.loss.rollout_is_cap:g}")
 
 
 def _print_summary(history: list[dict[str, Any]], out_dir: Path) -> None:

