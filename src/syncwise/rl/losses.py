@@ -130,7 +130,8 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
 
     Log-probs and entropy are those of softmax(logits / ``temperature``): the distribution the rollout
     sampled from (``rl.temperature``), as the old and reference log-probs are. With ``cfg.rollout_is``, each
-    token's policy loss is weighted by :func:`rollout_is_weights` (batch key ``rollout_log_probs``).
+    token's policy loss is weighted by :func:`rollout_is_weights` (batch key ``rollout_log_probs``); ``auto``
+    is resolved by a job's :class:`~syncwise.config.Config` from its sampler, and is ``none`` here without one.
 
     Metrics: the importance ratio's mean and max, the clipped fraction, ``actor/approx_kl`` (k2: mean of
     ½ (new - old)² over response tokens), ``actor/ppo_kl`` (k1: mean of old - new, what verl reports under
@@ -150,7 +151,7 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
         sequences = target_sequences(micro_batch)
         token_loss, is_clipped = policy_token_losses(log_probs, old, advantages, mask, cfg, sequences)
         metrics: dict[str, torch.Tensor] = {}
-        if cfg.rollout_is != "none":
+        if cfg.rollout_is not in ("none", "auto"):
             sampler = micro_batch.get("rollout_log_probs")
             if sampler is None:
                 raise BatchError(f"batch['rollout_log_probs']: rl.loss.rollout_is={cfg.rollout_is} needs the "
