@@ -185,6 +185,9 @@ def test_rollout_copy_is_in_every_modes_base_and_sampling_has_its_own_peak():
     hf = make_plan(PlanInput(**common, **rollout, rollout_sampler="generate")).rollout
     assert hf.scores_bytes == 3 * 64 * 1024 * 151936 * 4  # generate: fp32 scores of every step, kept
     assert not hf.fits and hf.kv_cache_bytes == r.kv_cache_bytes
+    vllm = make_plan(PlanInput(**common, **rollout, rollout_sampler="vllm")).rollout
+    assert vllm.kv_cache_bytes == r.kv_cache_bytes  # 1536 tokens: whole 16-token blocks already
+    assert vllm.scores_bytes == 3 * 64 * 151936 * 4 and vllm.copy_bytes == r.copy_bytes
     assert make_plan(PlanInput(**common)).rollout is None
 
 

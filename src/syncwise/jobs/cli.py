@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rollout-prompt-len", type=int, default=0, help="GRPO: prompt tokens per sequence")
     plan.add_argument("--rollout-new-tokens", type=int, default=0, help="GRPO: rl.max_new_tokens")
     plan.add_argument("--rollout-dtype", default="float32", help="GRPO: the rollout copy's dtype")
-    plan.add_argument("--rollout-sampler", default="compact", help="GRPO: rl.sampler (compact or generate)")
+    plan.add_argument("--rollout-sampler", default="compact",
+                      help="GRPO: rl.rollout_engine (compact, generate or vllm)")
     plan.add_argument("--critic", action="store_true",
                       help="PPO: a value model beside the policy (both models' bytes per mode, auto's pair)")
     plan.add_argument("--bandwidth-gbps", type=float, default=100.0, help="GB/s per rank in a shard group")

@@ -81,13 +81,20 @@ class RolloutMemory:
     fits: bool
 
 
+VLLM_BLOCK_TOKENS = 16  # vLLM's KV block on CUDA (syncwise.rl.vllm_rollout.BLOCK_TOKENS)
+
+
 def rollout_memory(hf_config, inp: PlanInput, num_params: int, resident: int, budget: int) -> RolloutMemory:
     """What the rollout adds (see :class:`RolloutMemory`); ``resident``: the sharded state that stays."""
     dtype = DTYPE_BYTES[inp.rollout_dtype]
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    kv = kv_cache_bytes(cfg, inp.rollout_sequences * (inp.rollout_prompt_len + inp.rollout_new_tokens),
-                        inp.rollout_dtype)
-    if inp.rollout_sampler == "generate":  # every step's fp32 scores kept, stacked, then log-softmaxed
+    length = inp.rollout_prompt_len + inp.rollout_new_tokens
+    if inp.rollout_sampler == "vllm":  # vLLM's paged cache: each sequence in whole blocks (16 tokens on CUDA)
+        length = -(-length // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS
+    kv = kv_cache_bytes(cfg, inp.rollout_sequences * length, inp.rollout_dtype)
+    if inp.rollout_sampler == "vllm":  # its sampler's fp32 logits, log-softmax and probabilities per sequence
+        scores = 3 * inp.rollout_sequences * cfg.vocab_size * 4
+    elif inp.rollout_sampler == "generate":  # every step's fp32 scores kept, stacked, then log-softmaxed
         scores = 3 * inp.rollout_sequences * inp.rollout_new_tokens * cfg.vocab_size * 4
     else:  # one step's logits, their fp32 log-softmax and probabilities; the drawn log-probs (the prefill's
         # logits are the last position's only, one row per prompt: fewer than a step's)
