@@ -227,6 +227,12 @@ class PolicyLossConfig:
     rollout_is: str = "auto"
     rollout_is_cap: float = 2.0
 
+    @property
+    def corrects_rollout(self) -> bool:
+        """Whether the loss weights tokens by the rollout ratio (``auto`` unresolved -- a config built outside a
+        job's :class:`Config`, which resolves it from the sampler -- does not)."""
+        return self.rollout_is not in ("none", "auto")
+
     def validate(self, prefix: str = "rl.loss.") -> PolicyLossConfig:
         _choice(f"{prefix}kind", self.kind, POLICY_LOSSES)
         _choice(f"{prefix}agg", self.agg, AGG_MODES)

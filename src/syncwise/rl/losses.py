@@ -151,7 +151,7 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
         sequences = target_sequences(micro_batch)
         token_loss, is_clipped = policy_token_losses(log_probs, old, advantages, mask, cfg, sequences)
         metrics: dict[str, torch.Tensor] = {}
-        if cfg.rollout_is not in ("none", "auto"):
+        if cfg.corrects_rollout:
             sampler = micro_batch.get("rollout_log_probs")
             if sampler is None:
                 raise BatchError(f"batch['rollout_log_probs']: rl.loss.rollout_is={cfg.rollout_is} needs the "
@@ -193,7 +193,7 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
             "old_log_probs": BatchKey(("target",), required=False)}
     if cfg.kl_coef:
         keys["ref_log_probs"] = BatchKey(("target",), why=f"the KL penalty (rl.loss.kl_coef={cfg.kl_coef})")
-    if cfg.rollout_is != "none":
+    if cfg.corrects_rollout:
         keys["rollout_log_probs"] = BatchKey(("target",), why=f"rl.loss.rollout_is={cfg.rollout_is}")
     return fused_head_ready(reads(loss_fn, **keys))
 

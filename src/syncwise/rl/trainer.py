@@ -286,7 +286,7 @@ class RLTrainer:
                                                                 self.info, self.tokenizer.pad_token_id,
                                                                 self.config.dist.timeout_s)
         sampler_log_probs = batch["rollout_log_probs"]
-        if rl.loss.rollout_is in ("none", "auto"):
+        if not rl.loss.corrects_rollout:
             del batch["rollout_log_probs"]
         temperature = rl.temperature
         if self.uses_reference:
