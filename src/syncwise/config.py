@@ -317,6 +317,11 @@ class RLConfig:
     kl_in_reward: float = 0.0
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
+    @property
+    def truncates(self) -> bool:
+        """Whether rl.top_k / rl.top_p / rl.min_p cut the sampler's distribution."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
 
 # Sections of the critic that may differ from the actor's (critic.<section>.<key>=...)
 CRITIC_SECTIONS = ("model", "engine", "sync", "optim")
@@ -493,8 +498,7 @@ class Config:
                 f"rl.samples_per_prompt=1: rl.advantage={self.rl.advantage} compares samples of one prompt, and a "
                 f"group of one has advantage 0 (no gradient, ever); use rl.samples_per_prompt >= 2"
             )
-        truncated = self.rl.top_k or self.rl.top_p < 1 or self.rl.min_p
-        if self.rl.rollout_engine == "vllm" and truncated and self.rl.temperature != 1:
+        if self.rl.rollout_engine == "vllm" and self.rl.truncates and self.rl.temperature != 1:
             raise ConfigError(
                 f"rl.rollout_engine=vllm with rl.top_k/top_p/min_p needs rl.temperature=1 (got "
                 f"{self.rl.temperature:g}): vLLM gives a drawn token's log-prob before the temperature or after the "

@@ -85,8 +85,7 @@ class Rollout:
         # Every token that ends a response: the tokenizer's end token and the model's generation_config's
         self.end_ids = sorted(set(end_ids or []) | {tokenizer.eos_token_id})
         self.max_new_tokens = self.cfg.max_new_tokens or source.max_new_tokens
-        truncated = self.cfg.top_k > 0 or self.cfg.top_p < 1 or self.cfg.min_p > 0
-        if truncated and engine.info.is_main:
+        if self.cfg.truncates and engine.info.is_main:
             warnings.warn(TRUNCATION_NOTE, stacklevel=2)
         self.sampler = make_rollout_engine(config, engine, tokenizer, self.end_ids, self.max_new_tokens)
 

@@ -131,8 +131,7 @@ class VllmRollout:
         # the sampler's fp32 logits, their log-softmax and the probabilities of every running sequence
         self.work_bytes = 3 * self.sequences * hf_config.vocab_size * 4
         self.largest_unit_bytes = 0  # the most one refresh held beyond vLLM's weights (one gathered unit)
-        truncated = rl.top_k > 0 or rl.top_p < 1 or rl.min_p > 0
-        self.logprobs_mode = "raw_logprobs" if truncated else "processed_logprobs"
+        self.logprobs_mode = "raw_logprobs" if rl.truncates else "processed_logprobs"
         self._workdir = tempfile.TemporaryDirectory(prefix="syncwise-vllm-")
         self.llm = self._build(hf_config, Path(self._workdir.name), config.train.seed)
 
