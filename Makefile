@@ -32,7 +32,7 @@ lint: $(BIN)/.installed
 	$(BIN)/lint-imports
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

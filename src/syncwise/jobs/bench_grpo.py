@@ -4,8 +4,8 @@ Like is compared with like. One preparatory job warms the default job's model up
 (supervised steps on its answers, so responses follow the task's long-tailed counts) and exports it; every
 configuration is then a real ``syncwise train`` job from that export with the learning rate at 0 (every
 step still computes its gradient and optimizer step), the same seed and prompts, started on fresh local
-ranks. The weights never move, so configurations with the same sampler sample *identical* responses at
-every step (the table says so: ``same responses``); the two samplers draw from the same distribution with
+ranks. The weights never move, so configurations with the same rollout engine sample *identical* responses
+at every step (the table says so: ``same responses``); the engines draw from the same distribution with
 different streams, so their responses differ in the draw, not in kind. The headline is the ratio of real
 (response) tokens per second end to end, which counts the work actually done; the step-time ratio is
 shown beside it. The first ``warmup`` steps of each job are left out; rounds are interleaved (A B C, A B C)
@@ -44,6 +44,7 @@ GRPO_CONFIGS: dict[str, tuple[str, ...]] = {
     "compact, balanced, per_microbatch": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
                                           "sync.mode=per_microbatch"),
     "compact, balanced, padded": ("rl.rollout_engine=compact", "rl.balance_ranks=true", "engine.packing=false"),
+    "vLLM, balanced": ("rl.rollout_engine=vllm", "rl.balance_ranks=true"),
 }
 QUICK_CONFIGS = ("generate, unbalanced (before)", "compact sampler, balanced", "compact, balanced, skip uniform groups")
 
@@ -96,6 +97,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "phases_s": {phase: median(f"time/{phase}_s") for phase in PHASES},
         "rollout_tokens_per_s": tokens / sum(r["time/rollout_s"] for r in rows),
         "end_to_end_tokens_per_s": tokens / step,
+        "weight_sync_share": sum(r["time/weight_sync_s"] for r in rows) / step,
         "response_length_mean": statistics.mean(r["response/length_mean"] for r in rows),
         "imbalance_before": median("batch/rank_token_imbalance_before"),
         "imbalance_after": median("batch/rank_token_imbalance_after"),
@@ -146,7 +148,9 @@ def bench_grpo(spec: GRPOBenchSpec) -> int:
 
 
 def _sampler_of(name: str) -> str:
-    return "generate" if "rl.rollout_engine=generate" in GRPO_CONFIGS[name] else "compact"
+    """The configuration's rollout engine (configurations of one engine sample identical responses)."""
+    engines = [o.split("=", 1)[1] for o in GRPO_CONFIGS[name] if o.startswith("rl.rollout_engine=")]
+    return engines[0] if engines else "compact"
 
 
 def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> str:
@@ -161,8 +165,9 @@ def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> s
         f"over the first row's",
         "",
         "| configuration | end-to-end tok/s | speed-up | step s | step-time ratio | same responses | "
-        + " | ".join(f"{p} s" for p in PHASES) + " | rollout tok/s | mean response | imbalance before -> after |",
-        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|",
+        + " | ".join(f"{p} s" for p in PHASES) + " | weight sync share | rollout tok/s | mean response | "
+        "imbalance before -> after |",
+        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|",
     ]
     for name, r in results.items():
         phases = " | ".join(fmt(r["phases_s"][p]) for p in PHASES)
@@ -171,7 +176,7 @@ def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> s
         lines.append(
             f"| {spec.configs.index(name) + 1}. {name} | {r['end_to_end_tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
             f"{fmt(r['step_s'])} | {r['step_time_ratio']:.2f}x | {same} | {phases} | "
-            f"{r['rollout_tokens_per_s']:.0f} | {r['response_length_mean']:.1f} | "
+            f"{r.get('weight_sync_share', 0.0):.1%} | {r['rollout_tokens_per_s']:.0f} | {r['response_length_mean']:.1f} | "
             f"{fmt(r['imbalance_before'])} -> {fmt(r['imbalance_after'])} |"
         )
     return "\n".join(lines)

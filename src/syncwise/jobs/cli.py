@@ -109,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="the small 2-minute version")
     bench.add_argument("--nproc", type=int, default=2, help="local ranks (ignored under torchrun)")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
-    bench.add_argument("--presets", nargs="+", help="model presets (default qwen2-tiny qwen2-20m)")
+    bench.add_argument("--presets", nargs="+", help="model presets (default qwen2-tiny qwen2-20m; grpo: one, "
+                                                    "default the job's)")
+    bench.add_argument("--configs", nargs="+", help="grpo workload: configurations by name (default: all), "
+                                                    "e.g. 'compact sampler, balanced' 'vLLM, balanced'")
     bench.add_argument("--microbatches", nargs="+", type=int, help="micro-batches per step (default 2 4 8)")
     bench.add_argument("--modes", nargs="+", help="engine sync modes (default: all but replica_deferred, + auto)")
     bench.add_argument("--no-baselines", action="store_true", help="skip the raw FSDP2 loop and the compute floor")
@@ -220,6 +223,12 @@ def _run_bench(args: argparse.Namespace) -> int:
         out = args.out if args.out != "runs/bench" else "runs/bench_grpo"
         spec = GRPOBenchSpec.quick(out) if args.quick else GRPOBenchSpec(out_dir=out)
         spec.nproc = args.nproc
+        if args.configs:
+            spec.configs = args.configs
+        if args.presets:  # one model per run: its rows compare engines and settings on it
+            if len(args.presets) > 1:
+                raise SystemExit("syncwise: error: bench --workload grpo: one --presets model per run")
+            spec.extra = [f"model.preset={args.presets[0]}"]
         if args.repeats is not None:
             spec.rounds = args.repeats
         return bench_grpo(spec)

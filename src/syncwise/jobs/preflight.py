@@ -114,14 +114,33 @@ def check_rl(config: Config) -> None:
             f"{key}: cannot load a tokenizer from {rl.tokenizer or config.model.path}: {_first_line(exc)}"
         ) from exc
     try:
-        prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights).encode(load_tokenizer(config), rl)
+        source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights)
+        source.encode(load_tokenizer(config), rl)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
+    if rl.rollout_engine == "vllm":
+        check_vllm_rollout(config, rl.max_new_tokens or source.max_new_tokens)
     try:
         checkpoint = CheckpointManager(Path(config.train.out_dir) / "checkpoints").resolve(config.train.resume)
         if checkpoint is not None and rl.algorithm == "ppo":
             CheckpointManager.check_holds(checkpoint, ["critic"])
     except CheckpointError as exc:
+        raise PreflightError(str(exc)) from exc
+
+
+def check_vllm_rollout(config: Config, max_new_tokens: int) -> None:
+    """``rl.rollout_engine=vllm``: vLLM is installed and its KV cache holds one whole sequence (what needs
+    vLLM itself imported -- the model's architecture, its CPU attention's head sizes -- is checked where the
+    engine is built)."""
+    import torch
+
+    from ..rl.vllm_rollout import kv_cache_size, require_vllm
+
+    device_type = "cuda" if torch.cuda.is_available() and config.dist.backend != "gloo" else "cpu"
+    try:
+        require_vllm()
+        kv_cache_size(config, _hf_config(config), max_new_tokens, device_type)
+    except ValueError as exc:
         raise PreflightError(str(exc)) from exc
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import math
 import os
 import tempfile
@@ -48,14 +49,20 @@ BLOCK_TOKENS = {"cpu": 128, "cuda": 16}
 RESTORED_ENV = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")
 
 
+def require_vllm() -> None:
+    """Raise ValueError (one line, naming the install) when vLLM is not installed; imports nothing."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"rl.rollout_engine=vllm: vLLM is not installed; {INSTALL_HINT}; or "
+                         f"rl.rollout_engine=compact")
+
+
 def check_vllm(hf_config, device_type: str) -> None:
     """Raise ValueError (one line, naming the fix) when vLLM cannot sample this model here."""
+    require_vllm()
     try:
-        import vllm  # noqa: F401
         from vllm.model_executor.models import ModelRegistry
-    except ImportError as exc:
-        raise ValueError(f"rl.rollout_engine=vllm: vLLM is not installed ({exc}); {INSTALL_HINT}; or "
-                         f"rl.rollout_engine=compact") from None
+    except ImportError as exc:  # installed but broken (torchvision & co. left in)
+        raise ValueError(f"rl.rollout_engine=vllm: vLLM does not import ({exc}); {INSTALL_HINT}") from None
     archs = list(getattr(hf_config, "architectures", None) or [])
     supported = set(ModelRegistry.get_supported_archs())
     if not archs or not any(a in supported for a in archs):

@@ -259,7 +259,8 @@ class _Supervisor:
                 self.killed.add(rank)
                 process.kill()
         for process in self.processes:
-            process.join()
+            if process.pid is not None:  # one that failed to start (spawn refused) has nothing to join
+                process.join()
 
     def _note_ended(self) -> None:
         for rank, process in enumerate(self.processes):

@@ -1,0 +1,78 @@
+"""Run on 2 gloo ranks by test_rollout_engines.py: one vLLM engine per rank, built once, refreshed from the
+sharded policy as the trainer refreshes it; its log-probs against the trainer's forward pass of the same
+sequences, on a prompt longer than one KV block -- and what a skipped refresh, or a prefix cache left as it
+was, does to them (the checks that catch either)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from scenarios_refresh import _peak_extra
+from syncwise.config import load_config
+from syncwise.engine import Engine
+from syncwise.models import build_model
+from syncwise.rl.rollout import Rollout
+from syncwise.rl.trainer import end_token_ids, load_tokenizer
+from syncwise.rl.tasks import prompt_source
+
+PROMPT_TOKENS = 700  # five whole 128-token KV blocks on CPU, the prefix cache's unit
+
+
+def _scale_policy(engine: Engine, factor: float) -> None:
+    """Change the policy (every rank its own shards, alike): the sampler must see the new weights."""
+    with torch.no_grad():
+        for param in engine.model.parameters():
+            param.mul_(factor)
+
+
+def _max_diff(rollout: Rollout, engine: Engine, source, rows, prompt_ids, step: int) -> float:
+    """The largest |sampler - trainer| log-prob over the response tokens of one rollout at ``step``."""
+    batch, sampled = rollout.generate(rows, prompt_ids, source, step)
+    trainer = engine.forward_batch(batch, temperature=rollout.cfg.temperature).outputs["log_probs"]
+    mask = batch["loss_mask"][:, 1:].bool()
+    return float((sampled["log_probs"] - trainer.cpu()).abs()[mask].max())
+
+
+def vllm_refresh_suite(info, model_dir: str) -> dict:
+    config = load_config(None, [
+        f"model.path={model_dir}", "rl.rollout_engine=vllm", "rl.prompts_per_rank=1", "rl.samples_per_prompt=2",
+        f"rl.max_prompt_length={PROMPT_TOKENS + 68}", "rl.max_new_tokens=8", "rl.mask_truncated=false",
+    ])
+    tokenizer = load_tokenizer(config)
+    source = prompt_source(config.rl.task, None, None, None)
+    source.encode(tokenizer, config.rl)
+    engine = Engine(config, build_model(config.model), info, total_steps=1)
+    built = time.perf_counter()
+    rollout = Rollout(config, engine, tokenizer, source, end_token_ids(model_dir))
+    build_s = time.perf_counter() - built
+    generator = torch.Generator().manual_seed(0)
+    special = set(tokenizer.all_special_ids)
+    ids = [t for t in torch.randint(0, len(tokenizer), (PROMPT_TOKENS * 2,), generator=generator).tolist()
+           if t not in special][:PROMPT_TOKENS]
+    rows, prompt_ids = source.rows[:1], [ids]
+    out = {"build_s": build_s, "held_bytes": rollout.held_bytes}
+    rollout.sync_weights()
+    out["fresh"] = _max_diff(rollout, engine, source, rows, prompt_ids, 0)
+    _scale_policy(engine, 1.5)  # a policy update the sampler has not seen
+    out["refresh_skipped"] = _max_diff(rollout, engine, source, rows, prompt_ids, 1)
+    rollout.sync_weights()
+    out["refreshed"] = _max_diff(rollout, engine, source, rows, prompt_ids, 1)  # the stale prompt's blocks are gone too
+    _scale_policy(engine, 1.5)
+    llm = rollout.sampler.llm
+    reset = llm.reset_prefix_cache
+    llm.reset_prefix_cache = lambda *a, **k: True  # a refresh that leaves the prefix cache as it was
+    try:
+        rollout.sync_weights()
+    finally:
+        llm.reset_prefix_cache = reset
+    out["prefix_kept"] = _max_diff(rollout, engine, source, rows, prompt_ids, 2)
+    llm.reset_prefix_cache()
+    out["prefix_reset"] = _max_diff(rollout, engine, source, rows, prompt_ids, 2)
+    # what one refresh allocates beyond the trainer's model and vLLM's weights (torch's tensor tracker)
+    vllm_model = llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
+    out["refresh_extra_bytes"] = _peak_extra(rollout.sync_weights, engine.model, vllm_model)
+    out["largest_unit_bytes"] = rollout.sampler.largest_unit_bytes
+    out["weight_bytes"] = rollout.sampler.weight_bytes
+    return out
