@@ -14,8 +14,8 @@ from syncwise.config import load_config
 from syncwise.engine import Engine
 from syncwise.models import build_model
 from syncwise.rl.rollout import Rollout
-from syncwise.rl.trainer import end_token_ids, load_tokenizer
 from syncwise.rl.tasks import prompt_source
+from syncwise.rl.trainer import end_token_ids, load_tokenizer
 
 PROMPT_TOKENS = 700  # five whole 128-token KV blocks on CPU, the prefix cache's unit
 

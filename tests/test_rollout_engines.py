@@ -105,7 +105,7 @@ def user_dirs(tmp_path_factory):
     return {arch: save_model_dir(root, arch, heads=2, positions=1024) for arch in ARCHS}
 
 
-# A reward (distinct characters) that differs within most groups, so each step's advantages (and the policy's update) are not zero
+# A reward (distinct characters) that differs within most groups: each step's advantages, and update, are not zero
 LENGTH_REWARD = "def length(prompt, response, row):\n    return len(set(response)) / 20\n"
 
 

@@ -176,7 +176,8 @@ def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> s
         lines.append(
             f"| {spec.configs.index(name) + 1}. {name} | {r['end_to_end_tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
             f"{fmt(r['step_s'])} | {r['step_time_ratio']:.2f}x | {same} | {phases} | "
-            f"{r.get('weight_sync_share', 0.0):.1%} | {r['rollout_tokens_per_s']:.0f} | {r['response_length_mean']:.1f} | "
+            f"{r.get('weight_sync_share', 0.0):.1%} | {r['rollout_tokens_per_s']:.0f} | "
+            f"{r['response_length_mean']:.1f} | "
             f"{fmt(r['imbalance_before'])} -> {fmt(r['imbalance_after'])} |"
         )
     return "\n".join(lines)
