@@ -137,8 +137,8 @@ def test_grpo_on_vllm_matches_the_trainer_every_step(vllm_jobs, arch):
     assert [r["train/step"] for r in rows] == list(range(1, 21))
     assert all(r["rollout/log_prob_diff"] <= 2e-4 for r in rows), [r["rollout/log_prob_diff"] for r in rows]
     assert sum(r["response/length_mean"] for r in rows) / len(rows) > 4  # real responses, not just end tokens
-    # the policy moves on (almost) every step: the next rollout must see it
-    assert sum(abs(r["loss"]) > 1e-6 for r in rows) >= 15, [r["loss"] for r in rows]
+    # the policy moves every step (a gradient of norm ~1 at lr 1e-3): the next rollout must see it
+    assert all(r["train/grad_norm"] > 0.1 for r in rows), [r["train/grad_norm"] for r in rows]
 
 
 @NEEDS_VLLM
