@@ -57,20 +57,22 @@ def test_a_budget_below_what_the_job_holds_is_one_line(data, tmp_path, job, budg
 
 def test_a_model_without_the_attention_kernel_is_named_before_any_rank(data, tmp_path):
     import torch
-    from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM
+    from transformers import AutoTokenizer, GPTNeoConfig, GPTNeoForCausalLM
 
+    # GPT-Neo has no sdpa kernel in transformers 5.19-5.24 (Gemma-2 gained one in 5.19 and lost it again)
     tokenizer = AutoTokenizer.from_pretrained(data / "model")
     torch.manual_seed(0)
-    Gemma2ForCausalLM(Gemma2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   pad_token_id=tokenizer.pad_token_id)).save_pretrained(tmp_path / "gemma2")
-    tokenizer.save_pretrained(tmp_path / "gemma2")
-    proc = _run("sft", f"model.path={tmp_path / 'gemma2'}", f"sft.dataset={data / 'train.jsonl'}", "sft.steps=1",
+    GPTNeoForCausalLM(GPTNeoConfig(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=4,
+                                   attention_types=[[["global", "local"], 1]], max_position_embeddings=512,
+                                   bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                   pad_token_id=tokenizer.pad_token_id)).save_pretrained(tmp_path / "gptneo")
+    tokenizer.save_pretrained(tmp_path / "gptneo")
+    proc = _run("sft", f"model.path={tmp_path / 'gptneo'}", f"sft.dataset={data / 'train.jsonl'}", "sft.steps=1",
                 f"sft.out_dir={tmp_path / 'out'}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "syncwise: error: model.attn_implementation=sdpa: Gemma2ForCausalLM has no such kernel in transformers; use "
-        "model.attn_implementation=eager (or flash_attention_2, flash_attention_3, flex_attention)"]
+        "syncwise: error: model.attn_implementation=sdpa: GPTNeoForCausalLM has no such kernel in transformers; use "
+        "model.attn_implementation=eager (or flash_attention_2, flash_attention_3)"]
 
 
 @pytest.mark.parametrize(("arch", "hidden"), [("gpt2", 128), ("gpt2", 256), ("llama", 128)])

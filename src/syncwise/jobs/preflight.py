@@ -53,7 +53,7 @@ _ATTENTION_SUPPORT = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_
 
 
 def check_attention(implementation: str, hf_config) -> None:
-    """The model's class has ``model.attn_implementation`` (Gemma-2's, say, has no sdpa kernel in
+    """The model's class has ``model.attn_implementation`` (GPT-Neo's, say, has no sdpa kernel in
     transformers): a one-line error naming the key and what the class does support, not transformers' message
     from inside a rank."""
     from transformers import AutoModelForCausalLM
