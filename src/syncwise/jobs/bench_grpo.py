@@ -19,6 +19,7 @@ shortcut -- is the reference. Writes ``bench_grpo.json``, ``bench_grpo.md`` and 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import statistics
@@ -59,13 +60,19 @@ class GRPOBenchSpec:
     warm_start_steps: int = 30  # supervised steps first, so responses follow the task's long-tailed counts
     prompts_per_rank: int = 8
     samples_per_prompt: int = 8
-    configs: list[str] = field(default_factory=lambda: list(GRPO_CONFIGS))
+    configs: list[str] = field(default_factory=lambda: _available(list(GRPO_CONFIGS)))
     extra: list[str] = field(default_factory=list)  # overrides for every job (e.g. model.preset=...)
 
     @classmethod
     def quick(cls, out_dir: str) -> GRPOBenchSpec:
         return cls(out_dir=out_dir, steps=4, warmup=1, rounds=1, warm_start_steps=5, prompts_per_rank=4,
                    samples_per_prompt=4, configs=list(QUICK_CONFIGS))
+
+
+def _available(names: list[str]) -> list[str]:
+    """``names`` without the vLLM rows where vLLM is not installed (``make VLLM_SPEC=``)."""
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    return [n for n in names if has_vllm or "rl.rollout_engine=vllm" not in GRPO_CONFIGS[n]]
 
 
 def _job_config(spec: GRPOBenchSpec, name: str | None, out: Path, start: Path | None = None) -> dict[str, Any]:

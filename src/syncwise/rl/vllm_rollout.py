@@ -61,7 +61,7 @@ def check_vllm(hf_config, device_type: str) -> None:
     require_vllm()
     try:
         from vllm.model_executor.models import ModelRegistry
-    except ImportError as exc:  # installed but broken (torchvision & co. left in)
+    except (ImportError, RuntimeError) as exc:  # installed but broken (the CUDA torchvision & co. left in)
         raise ValueError(f"rl.rollout_engine=vllm: vLLM does not import ({exc}); {INSTALL_HINT}") from None
     archs = list(getattr(hf_config, "architectures", None) or [])
     supported = set(ModelRegistry.get_supported_archs())
