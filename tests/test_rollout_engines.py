@@ -174,3 +174,26 @@ def test_vllm_refresh_reaches_the_sampler_and_resets_its_prefix_cache(tmp_path):
         # syncwise's gathered unit, vLLM's unpacked copy of it and its re-packed one (measured 2.85 units here)
         assert out["refresh_extra_bytes"] <= 3 * out["largest_unit_bytes"], out
         assert out["refresh_extra_bytes"] < out["weight_bytes"] / 2, out
+
+
+@NEEDS_VLLM
+def test_ctrl_c_stops_a_vllm_job_at_a_step_boundary_with_a_checkpoint(user_dirs, tmp_path):
+    """vLLM shuts down with the job (its shutdown destroys the default group): Ctrl-C still stops every rank at
+    one step boundary, checkpoints and exits 130 with one line, as without it."""
+    import signal
+    import time
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a background shell may have left it ignored
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "syncwise", "train", *JOB, *_user_job(user_dirs["llama"]),
+                             "train.steps=500", f"train.out_dir={out}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)  # waits for a condition, never a length of time
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "syncwise: stopped by SIGINT after step" in stdout + stderr and "Traceback" not in stderr
+    assert (out / "checkpoints" / "latest").exists()
