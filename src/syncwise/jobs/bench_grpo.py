@@ -19,7 +19,6 @@ shortcut -- is the reference. Writes ``bench_grpo.json``, ``bench_grpo.md`` and 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import statistics
@@ -30,6 +29,7 @@ from typing import Any
 from ..config import config_to_dict, load_config, packaged_config
 from ..metrics import plot_phase_bars, read_jsonl
 from ..rl.trainer import PHASES, train_worker
+from ..rl.vllm_rollout import vllm_installed
 from ..runtime.launcher import launch_local
 
 # name -> overrides; the first is the reference.
@@ -71,7 +71,7 @@ class GRPOBenchSpec:
 
 def _available(names: list[str]) -> list[str]:
     """``names`` without the vLLM rows where vLLM is not installed (``make VLLM_SPEC=``)."""
-    has_vllm = importlib.util.find_spec("vllm") is not None
+    has_vllm = vllm_installed()
     return [n for n in names if has_vllm or "rl.rollout_engine=vllm" not in GRPO_CONFIGS[n]]
 
 
@@ -183,7 +183,7 @@ def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> s
         lines.append(
             f"| {spec.configs.index(name) + 1}. {name} | {r['end_to_end_tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
             f"{fmt(r['step_s'])} | {r['step_time_ratio']:.2f}x | {same} | {phases} | "
-            f"{r.get('weight_sync_share', 0.0):.1%} | {r['rollout_tokens_per_s']:.0f} | "
+            f"{r['weight_sync_share']:.1%} | {r['rollout_tokens_per_s']:.0f} | "
             f"{r['response_length_mean']:.1f} | "
             f"{fmt(r['imbalance_before'])} -> {fmt(r['imbalance_after'])} |"
         )

@@ -132,14 +132,11 @@ def check_vllm_rollout(config: Config, max_new_tokens: int) -> None:
     """``rl.rollout_engine=vllm``: vLLM is installed and its KV cache holds one whole sequence (what needs
     vLLM itself imported -- the model's architecture, its CPU attention's head sizes -- is checked where the
     engine is built)."""
-    import torch
-
     from ..rl.vllm_rollout import kv_cache_size, require_vllm
 
-    device_type = "cuda" if torch.cuda.is_available() and config.dist.backend != "gloo" else "cpu"
     try:
         require_vllm()
-        kv_cache_size(config, _hf_config(config), max_new_tokens, device_type)
+        kv_cache_size(config, _hf_config(config), max_new_tokens, _job_device(config).type)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
 
@@ -226,8 +223,6 @@ def critic_shortfall(config: Config, critic: Config) -> str | None:
     actor's; 0: 90% of the device) -- before a step runs, activations not yet counted."""
     import os
 
-    import torch
-
     from ..memory.accounting import DTYPE_BYTES, format_bytes, resolve_budget
     from ..memory.plan import resident_per_rank, sharded_model_for
     from ..sync.modes import SyncMode
@@ -241,8 +236,8 @@ def critic_shortfall(config: Config, critic: Config) -> str | None:
         sizes[name] = (resident_per_rank(sharded, ranks), sharded.retained_grad_bytes(SyncMode.PER_MICROBATCH, 1),
                        sharded.num_params)
     copy = sizes["actor"][2] * DTYPE_BYTES[config.rl.rollout_dtype]
-    device = torch.device("cuda" if config.dist.backend != "gloo" and torch.cuda.is_available() else "cpu")
-    budget = resolve_budget(critic.sync.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    budget = resolve_budget(critic.sync.memory_budget, _job_device(config), local_ranks)
     need = sizes["actor"][0] + sizes["critic"][0] + sizes["critic"][1] + copy
     if need <= budget:
         return None
@@ -264,6 +259,13 @@ def preflight(config: Config, job: str) -> None:
         check_rl(config)
     elif job == "sft":
         check_sft(config)
+
+
+def _job_device(config: Config):
+    """The device the job's ranks will use (CUDA unless gloo is asked for or there is none)."""
+    import torch
+
+    return torch.device("cuda" if config.dist.backend != "gloo" and torch.cuda.is_available() else "cpu")
 
 
 def _first_line(exc: BaseException) -> str:

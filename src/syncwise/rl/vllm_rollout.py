@@ -49,9 +49,14 @@ BLOCK_TOKENS = {"cpu": 128, "cuda": 16}
 RESTORED_ENV = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")
 
 
+def vllm_installed() -> bool:
+    """Whether vLLM is installed (imports nothing)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
 def require_vllm() -> None:
     """Raise ValueError (one line, naming the install) when vLLM is not installed; imports nothing."""
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         raise ValueError(f"rl.rollout_engine=vllm: vLLM is not installed; {INSTALL_HINT}; or "
                          f"rl.rollout_engine=compact")
 
