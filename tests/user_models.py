@@ -40,6 +40,61 @@ QWEN25_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Llama-3.1-Instruct's chat template, its custom-tool path (tools in the first user message, a call as a bare
+# JSON object with "parameters", results as the ipython role; one call per turn)
+LLAMA31_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if not date_string is defined %}{%- set date_string = '26 Jul 2024' %}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']|trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{%- if tools is not none %}{{- 'Environment: ipython\\n' }}{%- endif %}"
+    "{{- 'Cutting Knowledge Date: December 2023\\n' }}{{- 'Today Date: ' + date_string + '\\n\\n' }}"
+    "{{- system_message }}{{- '<|eot_id|>' }}"
+    "{%- if tools is not none %}"
+    "{%- if messages | length != 0 %}{%- set first_user_message = messages[0]['content']|trim %}"
+    "{%- set messages = messages[1:] %}"
+    "{%- else %}{{- raise_exception('Cannot put tools in the first user message when there is none!') }}{%- endif %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}"
+    "{{- 'Given the following functions, please respond with a JSON for a function call ' }}"
+    "{{- 'with its proper arguments that best answers the given prompt.\\n\\n' }}"
+    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
+    "value}.' }}{{- 'Do not use variables.\\n\\n' }}"
+    "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}"
+    "{{- first_user_message + '<|eot_id|>'}}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
+    "+ '<|eot_id|>' }}"
+    "{%- elif 'tool_calls' in message %}"
+    "{%- if not message.tool_calls|length == 1 %}"
+    "{{- raise_exception('This model only supports single tool-calls at once!') }}{%- endif %}"
+    "{%- set tool_call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
+    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}{{- tool_call.arguments | tojson }}"
+    "{{- '}' }}{{- '<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' or message.role == 'ipython' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}"
+    "{%- if message.content is mapping or message.content is iterable %}{{- message.content | tojson }}"
+    "{%- else %}{{- message.content }}{%- endif %}{{- '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+LLAMA31_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
+
+
+def llama31_tokenizer():
+    """The built-in BPE with Llama-3.1's template and special tokens (``<|eot_id|>`` ends a turn)."""
+    from syncwise.sft.tasks import arith_chat_rows, chat_tokenizer
+
+    tokenizer = chat_tokenizer(arith_chat_rows(300, seed=1))
+    tokenizer.add_special_tokens({"additional_special_tokens": LLAMA31_SPECIALS, "bos_token": "<|begin_of_text|>",
+                                  "eos_token": "<|eot_id|>"})
+    tokenizer.chat_template = LLAMA31_TEMPLATE
+    return tokenizer
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The temperature in a city, in degrees Celsius.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city."}},

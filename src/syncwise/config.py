@@ -277,6 +277,13 @@ class RLConfig:
     stop: list[str] = field(default_factory=list)
     # Responses cut by rl.max_new_tokens left out of the loss (TRL's mask_truncated_completions)
     mask_truncated: bool = False
+    # Multi-turn rollouts with tools (syncwise.rl.multi_turn): functions the policy may call -- built-in names
+    # (calculator) or "file.py:function" / "package.module:function", typed and documented. With tools,
+    # rl.max_new_tokens bounds everything after the prompt (every turn and the tool results between)
+    tools: list[str] = field(default_factory=list)
+    tool_parser: str = "auto"  # auto (from the chat template) | hermes (<tool_call>{json}</tool_call>) | llama3_json
+    max_turns: int = 4  # assistant turns per conversation; the last one's calls are not run
+    tool_timeout_s: float = 10.0  # per call; past it the call's answer is an error (counted)
     # What samples the responses (syncwise.rl.rollout): compact -- each prompt prefilled once, ended
     # sequences dropped, only drawn tokens' log-probs kept (syncwise.rl.sampling); generate -- Hugging Face
     # generate (the earlier path, for comparison); vllm -- a vLLM engine on every rank (syncwise.rl.vllm_rollout)
@@ -479,6 +486,12 @@ class Config:
             raise ConfigError("rl.stop: an empty stop string would end every response at once")
         _choice("rl.chat_template", self.rl.chat_template, ("auto", "true", "false"))
         _choice("rl.prompt_overflow", self.rl.prompt_overflow, ("truncate_left", "drop", "error"))
+        _choice("rl.tool_parser", self.rl.tool_parser, ("auto", "hermes", "llama3_json"))
+        _positive("rl.max_turns", self.rl.max_turns)
+        _positive("rl.tool_timeout_s", self.rl.tool_timeout_s)
+        if self.rl.tools and self.rl.chat_template == "false":
+            raise ConfigError("rl.tools with rl.chat_template=false: tools are shown to the model and their results "
+                              "given back through the chat template")
         _positive("rl.max_prompt_length", self.rl.max_prompt_length)
         functions = reward_paths(self.rl.reward_fn)
         if self.rl.reward_weights and len(self.rl.reward_weights) != len(functions):

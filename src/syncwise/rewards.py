@@ -6,6 +6,9 @@
   without one, the last number in the response;
 - :func:`boxed`: LaTeX's ``\\boxed{...}`` (the last one), lightly normalised.
 
+With ``rl.tools`` a response is the conversation after the prompt (assistant and tool messages); these read
+its last assistant message.
+
 Numbers compare as numbers: thousands separators (``1,234``), a leading ``+``, trailing zeros (``5.0``) and a
 trailing full stop do not matter; ``-3`` and ``3`` do.
 """
@@ -19,16 +22,25 @@ from typing import Any
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
 
 
-def final_number(prompt: str, response: str, row: dict[str, Any]) -> float:
+def final_number(prompt: str, response: str | list[dict[str, Any]], row: dict[str, Any]) -> float:
     """1.0 if the response's final number equals ``row["answer"]`` (GSM8K: the first one after the last
     ``####``, whatever text follows it; else the last number anywhere)."""
-    return float(_same(_final_number(response), _answer(row)))
+    return float(_same(_final_number(final_text(response)), _answer(row)))
 
 
-def boxed(prompt: str, response: str, row: dict[str, Any]) -> float:
+def boxed(prompt: str, response: str | list[dict[str, Any]], row: dict[str, Any]) -> float:
     """1.0 if the content of the response's last ``\\boxed{...}`` equals ``row["answer"]`` (as numbers where
     both are, else as text without spaces, ``$`` and a ``\\text{}`` wrapper)."""
-    return float(_same(_last_boxed(response), _answer(row)))
+    return float(_same(_last_boxed(final_text(response)), _answer(row)))
+
+
+def final_text(response: str | list[dict[str, Any]]) -> str:
+    """A response's answer text: the string itself, or a conversation's last assistant message's content
+    (multi-turn rollouts with tools; "" when it has none, e.g. only a call)."""
+    if isinstance(response, str):
+        return response
+    last = next((m for m in reversed(response) if m.get("role") == "assistant"), {})
+    return str(last.get("content") or "")
 
 
 def _answer(row: dict[str, Any]) -> str:

@@ -82,7 +82,7 @@ def _main(argv: list[str] | None) -> int:
         return _run_job("syncwise.rl.trainer:train_worker", args, "train", default_config="grpo.yaml")
     if args.command == "sft":
         if args.write_example_data:
-            return _write_example_data(args.write_example_data)
+            return _write_example_data(args.write_example_data, args.task)
         return _run_job("syncwise.jobs.sft:sft_worker", args, "sft")
     if args.command == "bench":
         return _run_bench(args)
@@ -98,8 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     sft = sub.add_parser("sft", help="supervised fine-tuning on a dataset or a built-in task (sft.task)")
     sft.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
     sft.add_argument("--write-example-data", metavar="DIR",
-                     help="write the arith_chat task as a user brings data (DIR/train.jsonl, DIR/eval.jsonl, "
-                          "DIR/model with its tokenizer and chat template) and exit")
+                     help="write a built-in chat task as a user brings data (DIR/train.jsonl, DIR/eval.jsonl, "
+                          "DIR/prompts.jsonl, DIR/model with its tokenizer and chat template) and exit")
+    sft.add_argument("--task", choices=("arith_chat", "arith_tools"), default="arith_chat",
+                     help="with --write-example-data: arith_chat (word problems) or arith_tools (tool-use chats "
+                          "with the calculator, and the same problems without it)")
     bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
     bench.add_argument("--workload", choices=("modes", "rl", "loss", "grpo", "sft"), default="modes",
                        help="modes: every sync mode side by side; rl: padded vs packed on long-tailed RL lengths "
@@ -169,13 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _write_example_data(folder: str) -> int:
+def _write_example_data(folder: str, task: str = "arith_chat") -> int:
     from ..sft.tasks import write_example_data
 
-    out = write_example_data(folder)
+    out = write_example_data(folder, task=task)
+    extra = ""
+    if task == "arith_tools":
+        extra = (f"; {out / 'train_no_tools.jsonl'}, {out / 'eval_no_tools.jsonl'} and "
+                 f"{out / 'prompts_no_tools.jsonl'} are the same problems without the tool")
     print(f"syncwise sft: wrote {out / 'train.jsonl'}, {out / 'eval.jsonl'} (chat messages), {out / 'prompts.jsonl'} "
           f"(prompts and answers for GRPO) and {out / 'model'} (an untrained model with its tokenizer and chat "
-          f"template); train on them with\n"
+          f"template){extra}; train on them with\n"
           f"  syncwise sft model.path={out / 'model'} sft.dataset={out / 'train.jsonl'} "
           f"sft.eval_dataset={out / 'eval.jsonl'}", flush=True)
     return 0

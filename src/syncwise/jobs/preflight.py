@@ -114,7 +114,7 @@ def check_rl(config: Config) -> None:
             f"{key}: cannot load a tokenizer from {rl.tokenizer or config.model.path}: {_first_line(exc)}"
         ) from exc
     try:
-        source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights)
+        source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools)
         source.encode(load_tokenizer(config), rl)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc

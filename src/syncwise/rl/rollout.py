@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..config import Config
 from ..engine import Engine
+from .multi_turn import ToolLoop, counts_tensor
 from .sampling import Samples
 from .scoring import score
 from .tasks import PromptSource
@@ -88,6 +90,7 @@ class Rollout:
         if self.cfg.truncates and engine.info.is_main:
             warnings.warn(TRUNCATION_NOTE, stacklevel=2)
         self.sampler = make_rollout_engine(config, engine, tokenizer, self.end_ids, self.max_new_tokens)
+        self.tool_loop = ToolLoop(self.cfg, tokenizer, source.tools) if source.tools else None
 
     @property
     def held_bytes(self) -> int:
@@ -95,7 +98,8 @@ class Rollout:
         return self.sampler.held_bytes()
 
     def describe(self) -> str:
-        return self.sampler.describe()
+        loop = f", {self.tool_loop.describe()}" if self.tool_loop is not None else ""
+        return self.sampler.describe() + loop
 
     @torch.no_grad()
     def sync_weights(self) -> None:
@@ -104,54 +108,84 @@ class Rollout:
         self.sampler.refresh(self.engine.full_weights_by_unit())
 
     @torch.no_grad()
-    def generate(self, rows: list[dict[str, Any]], prompt_ids: list[list[int]], source: PromptSource, step: int = 0
-                 ) -> tuple[dict[str, torch.Tensor], dict]:
-        """``samples_per_prompt`` responses per row (its prompt already encoded: ``prompt_ids``) at ``step``;
-        returns the training batch and what was sampled: rewards (the weighted total, and each function's in
-        ``reward_parts``), texts, response lengths, which responses the length limit cut (``clipped``), the
-        sampler's per-token log-probs ([B, T-1], aligned with the batch's targets; of the untruncated
-        temperature-scaled distribution, as the trainer's), the mass each response token's truncation kept
-        (``kept_mass``; empty where the engine does not report the drawn distribution) and the seconds spent
-        in the reward functions (``reward_s``).
+    def generate(self, rows: list[dict[str, Any]], prompt_ids: list[list[int]], source: PromptSource, step: int = 0,
+                 tool_schemas: list | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """``samples_per_prompt`` responses per row (its prompt already encoded: ``prompt_ids``; with
+        ``rl.tools``, conversations, the rows' tools shown as ``tool_schemas``) at ``step``; returns the training
+        batch and what was sampled: rewards (the weighted total, and each function's in ``reward_parts``),
+        responses (texts; with tools, each conversation's messages after the prompt), response lengths (every
+        token after the prompt), which responses the length limit cut (``clipped``), the sampler's per-token
+        log-probs ([B, T-1], aligned with the batch's targets; of the untruncated temperature-scaled
+        distribution, as the trainer's; 0 where nothing was sampled), the mass each sampled token's truncation
+        kept (``kept_mass``; empty where the engine does not report the drawn distribution), the seconds spent
+        in the reward functions (``reward_s``) and the tools (``tool_s``), and with tools the counts of
+        :data:`~syncwise.rl.multi_turn.TOOL_COUNTS` (``tool_counts``).
 
         Samples of one prompt are consecutive (the GRPO group)."""
-        tok, n = self.tokenizer, self.cfg.samples_per_prompt
+        n = self.cfg.samples_per_prompt
         seed = sample_seed(self.config.train.seed, step, self.engine.info.rank)
-        samples = self.sampler.sample(prompt_ids, n, self.max_new_tokens, seed)
-        full = samples.full_log_probs
+        if self.tool_loop is not None:
+            conversations, tool_s = self.tool_loop.run(self.sampler, rows, prompt_ids, tool_schemas or
+                                                       [None] * len(rows), n, self.max_new_tokens, seed)
+            responses = [c.messages for c in conversations]
+            drawn_known = all(c.drawn_log_probs is not None for c in conversations)
+            sampled = [_Sampled(torch.tensor(c.tokens, dtype=torch.long), torch.tensor(c.sampled),
+                                torch.tensor(c.full_log_probs), torch.tensor(c.drawn_log_probs) if drawn_known
+                                else None, c.ended) for c in conversations]
+        else:
+            samples = self.sampler.sample(prompt_ids, n, self.max_new_tokens, seed)
+            tool_s, conversations = 0.0, None
+            responses = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in samples.tokens]
+            drawn_all = samples.log_probs if samples.log_probs is not None else [None] * len(samples.tokens)
+            sampled = [_Sampled(ids.cpu(), torch.ones_like(ids.cpu()), full.float().cpu(),
+                                drawn.float().cpu() if drawn is not None else None, ended)
+                       for ids, full, drawn, ended in zip(samples.tokens, samples.full_log_probs, drawn_all,
+                                                          samples.ended, strict=True)]
         # with truncation, how much of the full distribution's mass each drawn token's step kept
-        kept_mass = (torch.cat([(f.float() - d.float()).exp().cpu() for f, d in zip(full, samples.log_probs,
-                                                                                     strict=True)])
-                     if samples.log_probs is not None else torch.zeros(0))
+        kept_mass = (torch.cat([(s.full - s.drawn).exp()[s.sampled.bool()] for s in sampled])
+                     if all(s.drawn is not None for s in sampled) else torch.zeros(0))
         prompts = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
-        sequences, response_masks, responses, sampler = [], [], [], []
-        for i, (response_ids, response_log_probs) in enumerate(zip(samples.tokens, full, strict=True)):
+        sequences, response_masks, sampler = [], [], []
+        for i, one in enumerate(sampled):
             prompt = prompts[i // n]
-            response_ids, response_log_probs = response_ids.cpu(), response_log_probs.float().cpu()
-            responses.append(tok.decode(response_ids, skip_special_tokens=True))
-            sequences.append(torch.cat([prompt, response_ids]))
-            trained = torch.ones_like(response_ids) * int(samples.ended[i] or not self.cfg.mask_truncated)
+            sequences.append(torch.cat([prompt, one.tokens]))
+            trained = one.sampled * int(one.ended or not self.cfg.mask_truncated)
             response_masks.append(torch.cat([torch.zeros_like(prompt), trained]))
             # Per target (position j predicts token j + 1): the response tokens' sampler log-probs.
-            sampler.append(torch.cat([response_log_probs.new_zeros(len(prompt) - 1), response_log_probs]))
+            sampler.append(torch.cat([one.full.new_zeros(len(prompt) - 1), one.full * one.sampled]))
         scoring = time.perf_counter()
         group_rows = [rows[i // n] for i in range(len(responses))]
         rewards, parts = score(source.rewards, [row["prompt"] for row in group_rows], responses, group_rows)
         reward_s = time.perf_counter() - scoring
-        batch = response_batch(sequences, response_masks, tok.pad_token_id)
+        batch = response_batch(sequences, response_masks, self.tokenizer.pad_token_id)
         total = batch["input_ids"].shape[1]
         info = {
             "rewards": torch.tensor(rewards),
             "reward_parts": {name: torch.tensor(values) for name, values in parts.items()},
             "responses": responses,
-            "response_lengths": torch.tensor([len(r) for r in samples.tokens]),
-            "clipped": torch.tensor([not e for e in samples.ended]),
+            "response_lengths": torch.tensor([len(s.tokens) for s in sampled]),
+            "clipped": torch.tensor([not s.ended for s in sampled]),
             # [B, T-1], like the trainer's: of the untruncated distribution (the trainer's), see sampling.py
             "log_probs": right_pad(sampler, total - 1, 0.0).cpu(),
-            "kept_mass": kept_mass,  # per response token (1 without truncation)
+            "kept_mass": kept_mass.double(),  # per sampled token (1 without truncation)
             "reward_s": reward_s,  # spent in the reward functions
+            "tool_s": tool_s,  # spent in the tools
         }
+        if conversations is not None:
+            info["tool_counts"] = counts_tensor(conversations)
         return {k: v.cpu() for k, v in batch.items()}, info
+
+
+@dataclass
+class _Sampled:
+    """One sample after its prompt: its tokens, which the policy drew (1) and which the template wrote (0), the
+    sampler's log-prob of each (full distribution; the drawn one's, or None) and whether it ended by itself."""
+
+    tokens: torch.Tensor
+    sampled: torch.Tensor
+    full: torch.Tensor
+    drawn: torch.Tensor | None
+    ended: bool
 
 
 def response_batch(sequences: list[torch.Tensor], response_masks: list[torch.Tensor], pad_id: int) -> dict:

@@ -31,17 +31,18 @@ class RewardFunction:
     batched: bool = False
 
 
-def load_reward_fn(path: str) -> Callable[..., Any]:
-    """The function ``path`` names; a ValueError naming ``rl.reward_fn`` if it cannot be had."""
+def load_function(path: str, key: str) -> Callable[..., Any]:
+    """The callable ``path`` names (``package.module:function`` or ``file.py:function``); a ValueError naming
+    ``key`` (``rl.reward_fn``, ``rl.tools``) if it cannot be had."""
     target, sep, attr = path.rpartition(":")
     if not sep or not target or not attr:
-        raise ValueError(f"rl.reward_fn: {path!r} must look like 'package.module:function' or 'file.py:function'")
+        raise ValueError(f"{key}: {path!r} must look like 'package.module:function' or 'file.py:function'")
     try:
         if target.endswith(".py"):
             file = Path(target)
             if not file.is_file():
                 raise ImportError(f"no file {target}")
-            spec = importlib.util.spec_from_file_location(f"syncwise_reward_{file.stem}", file)
+            spec = importlib.util.spec_from_file_location(f"syncwise_user_{file.stem}", file)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
@@ -50,10 +51,15 @@ def load_reward_fn(path: str) -> Callable[..., Any]:
             module = importlib.import_module(target)
         fn = getattr(module, attr)
     except (ImportError, AttributeError, SyntaxError) as exc:
-        raise ValueError(f"rl.reward_fn: cannot import {path!r}: {exc}") from exc
+        raise ValueError(f"{key}: cannot import {path!r}: {exc}") from exc
     if not callable(fn):
-        raise ValueError(f"rl.reward_fn: {path!r} is not callable")
+        raise ValueError(f"{key}: {path!r} is not callable")
     return fn
+
+
+def load_reward_fn(path: str) -> Callable[..., Any]:
+    """The reward function ``path`` names; a ValueError naming ``rl.reward_fn`` if it cannot be had."""
+    return load_function(path, "rl.reward_fn")
 
 
 def is_batched(fn: Callable[..., Any]) -> bool:

@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerFast
 from ..config import RLConfig, reward_paths
 from .prompts import EncodedPrompts, encode_prompts
 from .scoring import RewardFunction, reward_functions
+from .tool_runner import Tool, load_tools
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
 DIGITS = [str(d) for d in range(10)]
@@ -80,6 +81,7 @@ class PromptSource:
     name: str = ""  # the file, or "task <name>"
     # what scores responses: rl.reward_fn's functions, or the task's own reward
     rewards: list[RewardFunction] = field(default_factory=list)
+    tools: dict[str, Tool] = field(default_factory=dict)  # rl.tools: what the policy may call (multi-turn)
 
     prompt_ids: list[list[int]] | None = None  # each row's prompt as tokens (:meth:`encode`)
     encoded: EncodedPrompts | None = None
@@ -87,7 +89,7 @@ class PromptSource:
     def encode(self, tokenizer, cfg: RLConfig) -> EncodedPrompts:
         """Every prompt as the sampler sees it (chat template, ``rl.max_prompt_length``); rows dropped for
         their length leave the source. A prompt that cannot be used is a ValueError naming its row."""
-        encoded = encode_prompts(self.rows, self.where, self.name, cfg, tokenizer)
+        encoded = encode_prompts(self.rows, self.where, self.name, cfg, tokenizer, self.tools)
         self.rows = [self.rows[i] for i in encoded.kept]
         self.where = [self.where[i] for i in encoded.kept] if self.where else None
         self.prompt_ids, self.encoded = encoded.ids, encoded
@@ -192,15 +194,19 @@ def _prompt_problem(row: Any) -> str | None:
 
 
 def prompt_source(task: str, dataset: str | None, reward_fn: str | list[str] | None,
-                  reward_weights: list[float] = ()) -> PromptSource:
-    """A built-in task's prompts and reward, or a dataset's with ``rl.reward_fn``'s functions."""
+                  reward_weights: list[float] = (), tools: list[str] = ()) -> PromptSource:
+    """A built-in task's prompts and reward, or a dataset's with ``rl.reward_fn``'s functions (and
+    ``rl.tools``' functions for the policy to call)."""
     paths = reward_paths(reward_fn)
     if dataset:
         rows, where = load_dataset(dataset)
         return PromptSource(rows, None, max_new_tokens=DATASET_MAX_NEW_TOKENS, where=where, name=dataset,
-                            rewards=reward_functions(paths, list(reward_weights)))
+                            rewards=reward_functions(paths, list(reward_weights)), tools=load_tools(list(tools)))
     if task not in TASKS:
         raise ValueError(f"rl.task: {task!r} is not one of {', '.join(TASKS)}")
+    if tools:
+        raise ValueError("rl.tools: the built-in tasks call no tools; give prompts with rl.dataset (e.g. "
+                         "syncwise sft --write-example-data DIR --task arith_tools writes some)")
     source = TASKS[task]()
     source.name = f"task {task}"
     source.rewards = (reward_functions(paths, list(reward_weights)) if paths

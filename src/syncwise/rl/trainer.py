@@ -45,6 +45,7 @@ from ..runtime.signals import stopped
 from .advantages import grpo_advantages, rloo_advantages
 from .balance import samples_that_train
 from .losses import make_policy_loss
+from .multi_turn import TOOL_COUNTS
 from .ppo import Critic, ppo_advantages
 from .rollout import Rollout
 from .tasks import builtin_tokenizer, prompt_source
@@ -99,16 +100,19 @@ def rollout_stats(
     diff = (sampler_log_probs - trainer_log_probs.cpu()).abs() * response_mask
     parts = sorted(sampled["reward_parts"].items())
     kept = sampled["kept_mass"].double()
+    tool_counts = sampled.get("tool_counts", torch.zeros(0, dtype=torch.float64))
     sums = [rewards.sum(), (rewards**2).sum(), len(rewards), lengths.sum(), (rewards >= 1).sum(), diff.sum(),
             response_mask.sum(), *counts, sampled["clipped"].sum(), kept.sum(), kept.numel(),
-            *(values.double().sum() for _, values in parts)]
+            *(values.double().sum() for _, values in parts), *tool_counts]
     totals, per_rank = agree([float(x) for x in sums], [float(diff.max()) if diff.numel() else 0.0],
                              "the rollout statistics all-reduce", info.device, timeout_s)
     (total, squares, count, length, solved, diff_sum, tokens, uniform_groups, groups, trained, clipped, kept_sum,
      kept_count) = totals[:13].tolist()
     mean = total / count
-    by_function = {f"reward/{name}": float(value) / count for (name, _), value in zip(parts, totals[13:], strict=True)}
+    by_function = {f"reward/{name}": float(value) / count
+                   for (name, _), value in zip(parts, totals[13:13 + len(parts)], strict=True)}
     return {
+        **(tool_metrics(totals[13 + len(parts):].tolist(), count) if len(tool_counts) else {}),
         **(by_function if len(parts) > 1 else {}),
         "response/clipped_fraction": clipped / count,  # cut by rl.max_new_tokens
         "reward/mean": mean,
@@ -125,8 +129,20 @@ def rollout_stats(
     }
 
 
-PHASES = ("weight_sync", "rollout", "reward", "balance", "ref_log_prob", "old_log_prob", "values", "critic_update",
-          "update")
+def tool_metrics(sums: list[float], samples: float) -> dict[str, float]:
+    """Multi-turn rollouts' metrics from the all-reduced :data:`TOOL_COUNTS` (over every rank)."""
+    counts = dict(zip(TOOL_COUNTS, sums, strict=True))
+    errors = {kind: counts[kind] for kind in TOOL_COUNTS[2:]}
+    return {
+        "rollout/turns_mean": counts["turns"] / samples,
+        "rollout/tool_calls_per_sample": counts["tool_calls"] / samples,
+        "rollout/tool_errors": sum(errors.values()),  # calls that went wrong, over every rank
+        **{f"rollout/tool_errors/{kind}": value for kind, value in errors.items()},
+    }
+
+
+PHASES = ("weight_sync", "rollout", "tools", "reward", "balance", "ref_log_prob", "old_log_prob", "values",
+          "critic_update", "update")
 
 
 class PhaseClock:
@@ -178,7 +194,7 @@ class RLTrainer:
         torch.manual_seed(train.seed * 1000 + info.rank)
         random.seed(train.seed * 1000 + info.rank)
         self.tokenizer = load_tokenizer(config)
-        self.source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights)
+        self.source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools)
         self.source.encode(self.tokenizer, rl)
         overrides = {} if config.model.path else {"vocab_size": len(self.tokenizer)}
         updates_per_step = rl.mini_batches * rl.epochs
@@ -274,8 +290,10 @@ class RLTrainer:
         with clock("weight_sync"):
             self.rollout.sync_weights()
         with clock("rollout"):
-            batch, sampled = self.rollout.generate(rows, prompt_ids, self.source, step)
+            batch, sampled = self.rollout.generate(rows, prompt_ids, self.source, step,
+                                                   [self.source.encoded.tools[i] for i in indices])
         clock.move("rollout", "reward", sampled["reward_s"])  # scored inside the rollout call
+        clock.move("rollout", "tools", sampled["tool_s"])  # run between the turns
         if self.critic is None:
             batch["advantages"] = advantages_for(sampled["rewards"], self.config)
         else:

@@ -10,6 +10,12 @@
   assistant's turns for the loss (``{% generation %}``) and ends them with ``<|im_end|>``. Nothing toy-shaped
   about the path it takes: it is written to JSONL and trained like a user's data
   (:func:`write_example_data`).
+- ``arith_tools`` (``syncwise sft --write-example-data DIR --task arith_tools``): arithmetic word problems
+  too long to do in the head for a tiny model (products of two-digit numbers and sums of three-digit ones),
+  solved with the built-in calculator: a Qwen2.5-style template (tools in the system prompt, ``<tool_call>``
+  JSON, tool results as ``<tool_response>``, generation markers), an assistant turn that calls
+  ``calculator``, the tool's answer, and a last turn ending in ``#### <number>``. Beside them the same
+  problems answered without the tool (``train_no_tools.jsonl``), the baseline.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 import torch
 
 TASKS = ("progression", "arith_chat")
+EXAMPLE_TASKS = ("arith_chat", "arith_tools")  # what --write-example-data writes
 ALPHABET = 64  # progressions live in token ids 1..64
 PAD_ID = 0
 
@@ -41,6 +48,41 @@ CHATML_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
+# Qwen2.5-Instruct's template with generation markers around what the assistant writes (its text and calls)
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
+    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}"
+    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}{% generation %}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if loop.first and message.content %}{{- '\\n' }}{%- elif not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # added, not special (Qwen2.5)
+TOOLS_SYSTEM_PROMPT = "Solve the problem. Use the calculator for the arithmetic, then end with '#### <answer>'."
+NO_TOOLS_SYSTEM_PROMPT = "Solve the problem. End with '#### <answer>'."
 CHAT_SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 CHAT_VOCAB = 1024
 
@@ -102,9 +144,11 @@ def arith_chat_rows(count: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def chat_tokenizer(rows: list[dict[str, Any]], vocab_size: int = CHAT_VOCAB):
-    """A byte-level BPE tokenizer trained on the conversations' text, with the ChatML template (generation
-    markers) and ``<|im_end|>`` as its end token. Deterministic for the same rows."""
+def chat_tokenizer(rows: list[dict[str, Any]], vocab_size: int = CHAT_VOCAB, texts: list[str] = (),
+                   template: str = CHATML_TEMPLATE, added: list[str] = ()):
+    """A byte-level BPE tokenizer trained on the conversations' text (and ``texts``), with ``template`` (the
+    ChatML one with generation markers), ``added`` tokens (not special) and ``<|im_end|>`` as its end token.
+    Deterministic for the same rows."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -113,19 +157,92 @@ def chat_tokenizer(rows: list[dict[str, Any]], vocab_size: int = CHAT_VOCAB):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    texts = [m["content"] for row in rows for m in row["messages"]] + ["system", "user", "assistant"]
-    tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
-                                   chat_template=CHATML_TEMPLATE, padding_side="right")
+    corpus = [m["content"] for row in rows for m in row["messages"] if m.get("content")] + list(texts)
+    tok.train_from_iterator(corpus + ["system", "user", "assistant"], trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
+                                        chat_template=template, padding_side="right")
+    if added:
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    return tokenizer
+
+
+def _tool_problem(rng: random.Random) -> tuple[str, str, int]:
+    """(question, the expression that answers it, its value): two or three operations on numbers a tiny model
+    cannot multiply in its head."""
+    name = rng.choice(NAMES)
+    item = rng.choice(ITEMS)
+    kind = rng.randrange(4)
+    if kind == 0:
+        a, b, c = rng.randint(12, 99), rng.randint(12, 99), rng.randint(100, 999)
+        question = (f"{name} buys {a} boxes of {item} with {b} in each box and already has {c}. "
+                    f"How many {item} does {name} have?")
+        expression = f"{a} * {b} + {c}"
+    elif kind == 1:
+        b, c = rng.randint(11, 49), rng.randint(3, 19)
+        a = b * c + rng.randint(100, 999)
+        question = f"{name} has {a} {item} and gives {b} to each of {c} friends. How many {item} are left?"
+        expression = f"{a} - {b} * {c}"
+    elif kind == 2:
+        a, c, k = rng.randint(12, 99), rng.randint(3, 12), rng.randint(2, 9)
+        question = (f"A school orders {a} packs of {c * k} {item}. They are shared equally among {c} classes. "
+                    f"How many {item} does each class get?")
+        expression = f"{a} * {c * k} / {c}"
+    else:
+        a, b = rng.randint(12, 99), rng.randint(12, 52)
+        c = rng.randint(100, a * b - 1)
+        question = f"{name} saves {a} dollars a week for {b} weeks, then spends {c} dollars. How much is left?"
+        expression = f"{a} * {b} - {c}"
+    from ..tools import calculator
+
+    return question, expression, int(calculator(expression))
+
+
+def arith_tools_rows(count: int, seed: int, tools: bool = True) -> list[dict[str, Any]]:
+    """``count`` conversations (``messages``, ``tools``, ``answer``): with ``tools``, the assistant calls the
+    calculator with the problem's expression, reads its result and answers; without, it answers at once."""
+    from transformers.utils import get_json_schema
+
+    from ..tools import calculator
+
+    schema = [get_json_schema(calculator)]
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        question, expression, value = _tool_problem(rng)
+        answer = f"The answer is {value}.\n#### {value}"
+        if tools:
+            call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+            messages = [{"role": "system", "content": TOOLS_SYSTEM_PROMPT}, {"role": "user", "content": question},
+                        {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "name": "calculator", "content": str(value)},
+                        {"role": "assistant", "content": answer}]
+            rows.append({"messages": messages, "tools": schema, "answer": str(value)})
+        else:
+            messages = [{"role": "system", "content": NO_TOOLS_SYSTEM_PROMPT}, {"role": "user", "content": question},
+                        {"role": "assistant", "content": f"{expression} = {value}\n#### {value}"}]
+            rows.append({"messages": messages, "answer": str(value)})
+    return rows
+
+
+def tools_tokenizer(rows: list[dict[str, Any]]):
+    """The arith_tools tokenizer: BPE trained on the rendered conversations (the tools' schema and the call
+    syntax included), with :data:`TOOLS_TEMPLATE`."""
+    plain = chat_tokenizer(rows[:1], template=TOOLS_TEMPLATE, added=TOOL_TAGS)  # to render the texts once
+    texts = [plain.apply_chat_template(row["messages"], tools=row.get("tools"), tokenize=False) for row in rows]
+    return chat_tokenizer(rows, texts=texts, template=TOOLS_TEMPLATE, added=TOOL_TAGS)
 
 
 def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: int = 200, seed: int = 0,
-                       preset: str = "llama-chat", prompt_rows: int = 500) -> Path:
-    """The ``arith_chat`` task as a user brings data: ``train.jsonl`` and ``eval.jsonl`` (``messages`` rows,
-    for SFT), ``prompts.jsonl`` (new problems for GRPO: ``prompt``, the system and user messages, and
-    ``answer``) and ``model/`` (an untrained ``preset`` model
-    saved with ``save_pretrained``, and the trained tokenizer with its chat template). Each file is renamed
-    into place when complete, ``model/`` last; a folder that has one already is kept."""
+                       preset: str = "llama-chat", prompt_rows: int = 500, task: str = "arith_chat") -> Path:
+    """A built-in task as a user brings data: ``train.jsonl`` and ``eval.jsonl`` (``messages`` rows, for SFT),
+    ``prompts.jsonl`` (new problems for GRPO: ``prompt``, the system and user messages, and ``answer``) and
+    ``model/`` (an untrained ``preset`` model saved with ``save_pretrained``, and the trained tokenizer with
+    its chat template). ``task``: ``arith_chat``, or ``arith_tools`` (tool-use chats with a ``tools`` column,
+    and ``train_no_tools.jsonl`` / ``eval_no_tools.jsonl`` / ``prompts_no_tools.jsonl``: the same problems
+    answered without the tool). Each
+    file is renamed into place when complete, ``model/`` last; a folder that has one already is kept."""
     from transformers.utils import logging as hf_logging
 
     from ..config import ModelConfig
@@ -136,20 +253,32 @@ def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: i
     if (out / "model" / "config.json").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    rows = arith_chat_rows(train_rows + eval_rows, seed)
-    tokenizer = chat_tokenizer(rows)
+    files: dict[str, list[dict[str, Any]]] = {}
+    if task == "arith_tools":
+        rows = arith_tools_rows(train_rows + eval_rows, seed)
+        plain = arith_tools_rows(train_rows + eval_rows, seed, tools=False)  # the same problems, in that order
+        tokenizer = tools_tokenizer(rows + plain)
+        files["train_no_tools.jsonl"], files["eval_no_tools.jsonl"] = plain[:train_rows], plain[train_rows:]
+        problems = arith_tools_rows(prompt_rows, seed + 1, tools=False)
+        files["prompts_no_tools.jsonl"] = [{"prompt": r["messages"][:2], "answer": r["answer"]} for r in problems]
+        prompts = [{"prompt": [{"role": "system", "content": TOOLS_SYSTEM_PROMPT}, r["messages"][1]],
+                    "answer": r["answer"]} for r in problems]  # the tools: rl.tools, shown by the template
+    else:
+        rows = arith_chat_rows(train_rows + eval_rows, seed)
+        tokenizer = chat_tokenizer(rows)
+        prompts = [{"prompt": r["messages"][:2], "answer": r["answer"]}
+                   for r in arith_chat_rows(prompt_rows, seed + 1)]
+    files["train.jsonl"], files["eval.jsonl"], files["prompts.jsonl"] = rows[:train_rows], rows[train_rows:], prompts
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
     try:
-        for name, part in (("train.jsonl", rows[:train_rows]), ("eval.jsonl", rows[train_rows:])):
+        for name, part in files.items():
             (staging / name).write_text("".join(json.dumps(r) + "\n" for r in part))
-        prompts = [{"prompt": r["messages"][:2], "answer": r["answer"]} for r in arith_chat_rows(prompt_rows, seed + 1)]
-        (staging / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
         model = build_model(ModelConfig(preset=preset, seed=seed), vocab_size=len(tokenizer),
                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                             bos_token_id=None)
         model.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
-        for name in ("train.jsonl", "eval.jsonl", "prompts.jsonl", "model"):  # model/ last: the data is complete
+        for name in [*files, "model"]:  # model/ last: the data is complete
             with contextlib.suppress(OSError):  # another rank (torchrun) put the same files there first
                 os.replace(staging / name, out / name)
     finally:

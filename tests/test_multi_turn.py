@@ -1,0 +1,266 @@
+"""Multi-turn rollouts with tools (issue 40), the parts one process pins down: the calculator, loading a
+user's tools and running them whatever they do, parsing calls in Qwen2.5's and Llama-3.1's formats, and the
+conversation loop on real templates -- trained tokens exactly the assistant spans, the whole sequence the
+template's rendering of the conversation, the engine asked one turn at a time. A scripted engine stands in
+for sampling here (it pins the call sequence); tests/test_tool_jobs.py runs real models on 2 ranks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from syncwise.config import load_config
+from syncwise.rewards import final_number
+from syncwise.rl.multi_turn import ToolLoop
+from syncwise.rl.prompts import encode_prompt, encode_prompts
+from syncwise.rl.sampling import Samples
+from syncwise.rl.tool_calls import choose_parser, parse_turn
+from syncwise.rl.tool_runner import load_tools, run_tool
+from syncwise.tools import calculator
+from user_models import llama31_tokenizer, qwen25_tokenizer
+
+
+def test_calculator_is_exact_and_refuses_what_is_not_arithmetic():
+    assert calculator("48 * 127 + 395") == "6491"
+    assert calculator("(1234 + 567) * 89 / 4") == "40072.25"
+    assert calculator(" 7 // 2 + 7 % 2 - -3 ") == "7"
+    assert calculator("2 ** 10") == "1024" and calculator("1 / 3") == repr(1 / 3)
+    for bad, error in [("__import__('os').system('true')", ValueError), ("1 / 0", ZeroDivisionError),
+                       ("9 ** 9 ** 9", ValueError), ("10 ** 101", ValueError), ("x + 1", ValueError),
+                       ("[1] * 3", ValueError), ("True + 1", ValueError)]:
+        with pytest.raises(error):
+            calculator(bad)
+
+
+TOOLS_PY = '''
+import time
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+def shout(text: str) -> str:
+    """Raise, always.
+
+    Args:
+        text: Anything.
+    """
+    raise RuntimeError("no " + text)
+
+def nap(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "rested"
+
+def untyped(x) -> str:
+    """Untyped.
+
+    Args:
+        x: Anything.
+    """
+    return str(x)
+
+def undocumented(x: int) -> str:
+    return str(x)
+
+NOT_A_FUNCTION = 3
+'''
+
+
+@pytest.fixture()
+def tools_file(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(TOOLS_PY)
+    return path
+
+
+def test_loading_tools_says_what_is_wrong_in_one_line(tools_file):
+    tools = load_tools(["calculator", f"{tools_file}:add"])
+    assert list(tools) == ["calculator", "add"]
+    assert tools["add"].schema["function"]["parameters"]["properties"]["a"] == {"type": "integer",
+                                                                                "description": "The first."}
+    for entry, said in [(f"{tools_file}:NOT_A_FUNCTION", "is not callable"),
+                        ("math:sqrt", "not a function"),
+                        (f"{tools_file}:untyped", "parameter(s) x have no type hint"),
+                        (f"{tools_file}:undocumented", "Google-style docstring"),
+                        (f"{tools_file}:missing", "cannot import"),
+                        ("no_such_module_here:f", "cannot import")]:
+        with pytest.raises(ValueError, match="rl.tools") as info:
+            load_tools([entry])
+        assert said in str(info.value) and "\n" not in str(info.value), str(info.value)
+    with pytest.raises(ValueError, match="two tools are named 'add'"):
+        load_tools([f"{tools_file}:add", f"{tools_file}:add"])
+
+
+def test_a_tool_that_fails_answers_with_its_error(tools_file):
+    tools = load_tools([f"{tools_file}:add", f"{tools_file}:shout", f"{tools_file}:nap"])
+    assert run_tool(tools, "add", {"a": 2, "b": 3}, 5).content == "5"
+    assert run_tool(tools, "add", {"a": 2, "b": 3}, 5).error == "non_text"  # an int: given as JSON, counted
+    raised = run_tool(tools, "shout", {"text": "way"}, 5)
+    assert (raised.content, raised.error) == ("error: RuntimeError: no way", "exception")
+    start = time.perf_counter()
+    hung = run_tool(tools, "nap", {"seconds": 30}, 0.2)
+    assert hung.error == "timeout" and "within 0.2 s" in hung.content and time.perf_counter() - start < 10
+    assert run_tool(tools, "nap", {"seconds": 0}, 5).content == "rested"
+    assert run_tool(tools, "nope", {}, 5).error == "unknown_tool"
+    assert run_tool(tools, "add", {"a": 1}, 5).error == "bad_arguments"
+    assert run_tool(tools, "add", [1, 2], 5).error == "bad_arguments"
+
+
+def test_calls_parse_in_each_family_format():
+    hermes = parse_turn('Let me see.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 * 3"}}\n'
+                        '</tool_call>\n<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}\n'
+                        '</tool_call>', "hermes")
+    assert hermes.content == "Let me see."
+    assert [(c.name, c.arguments) for c in hermes.calls] == [("calculator", {"expression": "2 * 3"}),
+                                                             ("add", {"a": 1, "b": 2})]
+    broken = parse_turn('<tool_call>\n{"name": "calculator", "arguments": {"expression": }\n</tool_call>', "hermes")
+    assert not broken.calls and len(broken.errors) == 1 and "not valid JSON" in broken.errors[0]
+    assert parse_turn("The answer is 6.\n#### 6", "hermes").calls_tools is False
+    llama = parse_turn('<|python_tag|>{"name": "calculator", "parameters": {"expression": "1; 2"}}; '
+                       '{"name": "add", "parameters": {"a": 1, "b": 2}}', "llama3_json")
+    assert [(c.name, c.arguments) for c in llama.calls] == [("calculator", {"expression": "1; 2"}),
+                                                            ("add", {"a": 1, "b": 2})]
+    assert parse_turn("It is 6.", "llama3_json").calls_tools is False
+    assert parse_turn('{"name": 3}', "llama3_json").errors
+
+
+def test_the_parser_comes_from_the_template_and_a_template_without_tools_is_one_line():
+    assert choose_parser(qwen25_tokenizer(), "auto") == "hermes"
+    assert choose_parser(llama31_tokenizer(), "auto") == "llama3_json"
+    from syncwise.sft.tasks import arith_chat_rows, chat_tokenizer
+
+    plain = chat_tokenizer(arith_chat_rows(50, seed=1))  # ChatML without tool support
+    with pytest.raises(ValueError, match="does not render tools"):
+        choose_parser(plain, "auto")
+
+
+class ScriptedEngine:
+    """Answers turn k of every conversation with ``script[k]`` and its end token, log-prob -0.5 per token;
+    records what it was asked (the call sequence the loop must make)."""
+
+    def __init__(self, tokenizer, script: list[str], end: str):
+        self.turns = [tokenizer(text + end, add_special_tokens=False)["input_ids"] for text in script]
+        self.calls: list[tuple[list[list[int]], int, int]] = []
+
+    def sample(self, prompts, n, max_new_tokens, seed):
+        self.calls.append(([list(p) for p in prompts], n, max_new_tokens))
+        turn = self.turns[len(self.calls) - 1]
+        tokens = [torch.tensor(turn[:max_new_tokens]) for _ in range(len(prompts) * n)]
+        log_probs = [torch.full((len(t),), -0.5) for t in tokens]
+        return Samples(tokens, log_probs, 0, [len(turn) <= max_new_tokens] * len(tokens), log_probs)
+
+
+FAMILIES = {
+    "qwen2.5": (qwen25_tokenizer, "<|im_end|>",
+                lambda e: f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}\n</tool_call>'),
+    "llama3.1": (llama31_tokenizer, "<|eot_id|>",
+                 lambda e: f'{{"name": "calculator", "parameters": {{"expression": "{e}"}}}}'),
+}
+PROMPT = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 12 * 7 + 5?"}]
+
+
+def _call(expression):
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}]}
+
+
+def _loop(family, script, *overrides, max_new_tokens=600):
+    make_tokenizer, end, call = FAMILIES[family]
+    tokenizer = make_tokenizer()
+    cfg = load_config(None, ["rl.tools=[calculator]", *overrides]).rl
+    tools = load_tools(["calculator"])
+    schemas = [tools["calculator"].schema]
+    prompt_ids = encode_prompt(PROMPT, cfg, tokenizer, schemas)
+    engine = ScriptedEngine(tokenizer, [call(s[5:]) if s.startswith("call:") else s for s in script], end)
+    conversations, _ = ToolLoop(cfg, tokenizer, tools).run(engine, [{"prompt": PROMPT, "answer": "89"}],
+                                                           [prompt_ids], [schemas], 2, max_new_tokens, seed=0)
+    return tokenizer, end, call, schemas, prompt_ids, engine, conversations
+
+
+def _runs(tokens, flags, value=1):
+    """The maximal runs of ``tokens`` whose flag is ``value``."""
+    runs, current = [], []
+    for token, flag in zip(tokens, flags, strict=True):
+        if flag == value:
+            current.append(token)
+        elif current:
+            runs, current = runs + [current], []
+    return runs + ([current] if current else [])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_three_turn_rollout_trains_exactly_the_assistant_spans(family):
+    script = ["call:12 * 7", "call:84 + 5", "It is 89.\n#### 89"]
+    tokenizer, end, call, schemas, prompt_ids, engine, conversations = _loop(family, script)
+    messages = [_call("12 * 7"), {"role": "tool", "name": "calculator", "content": "84"},
+                _call("84 + 5"), {"role": "tool", "name": "calculator", "content": "89"},
+                {"role": "assistant", "content": "It is 89.\n#### 89"}]
+    # the spans by hand: each assistant turn as the model writes it, through its end-of-turn token
+    spans = [tokenizer(text + end, add_special_tokens=False)["input_ids"]
+             for text in (call("12 * 7"), call("84 + 5"), "It is 89.\n#### 89")]
+    whole = tokenizer.apply_chat_template(PROMPT + messages, tools=schemas, tokenize=False)
+    for conversation in conversations:
+        assert _runs(conversation.tokens, conversation.sampled) == spans
+        # prompt + every turn + the template's text between is the template's rendering of the conversation
+        assert tokenizer.decode(prompt_ids + conversation.tokens) == whole.removesuffix("\n")
+        between = _runs(conversation.tokens, conversation.sampled, value=0)
+        assert all("84" in tokenizer.decode(b) or "89" in tokenizer.decode(b) for b in between)  # the results
+        assert conversation.messages == messages
+        assert dict(conversation.counts) == {"turns": 3, "tool_calls": 2} and conversation.ended
+        # the sampler's log-probs on exactly the sampled tokens
+        assert conversation.full_log_probs == [-0.5 if s else 0.0 for s in conversation.sampled]
+        assert final_number(PROMPT, conversation.messages, {"answer": "89"}) == 1.0
+    # the engine: the prompt once for both samples, then one call per turn over the conversations so far
+    assert engine.calls[0] == ([prompt_ids], 2, 600)
+    first = conversations[0]
+    after_one = len(spans[0]) + len(_runs(first.tokens, first.sampled, value=0)[0])
+    assert engine.calls[1][:2] == ([prompt_ids + first.tokens[:after_one]] * 2, 1)
+    assert len(engine.calls) == 3 and engine.calls[2][0] == [prompt_ids + first.tokens[:-len(spans[2])]] * 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bad_call_is_answered_and_counted_and_the_limits_end_a_conversation(family):
+    broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": }\n</tool_call>' \
+        if family == "qwen2.5" else '{"name": "calculator", "parameters": {"expression": }'
+    tokenizer, *_, conversations = _loop(family, [broken, "call:1 / 0", "It is 89.\n#### 89"])
+    counts = conversations[0].counts
+    assert (counts["bad_json"], counts["exception"], counts["tool_calls"], counts["turns"]) == (1, 1, 2, 3)
+    assert conversations[0].messages[1]["content"].startswith("error: the tool call is not valid JSON")
+    assert conversations[0].messages[3]["content"] == "error: ZeroDivisionError: division by zero"
+    # rl.max_turns: the last turn's call is not run
+    *_, capped = _loop(family, ["call:1 + 1", "call:2 + 2"], "rl.max_turns=2")
+    assert dict(capped[0].counts) == {"turns": 2, "tool_calls": 1} and capped[0].ended
+    # rl.max_new_tokens bounds the whole conversation: the second turn is cut, the sample is clipped
+    script = ["call:12 * 7", "It is 84.\n#### 84"]
+    *_, whole = _loop(family, script)
+    before_second = len(whole[0].tokens) - len(_runs(whole[0].tokens, whole[0].sampled)[-1])
+    *_, engine, cut = _loop(family, script, max_new_tokens=before_second + 3)
+    assert len(cut[0].tokens) == before_second + 3 and not cut[0].ended and engine.calls[1][2] == 3
+    # no room left for an answer after the tool's result: the conversation ends there, clipped
+    *_, full = _loop(family, script, max_new_tokens=before_second)
+    assert not full[0].ended and full[0].counts["tool_calls"] == 1 and full[0].messages[-1]["role"] == "tool"
+
+
+def test_a_rows_tools_must_be_ones_the_job_defines(tmp_path):
+    tokenizer = qwen25_tokenizer()
+    cfg = load_config(None, ["rl.tools=[calculator]"]).rl
+    tools = load_tools(["calculator"])
+    rows = [{"prompt": "What is 2 + 2?"}, {"prompt": "And 3 + 3?", "tools": ["calculator"]},
+            {"prompt": "Weather?", "tools": ["get_weather"]}]
+    with pytest.raises(ValueError, match=r"p.jsonl line 3: 'tools' names 'get_weather', which rl.tools does not"):
+        encode_prompts(rows, ["line 1", "line 2", "line 3"], "p.jsonl", cfg, tokenizer, tools)
+    encoded = encode_prompts(rows[:2], None, "p.jsonl", cfg, tokenizer, tools)
+    assert encoded.tools == [[tools["calculator"].schema]] * 2 and encoded.templated  # strings as user turns
+    assert "calculator" in tokenizer.decode(encoded.ids[0])
