@@ -1,6 +1,6 @@
 """README's "From SFT to GRPO to transformers" block, run as written in a scratch folder (issue 29), then the
 PPO section's commands in the same folder (issue 31; one trains on the recipe's SFT export), then the vLLM
-section's job on the recipe's export (issue 39): each
+section's job on the recipe's export (issue 39), and the tools recipe (issue 40): each
 `syncwise` command with overrides appended that only shorten it (steps, rollout size), the Python step
 verbatim. A README that drifts from the program fails here."""
 
@@ -69,3 +69,18 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
     if HAS_VLLM:
         assert "rollouts by vLLM (float32" in proc.stdout
         assert len((tmp_path / "runs" / "grpo_arith_vllm" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_tools_recipe_runs_as_written(tmp_path):
+    """README's "From SFT to GRPO with tools" block (issue 40): the arith_tools data, SFT, GRPO with the
+    calculator, and the baseline without it, each shortened."""
+    script = _shortened(_block("**From SFT to GRPO with tools**"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "multi-turn with tools calculator (hermes calls" in proc.stdout
+    assert "GRPO on data/tools/prompts_no_tools.jsonl" in proc.stdout
+    for run in ("grpo_tools", "grpo_no_tools"):
+        rows = (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()
+        assert len(rows) == 2 and ("rollout/turns_mean" in rows[0]) == (run == "grpo_tools")
