@@ -29,7 +29,7 @@ def test_calculator_is_exact_and_refuses_what_is_not_arithmetic():
     assert calculator("2 ** 10") == "1024" and calculator("1 / 3") == repr(1 / 3)
     for bad, error in [("__import__('os').system('true')", ValueError), ("1 / 0", ZeroDivisionError),
                        ("9 ** 9 ** 9", ValueError), ("10 ** 101", ValueError), ("x + 1", ValueError),
-                       ("[1] * 3", ValueError), ("True + 1", ValueError)]:
+                       ("[1] * 3", ValueError), ("True + 1", ValueError), ("1if 2", SyntaxError)]:
         with pytest.raises(error):
             calculator(bad)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import warnings
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
@@ -18,7 +19,10 @@ def calculator(expression: str) -> str:
     Args:
         expression: The arithmetic to evaluate, e.g. "(1234 + 567) * 89 / 4": numbers, + - * / // % **, and parentheses.
     """
-    value = _evaluate(ast.parse(expression.strip(), mode="eval").body)
+    with warnings.catch_warnings():  # '12abc' warns before it fails: the error is the answer, not a warning
+        warnings.simplefilter("ignore", SyntaxWarning)
+        tree = ast.parse(expression.strip(), mode="eval")
+    value = _evaluate(tree.body)
     if value.denominator == 1:
         return str(value.numerator)
     return repr(float(value))  # a division that does not come out even: as Python prints it

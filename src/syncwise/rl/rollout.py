@@ -129,7 +129,7 @@ class Rollout:
                                                        [None] * len(rows), n, self.max_new_tokens, seed)
             responses = [c.messages for c in conversations]
             drawn_known = all(c.drawn_log_probs is not None for c in conversations)
-            sampled = [_Sampled(torch.tensor(c.tokens, dtype=torch.long), torch.tensor(c.sampled),
+            sampled = [_Sampled(torch.tensor(c.tokens, dtype=torch.long), torch.tensor(c.sampled, dtype=torch.long),
                                 torch.tensor(c.full_log_probs), torch.tensor(c.drawn_log_probs) if drawn_known
                                 else None, c.ended) for c in conversations]
         else:
