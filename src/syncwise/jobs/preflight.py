@@ -133,14 +133,16 @@ def check_rl(config: Config) -> None:
 
 
 def check_vllm_rollout(config: Config, max_new_tokens: int) -> None:
-    """``rl.rollout_engine=vllm``: vLLM is installed and its KV cache holds one whole sequence (what needs
-    vLLM itself imported -- the model's architecture, its CPU attention's head sizes -- is checked where the
-    engine is built)."""
-    from ..rl.vllm_rollout import kv_cache_size, require_vllm
+    """``rl.rollout_engine=vllm``: vLLM is installed, its KV cache holds one whole sequence, and a sleep level
+    is asked only where vLLM has sleep mode (what needs vLLM itself imported -- the model's architecture, its
+    CPU attention's head sizes -- is checked where the engine is built)."""
+    from ..rl.vllm_rollout import check_sleep_level, kv_cache_size, require_vllm
 
     try:
         require_vllm()
-        kv_cache_size(config, _hf_config(config), max_new_tokens, _job_device(config).type)
+        device_type = _job_device(config).type
+        kv_cache_size(config, _hf_config(config), max_new_tokens, device_type)
+        check_sleep_level(config.rl.vllm_sleep_level, device_type)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
 

@@ -42,6 +42,9 @@ class LocalCopyRollout:
     def refresh(self, weights_by_unit: Iterator[dict[str, torch.Tensor]]) -> None:
         load_by_unit(self.model, weights_by_unit)
 
+    def release(self) -> None:
+        """The copy stays (it is refreshed in place)."""
+
     def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
         tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompts]
         if self.kind == "generate":

@@ -56,17 +56,22 @@ class RolloutEngine(Protocol):
         drew from (``log_probs``, else None). ``seed``: this rank's and step's (engines that keep their own
         RNG state in the checkpoint may ignore it)."""
 
+    def release(self) -> None:
+        """A rollout is over (every turn sampled): free what the engine need not hold through the update, until
+        the next :meth:`refresh` (vLLM's sleep mode on CUDA)."""
+
     def describe(self) -> str:
         """A few words for the job's first line."""
 
 
 def make_rollout_engine(config: Config, engine: Engine, tokenizer: PreTrainedTokenizerBase, end_ids: list[int],
-                        max_new_tokens: int) -> RolloutEngine:
-    """``rl.rollout_engine``'s engine for this rank (built alike on every rank)."""
+                        max_new_tokens: int, beside_bytes: int = 0) -> RolloutEngine:
+    """``rl.rollout_engine``'s engine for this rank (built alike on every rank); ``beside_bytes``: what the
+    job keeps beside the policy (a frozen reference, PPO's critic), for an engine that plans its memory."""
     if config.rl.rollout_engine == "vllm":
         from .vllm_rollout import VllmRollout
 
-        return VllmRollout(config, engine, tokenizer, end_ids, max_new_tokens)
+        return VllmRollout(config, engine, tokenizer, end_ids, max_new_tokens, beside_bytes)
     from .hf_rollout import LocalCopyRollout
 
     return LocalCopyRollout(config.rl, engine, tokenizer, end_ids)
@@ -82,14 +87,15 @@ class Rollout:
     """This rank's rollout: the engine ``rl.rollout_engine`` names, and the training batch from its samples."""
 
     def __init__(self, config: Config, engine: Engine, tokenizer: PreTrainedTokenizerBase, source: PromptSource,
-                 end_ids: list[int] | None = None):
+                 end_ids: list[int] | None = None, beside_bytes: int = 0):
         self.config, self.cfg, self.engine, self.tokenizer = config, config.rl, engine, tokenizer
         # Every token that ends a response: the tokenizer's end token and the model's generation_config's
         self.end_ids = sorted(set(end_ids or []) | {tokenizer.eos_token_id})
         self.max_new_tokens = self.cfg.max_new_tokens or source.max_new_tokens
         if self.cfg.truncates and engine.info.is_main:
             warnings.warn(TRUNCATION_NOTE, stacklevel=2)
-        self.sampler = make_rollout_engine(config, engine, tokenizer, self.end_ids, self.max_new_tokens)
+        self.sampler = make_rollout_engine(config, engine, tokenizer, self.end_ids, self.max_new_tokens,
+                                           beside_bytes)
         self.tool_loop = ToolLoop(self.cfg, tokenizer, source.tools) if source.tools else None
 
     @property
@@ -141,6 +147,7 @@ class Rollout:
                                 drawn.float().cpu() if drawn is not None else None, ended)
                        for ids, full, drawn, ended in zip(samples.tokens, samples.full_log_probs, drawn_all,
                                                           samples.ended, strict=True)]
+        self.sampler.release()  # every turn sampled: the engine may free what the update does not need
         # with truncation, how much of the full distribution's mass each drawn token's step kept
         kept_mass = (torch.cat([(s.full - s.drawn).exp()[s.sampled.bool()] for s in sampled])
                      if all(s.drawn is not None for s in sampled) else torch.zeros(0))

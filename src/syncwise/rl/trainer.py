@@ -211,7 +211,9 @@ class RLTrainer:
         # PPO: the value model, trained through its own engine over the same mini-batches
         self.critic = (Critic(config, info, train.steps * updates_per_step, **overrides)
                        if rl.algorithm == "ppo" else None)
-        self.rollout = Rollout(config, self.engine, self.tokenizer, self.source, end_token_ids(config.model.path))
+        beside = sum(e.resident_bytes() for e in (self.reference, self.critic.engine if self.critic else None) if e)
+        self.rollout = Rollout(config, self.engine, self.tokenizer, self.source, end_token_ids(config.model.path),
+                               beside)
         self._hold_outside()
         keep_changed_bases(config, self.engine, self.critic.engine if self.critic else None, self.uses_reference)
         self.loss_fn = make_policy_loss(rl.loss, temperature=rl.temperature)

