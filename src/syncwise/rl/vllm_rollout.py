@@ -126,18 +126,17 @@ def sleep_plan(setting: int | str, device_type: str, vllm_bytes: int, training_b
     check_sleep_level(setting, device_type)
     if device_type != "cuda":
         return 0, "sleep mode: not on CPU"
-    sizes = (f"training's {format_bytes(training_bytes)} + vLLM's {format_bytes(vllm_bytes)} "
-             f"{'>' if training_bytes + vllm_bytes > budget else '<='} budget {format_bytes(budget)}")
     if setting != "auto":
         level = int(setting)
         return level, (f"sleep mode: level {level} during the update (rl.vllm_sleep_level)" if level
                        else "sleep mode: off (rl.vllm_sleep_level=0)")
-    if training_bytes + vllm_bytes > budget:
-        return 2, f"sleep mode: level 2 during the update ({sizes})"
-    return 0, f"sleep mode: off ({sizes})"
+    over = training_bytes + vllm_bytes > budget
+    sizes = (f"training's {format_bytes(training_bytes)} + vLLM's {format_bytes(vllm_bytes)} "
+             f"{'>' if over else '<='} budget {format_bytes(budget)}")
+    return (2, f"sleep mode: level 2 during the update ({sizes})") if over else (0, f"sleep mode: off ({sizes})")
 
 
-def training_bytes(engine: Engine, beside_bytes: int, tokens: int) -> int:
+def least_training_bytes(engine: Engine, beside_bytes: int, tokens: int) -> int:
     """What this rank's training needs at the least, as :func:`sleep_plan` weighs it: the policy's parameters
     and optimizer state, its sharded gradients, ``beside_bytes`` (the other models kept beside it) and the
     first step's activations (its safest setting: the fused head, one micro-batch of ``tokens``)."""
@@ -194,7 +193,7 @@ class VllmRollout:
         budget = resolve_budget(config.sync.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.sleep_level, self.sleep_note = sleep_plan(
             rl.vllm_sleep_level, device.type, self.weight_bytes + self.kv_bytes + self.work_bytes,
-            training_bytes(engine, beside_bytes, self.max_len) if device.type == "cuda" else 0, budget)
+            least_training_bytes(engine, beside_bytes, self.max_len) if device.type == "cuda" else 0, budget)
         self.asleep = False
         self._workdir = tempfile.TemporaryDirectory(prefix="syncwise-vllm-")
         self.llm = self._build(hf_config, Path(self._workdir.name), config.train.seed)
