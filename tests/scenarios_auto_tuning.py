@@ -36,15 +36,20 @@ def _steps(engine: Engine, batch, count: int) -> list[dict]:
 
 
 def tuned_runs(info, budgets: list[int]) -> dict:
-    """Six steps under each budget (bytes; 0: 90% of the machine) with the defaults; then, under the first
-    budget with every step's peak measured, memory held outside after the decision (a later peak over the
-    budget), which must step down."""
+    """Six steps under each budget (bytes; 0: 90% of the machine) with the defaults, the first budget twice
+    (the same job again) and once with ``sync.auto_timing=true``; then, under the first budget with every
+    step's peak measured, memory held outside after the decision (a later peak over the budget), which must
+    step down."""
     batch = long_tailed_batch(info.rank)
     out: dict = {"runs": {}}
-    for budget in budgets:  # the step after the decision is measured; the caps' trial steps are not (timed)
+    for budget in budgets:  # the step after the decision is measured
         cfg = load_config(None, [f"model.preset={PRESET}", f"sync.memory_budget={budget}"])
         engine = Engine(cfg, build_model(cfg.model), info)
-        out["runs"][budget] = _steps(engine, batch, 6)  # decide, measure, time up to three caps, keep one
+        out["runs"][budget] = _steps(engine, batch, 6)
+    cfg = load_config(None, [f"model.preset={PRESET}", f"sync.memory_budget={budgets[0]}"])
+    out["again"] = _steps(Engine(cfg, build_model(cfg.model), info), batch, 6)
+    cfg = load_config(None, [f"model.preset={PRESET}", f"sync.memory_budget={budgets[0]}", "sync.auto_timing=true"])
+    out["timed"] = _steps(Engine(cfg, build_model(cfg.model), info), batch, 6)  # decide, measure, time 3 caps
     cfg = load_config(None, [f"model.preset={PRESET}", "sync.peak_every=1", f"sync.memory_budget={budgets[0]}"])
     engine = Engine(cfg, build_model(cfg.model), info)
     decided = _steps(engine, batch, 2)

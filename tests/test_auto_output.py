@@ -1,7 +1,7 @@
 """Issue 38 (12, 13): what auto and its budget tell a user, as a user runs the jobs -- a checkpoint taken while
-caps are on trial resumes in auto's predicted choice and says so; the first step logs the cap it ran (the
-longest sequence), not a sentinel; a budget below what the job holds is one line; a model class without the
-configured attention kernel is named before any rank starts."""
+caps are on trial (sync.auto_timing) resumes in auto's predicted choice and says so; the first step logs the
+cap it ran (the longest sequence), not a sentinel; a budget below what the job holds is one line; a model
+class without the configured attention kernel is named before any rank starts."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def data(tmp_path_factory):
 
 def test_a_checkpoint_during_the_cap_trial_resumes_in_the_predicted_choice(data, tmp_path):
     common = ["sft", f"model.path={data / 'model'}", f"sft.dataset={data / 'train.jsonl'}", "sft.batch_size=16",
-              "sft.checkpoint_every=3", f"sft.out_dir={tmp_path}", "sft.progress=false"]
+              "sft.checkpoint_every=3", f"sft.out_dir={tmp_path}", "sft.progress=false", "sync.auto_timing=true"]
     first = _run(*common, "sft.steps=3")  # step 1 decides, step 2 is measured, step 3 times the first cap
     assert first.returncode == 0, first.stderr[-3000:]
     decided = int(re.search(r"=> [^(]*?(\d+)-token cap \(", first.stdout).group(1))

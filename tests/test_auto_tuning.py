@@ -1,7 +1,8 @@
 """``engine.fused_lm_head=auto`` and ``engine.max_tokens_per_micro_batch=auto`` (the defaults): chosen with
 the sync mode in one decision from the first step's measured peak, the same on every rank; a budget change
-moves the choice; a later peak over the budget steps down; the predicted peak of the choice is within 10%
-of the peak then measured (2 gloo ranks, qwen2-tiny, long-tailed sequences)."""
+moves the choice; the same job again splits alike (nothing is timed by default; sync.auto_timing times the
+caps); a later peak over the budget steps down; the predicted peak of the choice is within 10% of the peak
+then measured (2 gloo ranks, qwen2-tiny, long-tailed sequences)."""
 
 from __future__ import annotations
 
@@ -29,20 +30,37 @@ def test_ranks_agree_on_every_choice(runs):
                 assert mine[key] == theirs[key], (budget, key)
 
 
-def test_the_first_step_is_safe_and_ample_memory_materialises_the_logits_in_one_micro_batch(runs):
+def test_the_first_step_is_safe_and_ample_memory_materialises_the_logits_at_the_largest_untimed_cap(runs):
     steps = runs[0]["runs"][0]
     first, chosen = steps[0], steps[1]
     assert first["sync/mode"] == "per_microbatch" and first["engine/fused_lm_head"] == 1.0
     # each rank's longest sequence sets the cap: logged as it ran (the longest over ranks), not a sentinel
     assert first["engine/max_tokens_per_micro_batch"] == first["batch/largest_microbatch_tokens"] > 1
     assert "runner-up" in first["sync/decision"] and "predicted peak" in first["sync/decision"]
+    # ranked from the model alone: CPU's nominal figures, whose largest cap is 2048 tokens
+    assert "times from nominal cpu links 300 us, 0.6 GB/s and matmul 50 GFLOP/s, caps up to 2048 tokens" in (
+        first["sync/decision"])
     assert chosen["sync/mode"] == "deferred_unsharded" and chosen["engine/fused_lm_head"] == 0.0
-    assert chosen["train/num_microbatches"] == 1 < first["train/num_microbatches"]
+    assert chosen["engine/max_tokens_per_micro_batch"] == 2048
+    assert chosen["train/num_microbatches"] < first["train/num_microbatches"]
+    # nothing timed: the choice runs from the second step to the end
+    assert [s["sync/decision"] for s in steps[1:]] == [""] * 5
+    assert {(s["engine/max_tokens_per_micro_batch"], s["train/num_microbatches"]) for s in steps[1:]} == {
+        (2048, chosen["train/num_microbatches"])}
+
+
+def test_the_same_job_again_splits_alike_at_every_step(runs):
+    for rank in runs:
+        settings = [[(s["sync/mode"], s["engine/fused_lm_head"], s["engine/max_tokens_per_micro_batch"],
+                      s["train/num_microbatches"]) for s in steps] for steps in (rank["runs"][0], rank["again"])]
+        assert settings[0] == settings[1]
+
+
+def test_with_auto_timing_the_chosen_cap_and_the_smaller_ones_that_fit_are_timed_and_the_fastest_kept(runs):
+    steps = runs[0]["timed"]
+    assert "times from timings here (links" in steps[0]["sync/decision"]
+    assert steps[1]["train/num_microbatches"] == 1  # the largest caps are candidates once timed
     assert steps[2]["sync/decision"] == ""  # the chosen cap's timed step
-
-
-def test_the_chosen_cap_and_the_smaller_ones_that_fit_are_timed_and_the_fastest_kept(runs):
-    steps = runs[0]["runs"][0]
     chosen = steps[1]["engine/max_tokens_per_micro_batch"]
     timed = [s["sync/decision"] for s in steps if s["sync/decision"].startswith("auto timed")]
     assert len(timed) == 1, [s["sync/decision"] for s in steps]

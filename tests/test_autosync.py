@@ -36,7 +36,7 @@ CAPS = {4096: 1, 2048: 2, 1024: 4}
 DEFERRED_EXTRA = 34000  # every unit's unsharded gradient beyond its shard (with 2+ micro-batches)
 
 
-def _shape(head_seconds: float) -> StepShape:
+def _shape(head_seconds: float, timed: bool = False) -> StepShape:
     def activations(cap, fused):
         return cap * (10 if fused else 30)
 
@@ -44,7 +44,7 @@ def _shape(head_seconds: float) -> StepShape:
         syncs = 1 if setting.choice.mode is SyncMode.DEFERRED else n
         return 0.005 * n + 0.01 * syncs + (head_seconds if setting.fused_head else 0.0)
 
-    return StepShape(dict(CAPS), (False, True), activations, seconds)
+    return StepShape(dict(CAPS), (False, True), activations, seconds, timed=timed)
 
 
 def test_head_and_cap_chosen_with_the_mode_fastest_that_fits_and_a_budget_change_moves_the_choice():
@@ -91,10 +91,18 @@ def test_the_fused_head_wins_where_its_extra_compute_costs_less_than_the_micro_b
         assert chosen == expected, head_seconds
 
 
-def test_the_chosen_cap_and_the_next_smaller_ones_that_fit_are_timed_and_the_fastest_kept():
+def test_caps_are_timed_only_where_the_shape_was_timed():
     deferred = SyncChoice(SyncMode.DEFERRED)
     auto = AutoSync(MODEL, [deferred], 10**6)
     chosen = auto.decide(100_000 + 5120, Setting(deferred, True, 1), _shape(0.001), measured_activations=5120)
+    assert chosen == Setting(deferred, False, 4096) and auto.trials == [] and auto.mode == chosen
+
+
+def test_the_chosen_cap_and_the_next_smaller_ones_that_fit_are_timed_and_the_fastest_kept():
+    deferred = SyncChoice(SyncMode.DEFERRED)
+    auto = AutoSync(MODEL, [deferred], 10**6)
+    chosen = auto.decide(100_000 + 5120, Setting(deferred, True, 1), _shape(0.001, timed=True),
+                         measured_activations=5120)
     assert chosen == Setting(deferred, False, 4096)
     assert [s.cap for s in auto.trials] == [4096, 2048, 1024]  # same mode and head, smaller caps, all fit
     assert auto.time_trial(15.0) == Setting(deferred, False, 2048)  # the next to time

@@ -49,9 +49,7 @@ def user(tmp_path_factory):
     data = write_example_data(root / "data", train_rows=64, eval_rows=16, seed=2)
     common = [f"model.path={data / 'model'}", f"sft.dataset={data / 'train.jsonl'}",
               f"sft.eval_dataset={data / 'eval.jsonl'}", "sft.batch_size=8", "sft.eval_every=3",
-              "sft.checkpoint_every=3", "optim.lr=3e-3",
-              # two runs bit for bit: a split set by hand (auto's cap is timed on the machine: see perf_tuning.md)
-              "engine.micro_batch_size=2"]
+              "sft.checkpoint_every=3", "optim.lr=3e-3"]  # the split auto's: chosen from the model, alike each run
     runs = {"full": _sft(root / "full", *common, "sft.steps=11")}
     runs["first"] = _sft(root / "split", *common, "sft.steps=5")  # stops mid-epoch (8 steps per epoch)
     runs["resumed"] = _sft(root / "split", *common, "sft.steps=11", "sft.resume=auto")

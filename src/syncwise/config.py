@@ -146,6 +146,10 @@ class SyncConfig:
     # CPU: measure the true peak with the (slow) tensor tracker on the first step and every N steps
     # (0 = first only); in between it is estimated. CUDA measures every step.
     peak_every: int = 50
+    # auto's ranking of the LM head's path and the token cap from timings taken here (a sweep of collectives,
+    # the output layer's matmul, one step at each of up to three caps) instead of the model alone with the
+    # device type's nominal links and matmul rate: faster on some machines, not the same split run to run.
+    auto_timing: bool = False
     # Raise instead of warning when the counted collectives differ from the mode's formula.
     strict: bool = False
     # partial: a count K (the K units that save the most time per byte held) or comma-separated unit

@@ -8,8 +8,11 @@ with the sync mode in one decision (:mod:`syncwise.memory.autosync`) from a :cla
 :meth:`Tuning.shape` builds on the first step, identically on every rank: the micro-batches each cap gives
 (every rank's count, the largest), the activations of a setting's largest micro-batch (the activation model
 ``syncwise plan`` uses, :func:`syncwise.memory.activations.estimate_activations`), and a setting's predicted
-seconds -- its collectives over the links measured here (a short sweep, :mod:`syncwise.memory.calibrate`)
-and, for the fused head, the output layer's matmul once more per token, timed here.
+seconds -- its collectives over the links and, for the fused head, the output layer's matmul once more per
+token. By default those come from the model alone, at the device type's nominal links and matmul rate
+(:func:`syncwise.memory.costs.nominal_machine`), so the same job splits alike run to run; with
+``sync.auto_timing=true`` they are timed here (a short sweep of collectives, :mod:`syncwise.memory.calibrate`,
+and the head's matmul) and the chosen cap and the next smaller ones are timed for a step each.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..data.batching import Batch, capped_bins, capped_partition, sequence_lengt
 from ..memory.activations import estimate_activations, working_bytes
 from ..memory.autosync import CAPS, LONGEST, StepShape, step_shape
 from ..memory.calibrate import fit, sweep
+from ..memory.costs import nominal_machine
 from ..runtime.distributed import agree
 from ..sync.counting import CollectiveCounts
 from ..sync.modes import SyncChoice
@@ -81,6 +85,7 @@ class Tuning:
     compute_dtype: torch.dtype
     device: torch.device
     timeout_s: float
+    timing: bool = False  # sync.auto_timing: links, head and caps timed here, not the nominal figures
 
     def first(self) -> tuple[bool | None, int | None]:
         """The first step's head and cap: the fused head, each rank's longest sequence as the cap."""
@@ -107,8 +112,13 @@ class Tuning:
         lengths = sequence_lengths(batch)
         longest = int(lengths.max()) if lengths.numel() else 0
         own = [float(x) for cap in caps for x in self._split_at(lengths, max(cap, longest))]
-        head_s = self._head_seconds_per_token() if True in self.heads else 0.0
-        samples = sweep(self.device, LINK_SIZES, repeats=3) if self.traffic and self.shard > 1 else []
+        nominal = nominal_machine(self.device.type)
+        head_s = 0.0
+        if True in self.heads and self.head_shape is not None:
+            head_s = (self._head_seconds_per_token() if self.timing
+                      else 2 * self.head_shape[0] * self.head_shape[1] / nominal.matmul_flops)
+        timed_links = self.timing and self.traffic is not None and self.shard > 1
+        samples = sweep(self.device, LINK_SIZES, repeats=3) if timed_links else []
         scale = self.activations.scale_for(layer_sample) if self.calibrates else 0.0
         own += [scale, float(lengths.sum()), float(longest), head_s, *(sample.seconds for sample in samples)]
         _, per_rank = agree([], own, "auto's step shape (after the first step)", self.device, self.timeout_s)
@@ -118,15 +128,23 @@ class Tuning:
         timed = len(samples)
         rank_tokens, longest, head_s = int(most[-3 - timed]), int(most[-2 - timed]), most[-1 - timed]
         agreed = [replace(sample, seconds=most[len(most) - timed + i]) for i, sample in enumerate(samples)]
-        links = fit(agreed, self.shard) if agreed else None
-        splits = {cap: (int(most[2 * i]), int(most[2 * i + 1])) for i, cap in enumerate(caps) if cap >= longest}
+        links = fit(agreed, self.shard) if agreed else (nominal.links if self.traffic and self.shard > 1 else None)
+        eligible = [cap for cap in caps if cap >= longest]
+        if eligible and not self.timing and nominal.largest_cap:  # and the smallest that holds the longest
+            eligible = [cap for cap in eligible if cap <= max(nominal.largest_cap, min(eligible))]
+        splits = {cap: (int(most[2 * i]), int(most[2 * i + 1])) for i, cap in enumerate(caps) if cap in eligible}
 
         def comm_seconds(choice: SyncChoice, n: int) -> float:
             traffic = self.traffic(choice, n)
             return links.step_time(traffic.counts, traffic.bytes, self.shard, self.replicas)
 
+        if self.timing:
+            basis = "timings here" + (f" (links {links.latency_s * 1e6:.0f} us, {links.bandwidth / 1e9:.3g} GB/s "
+                                      "fitted)" if agreed else "")
+        else:
+            basis = nominal.describe(self.device.type)
         return step_shape(splits, (num_microbatches, largest_tokens), self.heads, self.activation_bytes,
-                          comm_seconds if links is not None else None, head_s * rank_tokens)
+                          comm_seconds if links is not None else None, head_s * rank_tokens, basis, self.timing)
 
     def _split_at(self, lengths: torch.Tensor, cap: int) -> tuple[int, int]:
         """This rank's micro-batches under ``cap`` and the positions of the largest, split as the engine
@@ -188,4 +206,4 @@ def build_tuning(config, features, estimator, traffic, compute_dtype: torch.dtyp
     head = (int(hf.vocab_size), int(hf.hidden_size)) if heads != (None,) else None
     return Tuning(heads, auto_cap, bool(features.fused_head), features.packing, eng.workload_linear_coef,
                   activations, traffic, estimator.shard_size, eng.hsdp_replicas, head, compute_dtype, device,
-                  config.dist.timeout_s)
+                  config.dist.timeout_s, config.sync.auto_timing)

@@ -35,10 +35,11 @@ from torch.distributed.fsdp import fully_shard
 from ..config import load_config
 from ..engine import Engine
 from ..losses import sft_loss
-from ..models import PRESETS, build_model, count_parameters, decoder_layers
+from ..models import PRESETS, build_model, count_parameters, decoder_layers, preset_config
 from ..runtime.distributed import DistInfo, run_rank
 from ..runtime.signals import JobStopped, agreed_stop
 from ..sync.modes import MODES, SyncMode
+from .roofline import fraction_of_peak, gemm_rate, step_flops
 
 # Every whole-model mode plain FSDP2 runs (the table's order), and auto; partial on request (--modes).
 ENGINE_MODES = tuple(
@@ -178,8 +179,14 @@ def run_bench(info: DistInfo, spec: BenchSpec) -> list[dict[str, Any]]:
         time_interleaved(entries, spec.warmup, spec.repeats, info)
         engine = next((e["runner"] for e in entries if isinstance(e["runner"], Engine)), None)
         minimum = minimum_collectives_s(engine, info) if engine is not None else None
+        hf_config = preset_config(preset)
+        rate = gemm_rate(hf_config, torch.float32, info.device)  # after the timed steps, on the same threads
         for entry in entries:
-            records.append(_record(entry, info, spec) | {"minimum_collectives_s": minimum})
+            flops = step_flops(entry["runner"].model, hf_config, [spec.seq_len] * entry["microbatches"])
+            roofline = {"useful_flops_per_step": flops * info.world_size, "gemm_flops_per_s": rate,
+                        "fraction_of_gemm_peak": fraction_of_peak(flops * info.world_size, statistics.median(
+                            entry["times"]), rate, info.world_size)}
+            records.append(_record(entry, info, spec) | {"minimum_collectives_s": minimum} | roofline)
             del entry["runner"]
     _add_ratios(records)
     return records
@@ -246,9 +253,9 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def markdown_table(records: list[dict[str, Any]]) -> str:
     lines = [
         "| model | micro-batches | configuration | step s (median) | spread s | vs per_microbatch | vs floor "
-        "| vs limit | all-gathers | reduce-scatters | all-reduces | AG MiB | RS MiB | held grad MiB "
+        "| vs limit | of GEMM peak | all-gathers | reduce-scatters | all-reduces | AG MiB | RS MiB | held grad MiB "
         "| held params MiB | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         config = r["config"] + (f" → {r['auto_choice']}" if r.get("auto_choice") else "")
@@ -261,7 +268,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
             f"| {r['preset']} ({r['params'] / 1e6:.1f}M) | {r['microbatches']} | {config} "
             f"| {r['step_time_median_s']:.3f} | {r['step_time_spread_s']:.3f} "
             f"| {_fmt(r['ratio_to_per_microbatch'])} | {_fmt(r['ratio_to_floor'])} | {_fmt(r.get('ratio_to_limit'))} "
-            f"| {' | '.join(comm)} "
+            f"| {r['fraction_of_gemm_peak']:.1%} | {' | '.join(comm)} "
             f"| {' | '.join(mib)} |"
         )
     return "\n".join(lines)
@@ -287,6 +294,10 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
             parts.append(f"best mode ({best['config']})/compute floor {best['ratio_to_floor']:.2f}")
             if best.get("ratio_to_limit"):
                 parts.append(f"best mode/limit (floor + minimum collectives) {best['ratio_to_limit']:.2f}")
+            beside = ", ".join(f"{name} {at[name]['fraction_of_gemm_peak']:.1%}" for name in BASELINES if name in at)
+            parts.append(f"best mode at {best['fraction_of_gemm_peak']:.1%} of the GEMM peak "
+                         f"({best['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s per rank at the model's shapes, this run)"
+                         + (f"; {beside}" if beside else ""))
         if "auto" in at:
             parts.append(f"auto chose {at['auto'].get('auto_choice')}")
         for config in (c for c in at if c.startswith("lora") and c.partition(":")[2] in at):

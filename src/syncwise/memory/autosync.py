@@ -13,10 +13,12 @@ setting's own extra taken out -- the bytes its sync mode holds beyond ``per_micr
 activation model ``syncwise plan`` uses) -- and the candidate's put in; where the measured step peaked in its
 optimizer step rather than in forward/backward (small models, short sequences), the forward/backward peak is
 what the settings change, and the optimizer step's stays a floor under every prediction. Settings are
-ranked by predicted step time (:class:`StepShape` ``seconds``: communication over the measured links, plus
-the fused head's extra compute at the measured rate); the fastest that fits is chosen, and the decision is
-logged with its numbers and the runner-up. Later steps keep measuring; if a peak exceeds the budget, auto
-steps down to the next setting in that order that fits -- never back up.
+ranked by predicted step time (:class:`StepShape` ``seconds``: communication over the links, plus the fused
+head's extra compute -- at the device type's nominal figures, or as timed here with ``sync.auto_timing``,
+when the chosen cap and the next smaller ones are also timed for a step each); the fastest that fits is
+chosen, and the decision is logged with its numbers, the runner-up and where its times come from. Later
+steps keep measuring; if a peak exceeds the budget, auto steps down to the next setting in that order that
+fits -- never back up.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class StepShape:
     heads: tuple[bool | None, ...] = (None,)  # the head paths to choose among, fastest first
     activation_bytes: Callable[[int | None, bool | None], int] = lambda cap, fused: 0
     seconds: Callable[[Setting, int], float] | None = None  # (setting, micro-batches) -> predicted seconds
+    basis: str = ""  # what the seconds come from, in words (the decision says it)
+    timed: bool = False  # the seconds were timed here (sync.auto_timing): the caps are timed too
 
     @classmethod
     def fixed(cls, num_microbatches: int) -> StepShape:
@@ -84,13 +88,14 @@ class StepShape:
 def step_shape(
     splits: dict[int, tuple[int, int]], fixed: tuple[int, int], heads: tuple[bool | None, ...],
     activations: Callable[[int, bool | None], int], comm_seconds: Callable[[SyncChoice, int], float] | None,
-    head_seconds: float,
+    head_seconds: float, basis: str = "", timed: bool = False,
 ) -> StepShape:
     """A step's shape from how it splits: ``splits`` cap -> (micro-batches, the largest one's positions) for
     every cap at or above the longest sequence (the larger caps kept only where they split into fewer);
     ``fixed``: the same for the configured split (used where there is no cap to choose); ``activations``:
     (positions, fused) -> bytes; ``comm_seconds``: a step's collectives in a sync choice over n micro-batches
-    (None: unsharded, nothing to wait for); ``head_seconds``: what the fused head adds to a step."""
+    (None: unsharded, nothing to wait for); ``head_seconds``: what the fused head adds to a step; ``basis``,
+    ``timed``: what those times come from (:class:`StepShape`)."""
     kept: list[tuple[int, int, int]] = []
     for cap, (n, largest) in sorted(splits.items()):
         if not kept or n < kept[-1][1]:
@@ -102,7 +107,7 @@ def step_shape(
         comm = comm_seconds(setting.choice, n) if comm_seconds is not None else 0.0
         return comm + (head_seconds if setting.fused_head else 0.0)
 
-    return StepShape(counts, heads, lambda cap, fused: activations(largest_at[cap], fused), seconds)
+    return StepShape(counts, heads, lambda cap, fused: activations(largest_at[cap], fused), seconds, basis, timed)
 
 
 @dataclass
@@ -170,8 +175,11 @@ class AutoSync:
         source = self._set_base(measured_peak, backward_peak, measured.choice, n, measured_activations, source)
         chosen = self._choose(reason=f"{source} peak {format_bytes(measured_peak)} in {measured.label}")
         # What a micro-batch's size does to compute is the device's (on a CPU a larger one can be slower per
-        # token: caches, memory bandwidth shared by the ranks): the chosen cap and the next smaller ones that
-        # fit are each timed for a step, and the fastest kept (time_trial).
+        # token: caches, memory bandwidth shared by the ranks): with sync.auto_timing the chosen cap and the
+        # next smaller ones that fit are each timed for a step, and the fastest kept (time_trial).
+        if not shape.timed:
+            self.trials, self.timed = [], {}
+            return chosen
         smaller = sorted((s for s in self.candidates if s.choice == chosen.choice and s.fused_head == chosen.fused_head
                           and s.cap is not None and chosen.cap is not None and LONGEST < s.cap < chosen.cap
                           and self.peak_of(s) <= self.budget), key=lambda s: -s.cap)
@@ -257,6 +265,8 @@ class AutoSync:
                    f"predicted peak {format_bytes(self.predicted_peak)}" + self._time_of(chosen) + ")")
         if self.runner_up is not None and len(self.candidates) > len(self.syncs):
             message += f"; runner-up {self.runner_up.label}{self._time_of(self.runner_up, ' ')}"
+        if self.shape.basis and self._time_of(chosen):
+            message += f"; times from {self.shape.basis}"
         if changed:
             self.decisions.append(message)
             log.info(message)

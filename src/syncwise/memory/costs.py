@@ -43,6 +43,33 @@ class Links:
         return time
 
 
+@dataclass(frozen=True)
+class NominalMachine:
+    """What auto ranks by where it times nothing (``sync.auto_timing=false``, the default): the device type's
+    links and dense matmul rate, fixed, so the same job ranks alike run to run. CUDA: the figures ``syncwise
+    plan`` assumes (an NVLink-class node); CPU: gloo over loopback and one thread's fp32 matmul as measured on a
+    2-core CI machine (0.6 GB/s, 250-360 us fitted; 59-88 GFLOP/s at vocabulary and FFN shapes).
+    ``largest_cap``: the largest token cap auto chooses without timing (0: none): on a CPU a larger micro-batch
+    is slower per token past the caches (timed on 2 cores: 2048 tokens beat 4096 and 8192 in both jobs)."""
+
+    links: Links
+    matmul_flops: float  # per second
+    largest_cap: int = 0
+
+    def describe(self, device_type: str) -> str:
+        cap = f", caps up to {self.largest_cap} tokens" if self.largest_cap else ""
+        return (f"nominal {device_type} links {self.links.latency_s * 1e6:.0f} us, "
+                f"{self.links.bandwidth / 1e9:.3g} GB/s and matmul {self.matmul_flops / 1e9:.3g} GFLOP/s{cap}")
+
+
+NOMINAL = {"cpu": NominalMachine(Links(300e-6, 0.6e9), 50e9, largest_cap=2048), "cuda": NominalMachine(Links(), 400e12)}
+
+
+def nominal_machine(device_type: str) -> NominalMachine:
+    """The nominal figures of ``device_type`` (an accelerator without its own: CUDA's)."""
+    return NOMINAL.get(device_type, NOMINAL["cuda"])
+
+
 def deferral_order(model: ShardedModel, links: Links) -> list[int]:
     """Units ordered by the reduce-scatter time deferring them saves per byte they then hold, most first
     (ties: root first, then the layers in order). Units that hold nothing extra (frozen) come last."""
