@@ -48,6 +48,9 @@ def test_bench_smoke(tmp_path):
     # LoRA holds the adapters' gradients: a small fraction of the whole model's
     assert lora["lora8:deferred"]["memory/retained_grad_bytes"] < lora["deferred"]["memory/retained_grad_bytes"] / 5
     assert "lora8:deferred/deferred step" in table
+    # the roofline: useful FLOPs over the step time over the GEMM rate measured in the same run
+    assert all(0 < r["fraction_of_gemm_peak"] < 1 and r["gemm_flops_per_s"] > 0 for r in records)
+    assert "| of GEMM peak |" in table and "of the GEMM peak (" in table
 
 
 def test_bench_rl_workload_smoke(tmp_path):
@@ -86,6 +89,10 @@ def test_bench_rl_workload_smoke(tmp_path):
     assert "defaults / fastest hand-set configuration" in summary
     defaults = by_config["defaults (sync mode, LM head and token cap auto)"]
     assert defaults["sync_mode"] == "deferred_unsharded" and not defaults["fused_lm_head"]  # ample memory
+    assert all(0 < r["fraction_of_gemm_peak"] < 1 for r in records)  # beside the hand-written loops' too
+    assert "hand-written packed loop, 512-token cap: " in summary and "of the GEMM peak" in summary
+    flops = {r["useful_flops_per_step"] for r in records if r["data"] == "rl"}
+    assert len(flops) == 1  # the same work on every row of the same data
 
 
 def test_bench_loss_workload(tmp_path):

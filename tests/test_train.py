@@ -57,7 +57,9 @@ def test_grpo_run_writes_metrics_plot_and_tensorboard(runs):
     assert [r["train/step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for r in rows:
         assert 0.0 <= r["reward/mean"] <= 1.0 and torch.isfinite(torch.tensor(r["loss"]))
-        assert r["train/num_microbatches"] == 2  # 4 prompts x 4 samples, micro_batch_size 8
+        # 4 prompts x 4 samples of a few tokens: auto's cap (2048 tokens on CPU) holds them in one micro-batch
+        # after the first step, which splits at each rank's longest sequence while auto measures
+        assert r["train/num_microbatches"] == 1 or r["train/step"] == 1
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             assert r[f"comm/{kind}_count"] == r[f"comm/expected_{kind}_count"], (r["train/step"], kind)
     assert rows[0]["sync/mode"] == "per_microbatch" and rows[1]["sync/mode"] == "deferred_unsharded"

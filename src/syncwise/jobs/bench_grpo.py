@@ -42,6 +42,8 @@ GRPO_CONFIGS: dict[str, tuple[str, ...]] = {
     "compact sampler, balanced": ("rl.rollout_engine=compact", "rl.balance_ranks=true"),
     "compact, balanced, skip uniform groups": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
                                                "rl.skip_uniform_groups=true"),
+    "compact, balanced, 8 per micro-batch": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
+                                             "engine.micro_batch_size=8"),  # grpo.yaml's split before auto's cap
     "compact, balanced, per_microbatch": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
                                           "sync.mode=per_microbatch"),
     "compact, balanced, padded": ("rl.rollout_engine=compact", "rl.balance_ranks=true", "engine.packing=false"),

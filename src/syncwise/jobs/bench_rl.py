@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..config import load_config
 from ..engine import Engine
-from ..models import PRESETS, build_model, count_parameters
+from ..models import PRESETS, build_model, count_parameters, preset_config
 from ..runtime.distributed import DistInfo, run_rank
 from .bench import time_interleaved
+from .roofline import fraction_of_peak, gemm_rate, step_flops
 
 # name -> overrides; the first is the reference the others are compared with. Rows whose name says nothing
 # of the LM head fuse it (engine.fused_lm_head=true), beside the same row with the logits materialised and
@@ -197,8 +199,15 @@ def run_rl_bench(info: DistInfo, spec: RLBenchSpec) -> list[dict[str, Any]]:
                                 "batch": batch_of(datasets["rl"], vocab, info.rank)})
         time_interleaved(entries, spec.warmup, spec.repeats, info)
         params = count_parameters(build_model(load_config(None, [f"model.preset={preset}"]).model))
+        hf_config = preset_config(preset)
+        rate = gemm_rate(hf_config, torch.float32, info.device)  # after the timed steps, on the same threads
         for entry in entries:
-            records.append(_record(entry, params))
+            flops = torch.tensor([step_flops(entry["runner"].model, hf_config, datasets[entry["data"]].tolist())])
+            dist.all_reduce(flops)  # each rank's own sequences
+            record = _record(entry, params)
+            record |= {"useful_flops_per_step": float(flops), "gemm_flops_per_s": rate, "fraction_of_gemm_peak":
+                       fraction_of_peak(float(flops), record["step_time_median_s"], rate, info.world_size)}
+            records.append(record)
             del entry["runner"]
     _add_ratios(records)
     return records
@@ -260,8 +269,8 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
 def markdown_table(records: list[dict[str, Any]]) -> str:
     lines = [
         "| model | data | configuration | step s (median) | real tokens/s | vs padded | padding | micro-batches "
-        "| cross-rank imbalance | peak MiB | ran in |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cross-rank imbalance | of GEMM peak | peak MiB | ran in |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         peak = f"{r['peak_bytes'] / 2**20:.1f}" if r["peak_bytes"] else "–"
@@ -272,7 +281,8 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['preset']} ({r['params'] / 1e6:.1f}M) | {r['data']} | {r['config']} | {r['step_time_median_s']:.3f} "
             f"| {r['real_tokens_per_s']:.0f} | {r['throughput_vs_padded']:.2f} | {r['padding_fraction']:.1%} "
-            f"| {r['microbatches']:g} | {_fmt(r['cross_rank_imbalance'])} | {peak} | {ran} |"
+            f"| {r['microbatches']:g} | {_fmt(r['cross_rank_imbalance'])} | {r['fraction_of_gemm_peak']:.1%} | {peak} "
+            f"| {ran} |"
         )
     return "\n".join(lines)
 
@@ -312,6 +322,11 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
     best = max(engine_rows, key=lambda r: r["real_tokens_per_s"], default=None)
     if best:
         lines.append(f"fastest on the long tail: {best['config']} ({best['throughput_vs_padded']:.2f}x padded)")
+    for r in records:  # how far from the machine's limit, the engine's defaults beside the hand-written loops
+        if r["data"] == "rl" and (r["config"] == DEFAULTS or r["config"] in HAND_WRITTEN):
+            lines.append(f"{r['preset']}: {r['config']}: {r['fraction_of_gemm_peak']:.1%} of the GEMM peak "
+                         f"({r['useful_flops_per_step'] / 1e9:.1f} useful GFLOP per step over "
+                         f"{r['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s per rank at the model's shapes, this run)")
     return lines
 
 
