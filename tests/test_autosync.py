@@ -157,10 +157,20 @@ def test_a_setting_that_measured_within_the_budget_is_kept_when_nothing_else_is_
     chosen = auto.decide(100_000 + 5120, first, _shape(0.001), measured_activations=5120, measured_microbatches=8)
     assert chosen == first and auto.predicted_peak == 100_000 + 5120 <= auto.budget
     # the split said beside the setting it is of (issue 38, 13: not "1 micro-batch at its cap" in the header)
-    assert "=> per_microbatch, fused head, longest-sequence cap (8 micro-batches, predicted peak" in auto.decisions[-1]
+    chosen = "=> per_microbatch, fused head, longest-sequence cap (>= 128 tokens) (8 micro-batches, predicted peak"
+    assert chosen in auto.decisions[-1]
     assert "micro-batch" not in auto.decisions[-1].split("):")[0]
     said = len(auto.decisions)
     assert auto.observe(100_000 + 7000, 8, measured_activations=5120) == first  # over: nothing lower is left
     assert len(auto.decisions) == said + 1 and "running on over the budget" in auto.decisions[-1]
     auto.observe(100_000 + 7000, 8, measured_activations=5120)
     assert len(auto.decisions) == said + 1  # said once
+
+
+def test_the_nominal_figures_auto_ranks_by_without_timing():
+    from syncwise.memory.costs import nominal_machine
+
+    assert nominal_machine("cpu").describe("cpu") == (
+        "nominal cpu links 300 us, 0.6 GB/s and matmul 50 GFLOP/s, caps up to 2048 tokens")
+    assert nominal_machine("cuda").describe("cuda") == "nominal cuda links 10 us, 100 GB/s and matmul 400 TFLOP/s"
+    assert nominal_machine("xpu") == nominal_machine("cuda")  # an accelerator without its own figures

@@ -162,3 +162,21 @@ def test_bench_sft_workload_quick(tmp_path):
     assert result["ratio"] == pytest.approx(medians["syncwise sft step"] / medians["train_batch alone"])
     assert 0 < result["data_s"] < medians["syncwise sft step"]
     assert "the data path's share of a step" in (out / "bench_sft.md").read_text()
+
+
+def test_bench_rl_profile_has_the_default_step_beside_the_fixed_ones(tmp_path):
+    """`syncwise bench --workload rl --profile`: torch.profiler's operator tables of one packed step, the
+    defaults' (once auto has settled) beside the fixed 512-token cap with the head fused and materialised."""
+    out = tmp_path / "profile"
+    proc = subprocess.run(
+        [sys.executable, "-m", "syncwise", "bench", "--workload", "rl", "--profile", "--presets", "qwen2-test",
+         "--sequences", "4", "--out", str(out)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = (out / "profile.md").read_text()
+    for label in ("engine.fused_lm_head=true, engine.max_tokens_per_micro_batch=512",
+                  "engine.fused_lm_head=false, engine.max_tokens_per_micro_batch=512",
+                  "the defaults (LM head and token cap auto)"):
+        assert label in text
+    assert text.count("aten::mm") >= 3 and text.count("Self CPU time total") == 3

@@ -27,7 +27,7 @@ from ..data import attention
 from ..data.batching import Batch
 from ..losses import LossFn
 from ..memory.accounting import PeakMeter, resident_bytes, sharded_model_of
-from ..memory.autosync import LONGEST, Setting
+from ..memory.autosync import FIRST_CAP_FLOOR, LONGEST, Setting
 from ..memory.schedule import unit_traffic
 from ..memory.units import configured_choice, unit_names
 from ..models import build_model
@@ -124,7 +124,8 @@ class Engine:
             timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, packing=self.features.packing,
             varlen_attention=str(getattr(hf, "_attn_implementation", "")).startswith(("flash", attention.NAME)),
             vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
-            loss_fn=loss_fn, split=(0, self.token_cap) if self.token_cap else None, stretch_cap=bool(self.token_cap),
+            loss_fn=loss_fn, split=(0, FIRST_CAP_FLOOR if self.token_cap == LONGEST else self.token_cap)
+            if self.token_cap else None, stretch_cap=bool(self.token_cap),
         )
 
     def _use(self, setting: Setting) -> None:
@@ -243,7 +244,7 @@ class Engine:
             "train/lr": self.scheduler.get_last_lr()[0],
             "sync/mode": mode.label,
             "engine/fused_lm_head": float(fused),
-            # the longest-sequence cap (auto's first step) as it stretched: the longest sequence over the ranks
+            # the longest-sequence cap (auto's first step) as it stretched: the largest micro-batch over the ranks
             "engine/max_tokens_per_micro_batch": memory["batch/largest_microbatch_tokens"] if cap == LONGEST else cap,
             "stop/signal": stop,
             **memory,

@@ -32,9 +32,12 @@ from .accounting import ShardedModel, format_bytes
 
 log = logging.getLogger("syncwise.auto")
 
-LONGEST = 1  # the cap of the first step under an auto cap: each rank's longest sequence alone sets it
+LONGEST = 1  # the cap of the first step under an auto cap: each rank's longest sequence sets it (FIRST_CAP_FLOOR)
 TRIAL_CAPS = 3  # the chosen cap and the next smaller ones that fit, each timed for a step before auto settles
 CAPS = tuple(2**k for k in range(20, 6, -1))  # the caps auto chooses among: 1M .. 128 tokens
+# The first step's cap where the longest sequence is shorter: the smallest cap auto chooses among (measuring
+# below it measures no setting auto could choose, and short RL responses would each be a micro-batch).
+FIRST_CAP_FLOOR = CAPS[-1]
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,8 @@ class Setting:
         if self.fused_head is not None:
             parts.append("fused head" if self.fused_head else "logits materialised")
         if self.cap is not None:
-            parts.append(f"{self.cap}-token cap" if self.cap > LONGEST else "longest-sequence cap")
+            parts.append(f"{self.cap}-token cap" if self.cap > LONGEST
+                         else f"longest-sequence cap (>= {FIRST_CAP_FLOOR} tokens)")
         return ", ".join(parts)
 
 

@@ -58,8 +58,10 @@ class NominalMachine:
 
     def describe(self, device_type: str) -> str:
         cap = f", caps up to {self.largest_cap} tokens" if self.largest_cap else ""
+        rate = (f"{self.matmul_flops / 1e12:.3g} TFLOP/s" if self.matmul_flops >= 1e12
+                else f"{self.matmul_flops / 1e9:.3g} GFLOP/s")
         return (f"nominal {device_type} links {self.links.latency_s * 1e6:.0f} us, "
-                f"{self.links.bandwidth / 1e9:.3g} GB/s and matmul {self.matmul_flops / 1e9:.3g} GFLOP/s{cap}")
+                f"{self.links.bandwidth / 1e9:.3g} GB/s and matmul {rate}{cap}")
 
 
 NOMINAL = {"cpu": NominalMachine(Links(300e-6, 0.6e9), 50e9, largest_cap=2048), "cuda": NominalMachine(Links(), 400e12)}
