@@ -93,6 +93,8 @@ def test_bench_rl_workload_smoke(tmp_path):
     assert "hand-written packed loop, 512-token cap: " in summary and "of the GEMM peak" in summary
     flops = {r["useful_flops_per_step"] for r in records if r["data"] == "rl"}
     assert len(flops) == 1  # the same work on every row of the same data
+    for r in (r for r in records if r["config"] not in HAND_WRITTEN):  # the engine's metric, from its plan
+        assert r["engine_useful_flops"] == pytest.approx(r["useful_flops_per_step"], rel=1e-9)
 
 
 def test_bench_loss_workload(tmp_path):
@@ -144,6 +146,8 @@ def test_bench_grpo_workload_quick(tmp_path):
         assert r["speedup"] == pytest.approx(r["end_to_end_tokens_per_s"]
                                              / results[QUICK_CONFIGS[0]]["end_to_end_tokens_per_s"])
     assert "| 1. generate, unbalanced (before) |" in (out / "bench_grpo.md").read_text()
+    assert all(0 < r["update_fraction_of_gemm_peak"] < 1 for r in results.values())
+    assert "Update of GEMM peak: the update's useful FLOPs per second over" in (out / "bench_grpo.md").read_text()
     assert (out / "grpo_phases.png").stat().st_size > 10_000
 
 
@@ -162,6 +166,7 @@ def test_bench_sft_workload_quick(tmp_path):
     assert result["ratio"] == pytest.approx(medians["syncwise sft step"] / medians["train_batch alone"])
     assert 0 < result["data_s"] < medians["syncwise sft step"]
     assert "the data path's share of a step" in (out / "bench_sft.md").read_text()
+    assert all(0 < f < 1 for f in result["fraction_of_gemm_peak"].values()) and result["gemm_flops_per_s"] > 0
 
 
 def test_bench_rl_profile_has_the_default_step_beside_the_fixed_ones(tmp_path):

@@ -8,7 +8,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from syncwise.jobs.roofline import attention_width, fraction_of_peak, gemm_rate, matmul_params, step_flops
+from syncwise.jobs.roofline import fraction_of_peak, gemm_rate
+from syncwise.models.flops import UsefulFlops, attention_width, matmul_params
 
 
 def _models():
@@ -32,16 +33,16 @@ def test_useful_flops_are_what_torch_counts_less_the_masked_half_of_attention(in
     layers, width = attention_width(config)
     # torch counts attention's matmuls over every pair (4·L²·D forward, twice that backward); causal: half useful
     masked_half = 6 * layers * width * sum(n * n for n in lengths)
-    assert counter.get_total_flops() == step_flops(model, config, lengths) + masked_half
+    assert counter.get_total_flops() == UsefulFlops.of(model, config).of_lengths(lengths) + masked_half
     trainable, frozen = matmul_params(model)
     assert frozen == 0 and trainable > config.vocab_size * 64  # the (tied) LM head is a matmul, counted once
 
 
 def test_a_frozen_weight_costs_its_forward_and_its_input_gradient_only():
     model, config = _models()[0]
-    full = step_flops(model, config, [32])
+    full = UsefulFlops.of(model, config).of_lengths([32])
     model.lm_head.weight.requires_grad_(False)  # tied: the embedding is frozen with it
-    assert full - step_flops(model, config, [32]) == 2 * config.vocab_size * 64 * 32
+    assert full - UsefulFlops.of(model, config).of_lengths([32]) == 2 * config.vocab_size * 64 * 32
 
 
 def test_the_gemm_rate_and_the_fraction():

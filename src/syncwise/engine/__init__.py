@@ -31,6 +31,7 @@ from ..memory.autosync import FIRST_CAP_FLOOR, LONGEST, Setting
 from ..memory.schedule import unit_traffic
 from ..memory.units import configured_choice, unit_names
 from ..models import build_model
+from ..models.flops import UsefulFlops
 from ..runtime.distributed import CollectiveTimeout, DistInfo, build_mesh, init_distributed
 from ..sync import fsdp_internals as fsdp
 from ..sync.counting import CollectiveCounter
@@ -77,6 +78,8 @@ class Engine:
         check_mode(self.sync_mode, config.engine.strategy, hsdp)
         if not trainable:
             raw.requires_grad_(False)
+        hf = self.features.hf_config  # counted before wrapping: FSDP1 flattens the weights
+        self.useful_flops = UsefulFlops.of(raw, hf) if hf is not None and hasattr(hf, "num_attention_heads") else None
         self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh)
         self.model = self.wrapped.module
         self.trainable = trainable
@@ -241,6 +244,9 @@ class Engine:
             "batch/cross_rank_imbalance": agreed["cross_rank_imbalance"],
             "batch/padding_fraction": 1.0 - metrics["batch/real_tokens"] / max(metrics["batch/computed_tokens"], 1.0),
             "train/step_time_s": time.perf_counter() - started,
+            # over every rank: the roofline figure's numerator (syncwise.models.flops)
+            "perf/useful_flops": self.useful_flops.step(metrics["batch/real_tokens"], metrics["batch/real_token_pairs"])
+            if self.useful_flops is not None else 0.0,
             "train/lr": self.scheduler.get_last_lr()[0],
             "sync/mode": mode.label,
             "engine/fused_lm_head": float(fused),

@@ -12,7 +12,6 @@ from torch import nn
 from ..config import OptimConfig
 from ..runtime.distributed import collective_timeout, local_tensor
 
-
 FUSED_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW kernel
 
 

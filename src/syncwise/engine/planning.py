@@ -39,6 +39,7 @@ class BatchPlan:
     computed_tokens: int = 0  # positions its micro-batches compute (real tokens when packed)
     workloads: list[float] = field(default_factory=list)  # estimated compute of each micro-batch
     largest_tokens: int = 0  # positions of its largest micro-batch (what its activations scale with)
+    real_token_pairs: int = 0  # Σ L² over this rank's samples (causal attention's useful work scales with it)
 
 
 def check_model_limits(batch: Batch, vocab_size: int | None, max_positions: int | None) -> None:
@@ -131,10 +132,11 @@ def plan_batch(
         tokens=float(totals[0]), sequences=float(totals[1]), dp_size=dp_size,
         max_target_len=float(per_rank[:, 1].max()),
     )
+    real = sequence_lengths(batch)
     return BatchPlan(
         micro_batches, norm, seq_len=batch["input_ids"].shape[1],
-        real_tokens=int(sequence_lengths(batch).sum()), computed_tokens=computed, workloads=loads,
-        largest_tokens=largest,
+        real_tokens=int(real.sum()), computed_tokens=computed, workloads=loads,
+        largest_tokens=largest, real_token_pairs=int((real * real).sum()),
     )
 
 

@@ -119,7 +119,8 @@ class _Collector:
     def result(self, plan: BatchPlan, **extra) -> ForwardBackwardResult:
         return ForwardBackwardResult(
             metrics={k: float(v) for k, v in self.totals.items()}
-            | {"batch/real_tokens": float(plan.real_tokens), "batch/computed_tokens": float(plan.computed_tokens)},
+            | {"batch/real_tokens": float(plan.real_tokens), "batch/computed_tokens": float(plan.computed_tokens),
+               "batch/real_token_pairs": float(plan.real_token_pairs)},
             workloads=plan.workloads,
             outputs={
                 k: restore_order(parts, plan.micro_batches, plan.seq_len) for k, parts in self.chunks.items()

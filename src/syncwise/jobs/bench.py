@@ -36,10 +36,11 @@ from ..config import load_config
 from ..engine import Engine
 from ..losses import sft_loss
 from ..models import PRESETS, build_model, count_parameters, decoder_layers, preset_config
+from ..models.flops import UsefulFlops
 from ..runtime.distributed import DistInfo, run_rank
 from ..runtime.signals import JobStopped, agreed_stop
 from ..sync.modes import MODES, SyncMode
-from .roofline import fraction_of_peak, gemm_rate, step_flops
+from .roofline import fraction_of_peak, gemm_rate
 
 # Every whole-model mode plain FSDP2 runs (the table's order), and auto; partial on request (--modes).
 ENGINE_MODES = tuple(
@@ -182,7 +183,7 @@ def run_bench(info: DistInfo, spec: BenchSpec) -> list[dict[str, Any]]:
         hf_config = preset_config(preset)
         rate = gemm_rate(hf_config, torch.float32, info.device)  # after the timed steps, on the same threads
         for entry in entries:
-            flops = step_flops(entry["runner"].model, hf_config, [spec.seq_len] * entry["microbatches"])
+            flops = UsefulFlops.of(entry["runner"].model, hf_config).of_lengths([spec.seq_len] * entry["microbatches"])
             roofline = {"useful_flops_per_step": flops * info.world_size, "gemm_flops_per_s": rate,
                         "fraction_of_gemm_peak": fraction_of_peak(flops * info.world_size, statistics.median(
                             entry["times"]), rate, info.world_size)}

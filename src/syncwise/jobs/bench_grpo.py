@@ -31,6 +31,7 @@ from ..metrics import plot_phase_bars, read_jsonl
 from ..rl.trainer import PHASES, train_worker
 from ..rl.vllm_rollout import vllm_installed
 from ..runtime.launcher import launch_local
+from .roofline import gemm_rate_worker
 
 # name -> overrides; the first is the reference.
 GRPO_CONFIGS: dict[str, tuple[str, ...]] = {
@@ -112,6 +113,9 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "imbalance_after": median("batch/rank_token_imbalance_after"),
         "reward_mean": statistics.mean(r["reward/mean"] for r in rows),
         "uniform_group_fraction": statistics.mean(r["rollout/uniform_group_fraction"] for r in rows),
+        # the update's useful FLOPs (every rank's) per second of the update phase: the roofline's numerator
+        "update_useful_flops_per_s": sum(r["perf/update_useful_flops"] for r in rows)
+        / sum(r["time/update_s"] for r in rows),
     }
 
 
@@ -140,10 +144,19 @@ def bench_grpo(spec: GRPOBenchSpec) -> int:
                 return result.exit_code
             measured[name] += read_jsonl(job_dir / "metrics.jsonl")[spec.warmup:]
     results = {name: _summary(rows) for name, rows in measured.items()}
+    # the GEMM rate at the model's shapes, on ranks launched as the jobs' were (all timing at once)
+    rate_file = out_dir / "jobs" / "gemm_rate.txt"
+    dtype = _job_config(spec, spec.configs[0], out_dir, start / "export")["model"]["param_dtype"]
+    result = launch_local(gemm_rate_worker, spec.nproc, str(start / "export"), dtype, str(rate_file))
+    if result.exit_code != 0:
+        return result.exit_code
+    rate = float(rate_file.read_text())
     reference = results[spec.configs[0]]
     for name, r in results.items():
         r["speedup"] = r["end_to_end_tokens_per_s"] / reference["end_to_end_tokens_per_s"]  # the headline
         r["step_time_ratio"] = reference["step_s"] / r["step_s"]
+        r["gemm_flops_per_s"] = rate
+        r["update_fraction_of_gemm_peak"] = r["update_useful_flops_per_s"] / (rate * spec.nproc)
         # identical responses as the first configuration with the same sampler: the same work, step by step
         sampler = _sampler_of(name)
         twin = next(other for other in spec.configs if _sampler_of(other) == sampler)
@@ -175,8 +188,8 @@ def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> s
         "",
         "| configuration | end-to-end tok/s | speed-up | step s | step-time ratio | same responses | "
         + " | ".join(f"{p} s" for p in PHASES) + " | weight sync share | rollout tok/s | mean response | "
-        "imbalance before -> after |",
-        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|",
+        "imbalance before -> after | update of GEMM peak |",
+        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|",
     ]
     for name, r in results.items():
         phases = " | ".join(fmt(r["phases_s"][p]) for p in PHASES)
@@ -187,6 +200,10 @@ def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> s
             f"{fmt(r['step_s'])} | {r['step_time_ratio']:.2f}x | {same} | {phases} | "
             f"{r['weight_sync_share']:.1%} | {r['rollout_tokens_per_s']:.0f} | "
             f"{r['response_length_mean']:.1f} | "
-            f"{fmt(r['imbalance_before'])} -> {fmt(r['imbalance_after'])} |"
+            f"{fmt(r['imbalance_before'])} -> {fmt(r['imbalance_after'])} | {r['update_fraction_of_gemm_peak']:.1%} |"
         )
+    if results:
+        rate = next(iter(results.values()))["gemm_flops_per_s"]
+        lines += ["", f"Update of GEMM peak: the update's useful FLOPs per second over {rate / 1e9:.1f} GFLOP/s per "
+                      "rank (torch.mm at the model's shapes, timed on ranks launched as the jobs', this run)"]
     return "\n".join(lines)

@@ -29,9 +29,10 @@ import torch.distributed as dist
 from ..config import load_config
 from ..engine import Engine
 from ..models import PRESETS, build_model, count_parameters, preset_config
+from ..models.flops import UsefulFlops
 from ..runtime.distributed import DistInfo, run_rank
 from .bench import time_interleaved
-from .roofline import fraction_of_peak, gemm_rate, step_flops
+from .roofline import fraction_of_peak, gemm_rate
 
 # name -> overrides; the first is the reference the others are compared with. Rows whose name says nothing
 # of the LM head fuse it (engine.fused_lm_head=true), beside the same row with the logits materialised and
@@ -202,7 +203,8 @@ def run_rl_bench(info: DistInfo, spec: RLBenchSpec) -> list[dict[str, Any]]:
         hf_config = preset_config(preset)
         rate = gemm_rate(hf_config, torch.float32, info.device)  # after the timed steps, on the same threads
         for entry in entries:
-            flops = torch.tensor([step_flops(entry["runner"].model, hf_config, datasets[entry["data"]].tolist())])
+            flops = torch.tensor([UsefulFlops.of(entry["runner"].model, hf_config).of_lengths(
+                datasets[entry["data"]].tolist())])
             dist.all_reduce(flops)  # each rank's own sequences
             record = _record(entry, params)
             record |= {"useful_flops_per_step": float(flops), "gemm_flops_per_s": rate, "fraction_of_gemm_peak":
@@ -234,7 +236,7 @@ def _record(entry: dict[str, Any], params: int) -> dict[str, Any]:
         "microbatches": m["train/num_microbatches"], "cross_rank_imbalance": m["batch/cross_rank_imbalance"],
         "peak_bytes": first.get("memory/peak_bytes"), "peak_measured": first.get("memory/peak_measured"),
         "sync_mode": m["sync/mode"], "fused_lm_head": bool(m["engine/fused_lm_head"]),
-        "token_cap": m["engine/max_tokens_per_micro_batch"],
+        "token_cap": m["engine/max_tokens_per_micro_batch"], "engine_useful_flops": m["perf/useful_flops"],
     }
 
 

@@ -18,10 +18,12 @@ from typing import Any
 
 from ..config import load_config
 from ..data.sft_dataset import padded_batch, rank_share
+from ..engine.wrap import DTYPE_BY_NAME
 from ..losses import sft_loss
 from ..runtime.distributed import DistInfo, run_rank
 from ..runtime.signals import JobStopped
 from ..sft.trainer import SFTTrainer
+from .roofline import gemm_rate
 
 
 @dataclass
@@ -49,6 +51,7 @@ def run_sft_bench(info: DistInfo, spec: SFTBenchSpec) -> dict[str, Any]:
         step += 1
     times: dict[str, list[float]] = {"syncwise sft step": [], "train_batch alone": []}
     data_s: list[float] = []  # the data path inside each syncwise sft step, timed on its own
+    flops_per_s: dict[str, list[float]] = {kind: [] for kind in times}  # useful FLOPs (every rank) per second
     for round_ in range(spec.rounds):
         batches, position = [], trainer.position  # the batches the next steps will build, built beforehand
         for _ in range(spec.steps):
@@ -66,9 +69,13 @@ def run_sft_bench(info: DistInfo, spec: SFTBenchSpec) -> dict[str, Any]:
                     began = time.perf_counter()
                     metrics = trainer.engine.train_batch(batch, sft_loss)
                     times[kind].append(time.perf_counter() - began)
+                flops_per_s[kind].append(metrics["perf/useful_flops"] / times[kind][-1])
                 _stop_if_asked(metrics, round_, spec)
     full, alone = (statistics.median(times[k]) for k in times)
+    rate = gemm_rate(trainer.engine.features.hf_config, DTYPE_BY_NAME[config.model.param_dtype], info.device)
     return {"medians_s": {"syncwise sft step": full, "train_batch alone": alone}, "ratio": full / alone,
+            "fraction_of_gemm_peak": {kind: statistics.median(values) / (rate * info.world_size)
+                                      for kind, values in flops_per_s.items()}, "gemm_flops_per_s": rate,
             "data_path_share": (full - alone) / full, "data_s": statistics.median(data_s),
             "setup_s": setup_s, "rows": len(trainer.data),
             "batch_size": sft.batch_size, "world_size": info.world_size,
@@ -88,15 +95,16 @@ def format_result(result: dict[str, Any]) -> str:
         f"SFT data path on the arith_chat task: {result['world_size']} ranks, {result['batch_size']} sequences per "
         f"step, medians of {result['steps_per_kind']} steps of each kind",
         "",
-        "| step | median s |",
-        "|---|---|",
-        *(f"| {name} | {value:.4f} |" for name, value in medians.items()),
+        "| step | median s | of GEMM peak |",
+        "|---|---|---|",
+        *(f"| {name} | {value:.4f} | {result['fraction_of_gemm_peak'][name]:.1%} |" for name, value in medians.items()),
         "",
         f"syncwise sft / train_batch alone: {result['ratio']:.3f}; the data path's share of a step: "
         f"{100 * result['data_path_share']:.1f}% from the medians (target <= 5%), "
         f"{1e3 * result['data_s']:.2f} ms = {100 * result['data_s'] / medians['syncwise sft step']:.2f}% timed "
         f"inside the step (order, split over ranks, padding); set-up (task data, tokenisation, engine) "
-        f"{result['setup_s']:.1f} s once",
+        f"{result['setup_s']:.1f} s once; of GEMM peak: useful FLOPs per second over "
+        f"{result['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s per rank (torch.mm at the model's shapes, this run)",
     ])
 
 

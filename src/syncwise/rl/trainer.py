@@ -354,6 +354,7 @@ class RLTrainer:
         metrics["perf/rollout_tokens_per_s"] = metrics["rollout/response_tokens"] / max(clock.seconds["rollout"], 1e-9)
         update_tokens = sum(u["batch/real_tokens"] for u in updates)
         metrics["perf/update_tokens_per_s"] = update_tokens / max(clock.seconds["update"], 1e-9)
+        metrics["perf/update_useful_flops"] = sum(u["perf/useful_flops"] for u in updates)  # every rank's
         metrics["time/step_s"] = time.perf_counter() - started
         if self.info.is_main:
             self._log(metrics)
