@@ -29,6 +29,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         model_type="qwen2", vocab_size=4096, hidden_size=512, intermediate_size=1408,
         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
     ),
+    # qwen2-20m's layers, ten of them: ~30M params with the built-in 17-token vocabulary (bench --workload
+    # grpo's larger model; 34M with this vocabulary).
+    "qwen2-30m": dict(
+        model_type="qwen2", vocab_size=4096, hidden_size=512, intermediate_size=1408,
+        num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4,
+    ),
     # ~0.3M params with the built-in 17-token vocabulary: the default GRPO job (vocab set by the tokenizer).
     # Llama rather than Qwen2: transformers' AutoTokenizer forces Qwen2's own tokenizer class on qwen2
     # exports, which would re-tokenize the built-in word-level vocabulary.
