@@ -211,9 +211,8 @@ class RLTrainer:
         # PPO: the value model, trained through its own engine over the same mini-batches
         self.critic = (Critic(config, info, train.steps * updates_per_step, **overrides)
                        if rl.algorithm == "ppo" else None)
-        beside = sum(e.resident_bytes() for e in (self.reference, self.critic.engine if self.critic else None) if e)
         self.rollout = Rollout(config, self.engine, self.tokenizer, self.source, end_token_ids(config.model.path),
-                               beside)
+                               self._resident_beside(self.engine))
         self._hold_outside()
         keep_changed_bases(config, self.engine, self.critic.engine if self.critic else None, self.uses_reference)
         self.loss_fn = make_policy_loss(rl.loss, temperature=rl.temperature)
@@ -244,11 +243,14 @@ class RLTrainer:
         """Tell each trained engine's auto what stays in memory outside it for the whole job: the rollout copy,
         the frozen reference, and the other model's parameters and optimizer state (PPO's actor and critic);
         every rank then budgets alike (auto agrees the budget over ranks)."""
-        engines = [e for e in (self.engine, self.critic.engine if self.critic else None) if e is not None]
-        frozen = self.reference.resident_bytes() if self.reference is not None else 0
-        for engine in engines:
-            others = sum(e.resident_bytes() for e in engines if e is not engine)
-            engine.governor.hold_outside(self.rollout.held_bytes + frozen + others)
+        for engine in (e for e in (self.engine, self.critic.engine if self.critic else None) if e is not None):
+            engine.governor.hold_outside(self.rollout.held_bytes + self._resident_beside(engine))
+
+    def _resident_beside(self, engine: Engine) -> int:
+        """What the job's other models keep in memory beside ``engine`` the whole job: the frozen reference,
+        and the other trained model's parameters and optimizer state (PPO's actor and critic)."""
+        models = (self.reference, self.engine, self.critic.engine if self.critic else None)
+        return sum(e.resident_bytes() for e in models if e is not None and e is not engine)
 
     def _open_logs(self) -> None:
         config, rl, train = self.config, self.config.rl, self.config.train
