@@ -90,6 +90,8 @@ def test_bench_rl_workload_smoke(tmp_path):
     defaults = by_config["defaults (sync mode, LM head and token cap auto)"]
     assert defaults["sync_mode"] == "deferred_unsharded" and not defaults["fused_lm_head"]  # ample memory
     assert all(0 < r["fraction_of_gemm_peak"] < 1 for r in records)  # beside the hand-written loops' too
+    assert defaults["settle_steps"] == 2 and defaults["settle_s"] > 0  # nothing timed: decide, measure the choice
+    assert "auto settled in 2 steps" in summary
     assert "hand-written packed loop, 512-token cap: " in summary and "of the GEMM peak" in summary
     flops = {r["useful_flops_per_step"] for r in records if r["data"] == "rl"}
     assert len(flops) == 1  # the same work on every row of the same data

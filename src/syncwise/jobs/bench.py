@@ -152,6 +152,8 @@ def time_interleaved(entries: list[dict[str, Any]], warmup: int, repeats: int, i
                 entry.setdefault("first_metrics", entry["metrics"])
                 while round_index < warmup and not runner.governor.settled:  # auto's decision, caps timed
                     entry["metrics"] = runner.train_batch(entry["batch"], sft_loss)
+                if "settle_s" not in entry and runner.governor.settled:  # what auto's settling cost (all ranks)
+                    entry["settle_s"], entry["settle_steps"] = time.perf_counter() - start, runner.step
             else:
                 runner.step(entry["batch"])
             dist.barrier()  # a step ends when the slowest rank is done

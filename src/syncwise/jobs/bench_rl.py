@@ -237,6 +237,7 @@ def _record(entry: dict[str, Any], params: int) -> dict[str, Any]:
         "peak_bytes": first.get("memory/peak_bytes"), "peak_measured": first.get("memory/peak_measured"),
         "sync_mode": m["sync/mode"], "fused_lm_head": bool(m["engine/fused_lm_head"]),
         "token_cap": m["engine/max_tokens_per_micro_batch"], "engine_useful_flops": m["perf/useful_flops"],
+        "settle_s": entry["settle_s"], "settle_steps": entry["settle_steps"],  # its first steps, auto's choice made
     }
 
 
@@ -316,6 +317,10 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
         if "auto_vs_materialised" in r:
             lines.append(f"{r['preset']}: LM head auto / materialised logits step time, {r['sync_mode']} "
                          f"{r['auto_vs_materialised']:.3f} (target <= 1.00 where they fit)")
+        if r["config"] == DEFAULTS:
+            lines.append(f"{r['preset']}, {r['data']} data: auto settled in {r['settle_steps']} steps, "
+                         f"{r['settle_s']:.2f} s (the first measured in the safe setting, the next in its choice, "
+                         f"measured too) against {r['step_time_median_s']:.2f} s for a settled step")
         if "defaults_vs_best_hand_set" in r:
             lines.append(f"{r['preset']}: defaults / fastest hand-set configuration ({r['best_hand_set']}) real "
                          f"tokens per second {r['defaults_vs_best_hand_set']:.3f} (target >= 0.97); the defaults "
