@@ -27,7 +27,7 @@ from ..data import attention
 from ..data.batching import Batch
 from ..losses import LossFn
 from ..memory.accounting import PeakMeter, resident_bytes, sharded_model_of
-from ..memory.autosync import FIRST_CAP_FLOOR, LONGEST, Setting
+from ..memory.autosync import LONGEST, Setting
 from ..memory.schedule import unit_traffic
 from ..memory.units import configured_choice, unit_names
 from ..models import build_model
@@ -78,8 +78,7 @@ class Engine:
         check_mode(self.sync_mode, config.engine.strategy, hsdp)
         if not trainable:
             raw.requires_grad_(False)
-        hf = self.features.hf_config  # counted before wrapping: FSDP1 flattens the weights
-        self.useful_flops = UsefulFlops.of(raw, hf) if hf is not None and hasattr(hf, "num_attention_heads") else None
+        self.flops = UsefulFlops.of(raw, self.features.hf_config)  # before wrapping: FSDP1 flattens them
         self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh)
         self.model = self.wrapped.module
         self.trainable = trainable
@@ -127,13 +126,11 @@ class Engine:
             timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, packing=self.features.packing,
             varlen_attention=str(getattr(hf, "_attn_implementation", "")).startswith(("flash", attention.NAME)),
             vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
-            loss_fn=loss_fn, split=(0, FIRST_CAP_FLOOR if self.token_cap == LONGEST else self.token_cap)
-            if self.token_cap else None, stretch_cap=bool(self.token_cap),
+            loss_fn=loss_fn, split=(0, self.token_cap) if self.token_cap else None, stretch_cap=bool(self.token_cap),
         )
 
     def _use(self, setting: Setting) -> None:
-        """Run the next steps in ``setting`` (auto's choice): its sync mode and, where auto chose them, its
-        LM head's path and token cap."""
+        """Run the next steps in ``setting`` (auto's choice): its sync mode, and its head and cap if auto's."""
         self.active_mode = setting.choice
         if setting.fused_head is not None:
             self.fused_head = setting.fused_head
@@ -244,9 +241,7 @@ class Engine:
             "batch/cross_rank_imbalance": agreed["cross_rank_imbalance"],
             "batch/padding_fraction": 1.0 - metrics["batch/real_tokens"] / max(metrics["batch/computed_tokens"], 1.0),
             "train/step_time_s": time.perf_counter() - started,
-            # over every rank: the roofline figure's numerator (syncwise.models.flops)
-            "perf/useful_flops": self.useful_flops.step(metrics["batch/real_tokens"], metrics["batch/real_token_pairs"])
-            if self.useful_flops is not None else 0.0,
+            "perf/useful_flops": self.flops.step(metrics["batch/real_tokens"], metrics["batch/real_token_pairs"]),
             "train/lr": self.scheduler.get_last_lr()[0],
             "sync/mode": mode.label,
             "engine/fused_lm_head": float(fused),
@@ -326,9 +321,8 @@ class Engine:
         return full_weights_by_unit(self.wrapped, self.features.lora_merge)
 
     def engine_state(self) -> dict[str, Any]:
-        """Everything else a resumed run needs to continue exactly (JSON-serialisable): the step count,
-        the LR schedule's position, and auto's decision and measured base, so the resumed run does not
-        re-measure in another mode."""
+        """Everything else a resumed run needs to continue exactly (JSON-serialisable): the step count, the LR
+        schedule's position, and auto's decision and measured base (a resumed run measures nothing again)."""
         return {
             "step": self.step,
             "skipped_steps": self.skipped_steps,

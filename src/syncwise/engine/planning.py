@@ -25,6 +25,7 @@ from ..data.batching import (
 )
 from ..data.packing import pack, packable, packing_pays
 from ..losses import LossFn, Normalizer, check_batch_keys, target_mask
+from ..memory.autosync import FIRST_CAP_FLOOR, LONGEST
 from ..runtime.distributed import agree
 
 
@@ -88,7 +89,8 @@ def plan_batch(
     sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]
     try:
         if stretch_cap and max_tokens > 0 and (lengths := sequence_lengths(batch)).numel():
-            max_tokens = max(max_tokens, int(lengths.max()))
+            floor = FIRST_CAP_FLOOR if max_tokens == LONGEST else max_tokens  # auto's first step: the longest
+            max_tokens = max(floor, int(lengths.max()))
         needed = microbatches_needed(batch, size, max_tokens, packing)
         check_model_limits(batch, vocab_size, max_positions)
         check_batch_keys(batch, loss_fn)

@@ -49,12 +49,17 @@ class UsefulFlops:
 
     @classmethod
     def of(cls, model: nn.Module, hf_config) -> UsefulFlops:
+        """Of ``model`` as it trains (count before wrapping: FSDP1 flattens the weights); zero where
+        ``hf_config`` is not a decoder's (a model that is not a Hugging Face one)."""
+        if hf_config is None or not hasattr(hf_config, "num_attention_heads"):
+            return cls(0, 0)
         trainable, frozen = matmul_params(model)
         layers, width = attention_width(hf_config)
         return cls(6 * trainable + 4 * frozen, 6 * layers * width)
 
     def step(self, tokens: float, pairs: float) -> float:
-        """Of a step whose sequences hold ``tokens`` real tokens and ``pairs`` = Σ L²."""
+        """Of a step whose sequences hold ``tokens`` real tokens and ``pairs`` = Σ L² (the engine's
+        ``perf/useful_flops``, over every rank: the roofline figure's numerator)."""
         return self.per_token * tokens + self.per_pair * pairs
 
     def of_lengths(self, lengths: Iterable[int]) -> float:
