@@ -49,7 +49,9 @@ def test_bench_smoke(tmp_path):
     assert lora["lora8:deferred"]["memory/retained_grad_bytes"] < lora["deferred"]["memory/retained_grad_bytes"] / 5
     assert "lora8:deferred/deferred step" in table
     # the roofline: useful FLOPs over the step time over the GEMM rate measured in the same run
-    assert all(0 < r["fraction_of_gemm_peak"] < 1 and r["gemm_flops_per_s"] > 0 for r in records)
+    for r in records:  # (the bound: a busy machine can time the matmul slower than the steps ran; 3x is a bug)
+        assert 0 < r["fraction_of_gemm_peak"] < 3 and r["fraction_of_gemm_peak"] == pytest.approx(
+            r["useful_flops_per_step"] / r["step_time_median_s"] / (r["gemm_flops_per_s"] * r["world_size"]))
     assert "| of GEMM peak |" in table and "of the GEMM peak (" in table
 
 
@@ -89,7 +91,9 @@ def test_bench_rl_workload_smoke(tmp_path):
     assert "defaults / fastest hand-set configuration" in summary
     defaults = by_config["defaults (sync mode, LM head and token cap auto)"]
     assert defaults["sync_mode"] == "deferred_unsharded" and not defaults["fused_lm_head"]  # ample memory
-    assert all(0 < r["fraction_of_gemm_peak"] < 1 for r in records)  # beside the hand-written loops' too
+    for r in records:  # beside the hand-written loops' too (the bound: as in test_bench_smoke)
+        assert 0 < r["fraction_of_gemm_peak"] < 3 and r["fraction_of_gemm_peak"] == pytest.approx(
+            r["useful_flops_per_step"] / r["step_time_median_s"] / (r["gemm_flops_per_s"] * 2))
     assert defaults["settle_steps"] == 2 and defaults["settle_s"] > 0  # nothing timed: decide, measure the choice
     assert "auto settled in 2 steps" in summary
     assert "hand-written packed loop, 512-token cap: " in summary and "of the GEMM peak" in summary
@@ -148,7 +152,7 @@ def test_bench_grpo_workload_quick(tmp_path):
         assert r["speedup"] == pytest.approx(r["end_to_end_tokens_per_s"]
                                              / results[QUICK_CONFIGS[0]]["end_to_end_tokens_per_s"])
     assert "| 1. generate, unbalanced (before) |" in (out / "bench_grpo.md").read_text()
-    assert all(0 < r["update_fraction_of_gemm_peak"] < 1 for r in results.values())
+    assert all(0 < r["update_fraction_of_gemm_peak"] < 3 for r in results.values())  # bound: test_bench_smoke
     assert "Update of GEMM peak: the update's useful FLOPs per second over" in (out / "bench_grpo.md").read_text()
     assert (out / "grpo_phases.png").stat().st_size > 10_000
 
@@ -168,7 +172,7 @@ def test_bench_sft_workload_quick(tmp_path):
     assert result["ratio"] == pytest.approx(medians["syncwise sft step"] / medians["train_batch alone"])
     assert 0 < result["data_s"] < medians["syncwise sft step"]
     assert "the data path's share of a step" in (out / "bench_sft.md").read_text()
-    assert all(0 < f < 1 for f in result["fraction_of_gemm_peak"].values()) and result["gemm_flops_per_s"] > 0
+    assert all(0 < f < 3 for f in result["fraction_of_gemm_peak"].values()) and result["gemm_flops_per_s"] > 0
 
 
 def test_bench_rl_profile_has_the_default_step_beside_the_fixed_ones(tmp_path):
