@@ -17,7 +17,6 @@ and the head's matmul) and the chosen cap and the next smaller ones are timed fo
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -26,8 +25,8 @@ import torch
 from ..data.batching import Batch, capped_bins, capped_partition, sequence_lengths, token_cost, workloads
 from ..memory.activations import estimate_activations, working_bytes
 from ..memory.autosync import CAPS, LONGEST, StepShape, step_shape
-from ..memory.calibrate import fit, sweep
-from ..memory.costs import nominal_machine
+from ..memory.calibrate import best_matmul_seconds, fit, sweep
+from ..memory.costs import head_recompute_seconds, nominal_machine
 from ..runtime.distributed import agree
 from ..sync.counting import CollectiveCounts
 from ..sync.modes import SyncChoice
@@ -116,7 +115,7 @@ class Tuning:
         head_s = 0.0
         if True in self.heads and self.head_shape is not None:
             head_s = (self._head_seconds_per_token() if self.timing
-                      else 2 * self.head_shape[0] * self.head_shape[1] / nominal.matmul_flops)
+                      else head_recompute_seconds(1, *self.head_shape, nominal.matmul_flops))
         timed_links = self.timing and self.traffic is not None and self.shard > 1
         samples = sweep(self.device, LINK_SIZES, repeats=3) if timed_links else []
         scale = self.activations.scale_for(layer_sample) if self.calibrates else 0.0
@@ -164,16 +163,7 @@ class Tuning:
         vocab, hidden = self.head_shape
         weight = torch.randn(vocab, hidden, dtype=self.compute_dtype, device=self.device)
         states = torch.randn(HEAD_TIMING_TOKENS, hidden, dtype=self.compute_dtype, device=self.device)
-        best = float("inf")
-        for _ in range(3):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            states @ weight.T
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            best = min(best, time.perf_counter() - start)
-        return best / HEAD_TIMING_TOKENS
+        return best_matmul_seconds(states, weight.T, repeats=3) / HEAD_TIMING_TOKENS
 
 
 def build_tuning(config, features, estimator, traffic, compute_dtype: torch.dtype, device: torch.device,

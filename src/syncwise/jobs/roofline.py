@@ -6,10 +6,10 @@ limit").
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
+
+from ..memory.calibrate import best_matmul_seconds
 
 GEMM_ROWS = 512  # tokens of the timed matmuls: a micro-batch's worth
 
@@ -27,24 +27,13 @@ def gemm_rate(hf_config, dtype: torch.dtype, device: torch.device, repeats: int 
     for rows, inner, cols in shapes:
         a = torch.randn(rows, inner, dtype=dtype, device=device)
         b = torch.randn(inner, cols, dtype=dtype, device=device)
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first warms up
-            _sync(device)
-            start = time.perf_counter()
-            torch.mm(a, b)
-            _sync(device)
-            best = min(best, time.perf_counter() - start)
+        best = best_matmul_seconds(a, b, repeats + 1)  # one more: the first warms up
         flops, seconds = flops + 2.0 * rows * inner * cols, seconds + best
     rate = torch.tensor([flops / seconds], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(rate)
         rate /= dist.get_world_size()
     return float(rate)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def fraction_of_peak(flops_all_ranks: float, step_s: float, rate_per_rank: float, world_size: int) -> float:

@@ -4,7 +4,8 @@ ranks of a process group, fitted to the α-β model of :class:`syncwise.memory.c
 Each size is timed ``repeats`` times after a warm-up (the median is kept); a collective's time is
 ``(g-1)·α + (g-1)/g·S/β`` for S bytes over g ranks, so a least-squares line through (S, time) gives β from
 its slope and α from its intercept. ``syncwise plan --calibrate`` uses it instead of the assumed links;
-``syncwise bench`` times the minimum collectives of a step with :func:`time_collective`.
+``syncwise bench`` times the minimum collectives of a step with :func:`time_collective`, and auto's timed
+ranking and the bench's roofline a matmul with :func:`best_matmul_seconds`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,20 @@ def time_collective(kind: str, nbytes: int, device: torch.device, repeats: int =
         if index:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def best_matmul_seconds(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
+    """The fastest of ``repeats`` timings of ``a @ b`` on this rank (synchronised on CUDA)."""
+    best = float("inf")
+    for _ in range(repeats):
+        if a.device.type == "cuda":
+            torch.cuda.synchronize(a.device)
+        start = time.perf_counter()
+        a @ b
+        if a.device.type == "cuda":
+            torch.cuda.synchronize(a.device)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def sweep(device: torch.device, sizes: tuple[int, ...] = SIZES, repeats: int = 5) -> list[Sample]:

@@ -67,6 +67,12 @@ class NominalMachine:
 NOMINAL = {"cpu": NominalMachine(Links(300e-6, 0.6e9), 50e9, largest_cap=2048), "cuda": NominalMachine(Links(), 400e12)}
 
 
+def head_recompute_seconds(tokens: int, vocab: int, hidden: int, matmul_flops: float) -> float:
+    """What the fused LM head adds to a step: each token's logits made once more in backward, 2 x hidden x
+    vocabulary FLOPs a token, at ``matmul_flops`` per second."""
+    return 2 * tokens * hidden * vocab / matmul_flops
+
+
 def nominal_machine(device_type: str) -> NominalMachine:
     """The nominal figures of ``device_type`` (an accelerator without its own: CUDA's)."""
     return NOMINAL.get(device_type, NOMINAL["cuda"])

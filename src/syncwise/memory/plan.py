@@ -26,7 +26,7 @@ from ..sync.modes import SyncChoice, SyncMode, spec, supported_modes
 from .accounting import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
 from .activations import estimate_activations, kv_cache_bytes, working_bytes
 from .autosync import CAPS, AutoSync, Setting, StepShape, step_shape
-from .costs import Links, candidates
+from .costs import Links, candidates, head_recompute_seconds
 from .plan_input import SHAPES, PlanInput
 from .schedule import step_traffic, unit_traffic
 
@@ -271,10 +271,10 @@ def _step_shape(inp: PlanInput, hf_config, links: Links, units, in_loss: int, in
     def comm_seconds(choice: SyncChoice, n: int) -> float:
         return _comm(choice, n, units, inp, links)[1]
 
-    # the fused head makes each token's logits once more in backward: 2 x hidden x vocabulary FLOPs a token
-    head_flops = 2 * sum(lengths) * hf_config.hidden_size * hf_config.vocab_size
+    rate = inp.compute_tflops * 1e12
+    head_s = head_recompute_seconds(sum(lengths), hf_config.vocab_size, hf_config.hidden_size, rate)
     fixed = (inp.microbatches, inp.micro_batch_size * inp.seq_len)
-    shape = step_shape(splits, fixed, heads, activations, comm_seconds, head_flops / (inp.compute_tflops * 1e12))
+    shape = step_shape(splits, fixed, heads, activations, comm_seconds, head_s)
     first = Setting(SyncChoice(SyncMode.PER_MICROBATCH), True if heads != (None,) else None)  # as configured
     return shape, first
 
