@@ -6,6 +6,7 @@ for sampling here (it pins the call sequence); tests/test_tool_jobs.py runs real
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from syncwise.rl.multi_turn import ToolLoop
 from syncwise.rl.prompts import encode_prompt, encode_prompts
 from syncwise.rl.sampling import Samples
 from syncwise.rl.tool_calls import choose_parser, parse_turn
-from syncwise.rl.tool_runner import load_tools, run_tool
+from syncwise.rl.tool_runner import ToolLimits, ToolRunner, load_tools, run_tool
 from syncwise.tools import calculator
 from user_models import llama31_tokenizer, qwen25_tokenizer
 
@@ -27,11 +28,25 @@ def test_calculator_is_exact_and_refuses_what_is_not_arithmetic():
     assert calculator("(1234 + 567) * 89 / 4") == "40072.25"
     assert calculator(" 7 // 2 + 7 % 2 - -3 ") == "7"
     assert calculator("2 ** 10") == "1024" and calculator("1 / 3") == repr(1 / 3)
+    assert calculator("0.1 + 0.2") == "0.3" and calculator("0.5 ** 300") == repr(0.5**300)  # decimals as written
     for bad, error in [("__import__('os').system('true')", ValueError), ("1 / 0", ZeroDivisionError),
                        ("9 ** 9 ** 9", ValueError), ("10 ** 101", ValueError), ("x + 1", ValueError),
                        ("[1] * 3", ValueError), ("True + 1", ValueError), ("1if 2", SyntaxError)]:
         with pytest.raises(error):
             calculator(bad)
+
+
+@pytest.mark.parametrize(("expression", "said"), [
+    ("0.1 ** 1000", "too small"), ("2 ** -500", "too small"),  # tiny, not "too large"
+    ("1 / 10 ** 60 / 10 ** 60", "too small"),
+    ("(1.0001 ** 999) ** 999", "too many digits"),  # 22 characters: ~14M-bit numbers, computed for minutes before
+    ("(1.0001 ** 99) ** 999", "too many digits"), ("1e400 * 1", "too large"),
+])
+def test_calculator_answers_tiny_and_huge_results_at_once(expression, said):
+    start = time.process_time()
+    with pytest.raises(ValueError, match=said):
+        calculator(expression)
+    assert time.process_time() - start < 1  # refused before computing (measured: well under a millisecond)
 
 
 TOOLS_PY = '''
@@ -105,8 +120,8 @@ def test_loading_tools_says_what_is_wrong_in_one_line(tools_file):
 
 def test_a_tool_that_fails_answers_with_its_error(tools_file):
     tools = load_tools([f"{tools_file}:add", f"{tools_file}:shout", f"{tools_file}:nap"])
-    assert run_tool(tools, "add", {"a": 2, "b": 3}, 5).content == "5"
-    assert run_tool(tools, "add", {"a": 2, "b": 3}, 5).error == "non_text"  # an int: given as JSON, counted
+    added = run_tool(tools, "add", {"a": 2, "b": 3}, 5)
+    assert (added.content, added.error, added.kinds) == ("5", None, ("json_answers",))  # JSON: counted apart
     raised = run_tool(tools, "shout", {"text": "way"}, 5)
     assert (raised.content, raised.error) == ("error: RuntimeError: no way", "exception")
     start = time.perf_counter()
@@ -116,6 +131,132 @@ def test_a_tool_that_fails_answers_with_its_error(tools_file):
     assert run_tool(tools, "nope", {}, 5).error == "unknown_tool"
     assert run_tool(tools, "add", {"a": 1}, 5).error == "bad_arguments"
     assert run_tool(tools, "add", [1, 2], 5).error == "bad_arguments"
+
+
+RUNNER_TOOLS = '''
+import sys
+import threading
+import time
+
+def exits(flag: str) -> str:
+    """Parse a command line, as argparse does: exit on what it does not take.
+
+    Args:
+        flag: A flag.
+    """
+    sys.exit(2)
+
+def retries(seconds: float) -> str:
+    """Retry on every error, as tools do.
+
+    Args:
+        seconds: How long each try sleeps.
+    """
+    global tries
+    for _ in range(100):
+        try:
+            tries += 1
+            time.sleep(seconds)
+        except Exception:
+            continue
+    return "done"
+
+tries = 0
+together = threading.Barrier(6)
+
+def meet(who: int) -> str:
+    """Wait until six calls are here at once.
+
+    Args:
+        who: Which call.
+    """
+    together.wait(timeout=60)
+    return f"met {who}"
+
+def answer(kind: str) -> object:
+    """Answer something that is not a string.
+
+    Args:
+        kind: none, dict, set or long.
+    """
+    return {"none": None, "dict": {"a": [1, 2]}, "set": {1}, "long": "x" * 10_000}[kind]
+
+def noisy(text: str) -> str:
+    """Print, then answer.
+
+    Args:
+        text: What to print.
+    """
+    print(text)
+    print("second line", file=sys.stderr)
+    return "ok"
+'''
+
+
+@pytest.fixture()
+def runner_tools(tmp_path):
+    path = tmp_path / "runner_tools.py"
+    path.write_text(RUNNER_TOOLS)
+    tools = load_tools([f"{path}:{name}" for name in ("exits", "retries", "meet", "answer", "noisy")])
+    return tools, tools["retries"].fn.__globals__
+
+
+def test_a_tool_that_exits_is_its_error_and_the_job_goes_on(runner_tools):
+    tools, _ = runner_tools
+    result = run_tool(tools, "exits", {"flag": "--nope"}, 5)
+    assert (result.content, result.error) == ("error: SystemExit: 2", "exception")
+
+
+def test_the_time_limit_cannot_be_caught_by_the_tool(runner_tools):
+    """A tool whose retry loop catches every Exception: the call is answered at its limit, counted, and the
+    abandoned thread is stopped at its next bytecode (the loop's except Exception does not catch it)."""
+    tools, state = runner_tools
+    start = time.perf_counter()
+    result = run_tool(tools, "retries", {"seconds": 0.05}, 0.3)
+    assert result.error == "timeout" and result.content == "error: retries did not finish within 0.3 s"
+    assert time.perf_counter() - start < 4  # 100 tries x 0.05 s would be 5 s: the caller did not wait for them
+    thread = next(t for t in threading.enumerate() if t.name == "syncwise-tool-retries")
+    thread.join(timeout=60)
+    assert not thread.is_alive() and state["tries"] < 100  # stopped, not left retrying
+
+
+def test_a_turns_calls_run_side_by_side_and_answer_in_order(runner_tools):
+    tools, _ = runner_tools
+    runner = ToolRunner(tools, ToolLimits(timeout_s=60, workers=6))
+    results = runner.run([("meet", {"who": i}) for i in range(6)])  # each waits until all six run at once
+    assert [r.content for r in results] == [f"met {i}" for i in range(6)] and not any(r.error for r in results)
+
+
+def test_a_steps_tool_time_is_bounded_and_the_calls_past_it_say_so(runner_tools):
+    tools, _ = runner_tools
+    runner = ToolRunner(tools, ToolLimits(timeout_s=30, step_timeout_s=0.5, workers=1))
+    runner.new_step()
+    results = runner.run([("retries", {"seconds": 0.05}), ("answer", {"kind": "none"})])
+    assert [r.error for r in results] == ["step_timeout", "step_timeout"]
+    assert "the step's rl.tool_step_timeout_s=0.5 s" in results[1].content
+    assert runner.run([("answer", {"kind": "none"})])[0].error == "step_timeout"  # the next turn's too
+    runner.new_step()
+    assert runner.run([("answer", {"kind": "none"})])[0].error is None  # a new step, a new budget
+
+
+def test_answers_are_json_or_cut_and_counted_apart_from_errors(runner_tools):
+    tools, _ = runner_tools
+    runner = ToolRunner(tools, ToolLimits(max_chars=100))
+    none, mapping, a_set, long = runner.run([("answer", {"kind": k}) for k in ("none", "dict", "set", "long")])
+    assert (none.content, none.error, none.kinds) == ("null", None, ("json_answers",))
+    assert (mapping.content, mapping.error) == ('{"a": [1, 2]}', None)
+    assert (a_set.content, a_set.error) == ("{1}", "non_text")  # not JSON: its text, an error
+    assert long.content == "x" * 100 + "\n[truncated: the first 100 of 10000 characters (rl.tool_max_chars)]"
+    assert long.error is None and long.kinds == ("truncated_answers",)
+
+
+def test_what_a_tool_prints_says_which_tool_printed_it(runner_tools, capsys):
+    tools, _ = runner_tools
+    assert run_tool(tools, "noisy", {"text": "hello\nworld"}, 5).content == "ok"
+    out, err = capsys.readouterr()
+    assert out == "[tool noisy] hello\n[tool noisy] world\n" and err == "[tool noisy] second line\n"
+    print("the job's own line")
+    assert capsys.readouterr().out == "the job's own line\n"
 
 
 def test_calls_parse_in_each_family_format():
@@ -133,6 +274,12 @@ def test_calls_parse_in_each_family_format():
     assert [(c.name, c.arguments) for c in llama.calls] == [("calculator", {"expression": "1; 2"}),
                                                             ("add", {"a": 1, "b": 2})]
     assert parse_turn("It is 6.", "llama3_json").calls_tools is False
+    # as a Llama-3.1 turn decodes with its special tokens kept (only the end of the turn dropped)
+    tokenizer = llama31_tokenizer()
+    ids = tokenizer('<|python_tag|>{"name": "calculator", "parameters": {"expression": "2"}}<|eot_id|>',
+                    add_special_tokens=False)["input_ids"]
+    assert parse_turn(tokenizer.decode(ids[:-1], skip_special_tokens=False), "llama3_json").calls[0].name == \
+        "calculator"
     assert parse_turn('{"name": 3}', "llama3_json").errors
 
 
@@ -144,6 +291,26 @@ def test_the_parser_comes_from_the_template_and_a_template_without_tools_is_one_
     plain = chat_tokenizer(arith_chat_rows(50, seed=1))  # ChatML without tool support
     with pytest.raises(ValueError, match="does not render tools"):
         choose_parser(plain, "auto")
+
+
+def test_a_parser_the_template_contradicts_is_one_line():
+    assert choose_parser(qwen25_tokenizer(), "hermes") == "hermes"
+    with pytest.raises(ValueError, match=r"^rl.tool_parser=llama3_json: the chat template renders tool calls as "
+                                         r"hermes \(<tool_call>\{json\}</tool_call>\), .*; set rl.tool_parser=hermes "
+                                         r"or auto$"):
+        choose_parser(qwen25_tokenizer(), "llama3_json")
+    with pytest.raises(ValueError, match=r"^rl.tool_parser=hermes: the chat template renders tool calls as "
+                                         r"llama3_json"):
+        choose_parser(llama31_tokenizer(), "hermes")
+
+
+def test_a_tool_file_that_fails_at_import_is_one_line(tmp_path):
+    (tmp_path / "broken.py").write_text("import os\nraise RuntimeError('no API key')\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit('usage: exits.py')\n")
+    for name, said in [("broken", "RuntimeError: no API key"), ("exits", "SystemExit: usage: exits.py")]:
+        with pytest.raises(ValueError) as info:
+            load_tools([f"{tmp_path / name}.py:tool"])
+        assert str(info.value) == f"rl.tools: cannot import '{tmp_path / name}.py:tool': {said}", str(info.value)
 
 
 class ScriptedEngine:
@@ -162,9 +329,14 @@ class ScriptedEngine:
         return Samples(tokens, log_probs, 0, [len(turn) <= max_new_tokens] * len(tokens), log_probs)
 
 
+def _hermes_call(e):
+    return f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}\n</tool_call>'
+
+
 FAMILIES = {
-    "qwen2.5": (qwen25_tokenizer, "<|im_end|>",
-                lambda e: f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{e}"}}}}\n</tool_call>'),
+    "qwen2.5": (qwen25_tokenizer, "<|im_end|>", _hermes_call),
+    # the call's tags registered as special tokens (some Hermes-style tokenizers): parsed all the same
+    "qwen2.5-special-tags": (lambda: qwen25_tokenizer(special_tags=True), "<|im_end|>", _hermes_call),
     "llama3.1": (llama31_tokenizer, "<|eot_id|>",
                  lambda e: f'{{"name": "calculator", "parameters": {{"expression": "{e}"}}}}'),
 }
@@ -185,7 +357,8 @@ def _loop(family, script, *overrides, max_new_tokens=600):
     prompt_ids = encode_prompt(PROMPT, cfg, tokenizer, schemas)
     engine = ScriptedEngine(tokenizer, [call(s[5:]) if s.startswith("call:") else s for s in script], end)
     conversations, _ = ToolLoop(cfg, tokenizer, tools).run(engine, [{"prompt": PROMPT, "answer": "89"}],
-                                                           [prompt_ids], [schemas], 2, max_new_tokens, seed=0)
+                                                           [prompt_ids], [schemas], 2, max_new_tokens,
+                                                           seeds=[0] * cfg.max_turns)
     return tokenizer, end, call, schemas, prompt_ids, engine, conversations
 
 
@@ -233,7 +406,7 @@ def test_a_three_turn_rollout_trains_exactly_the_assistant_spans(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_bad_call_is_answered_and_counted_and_the_limits_end_a_conversation(family):
     broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": }\n</tool_call>' \
-        if family == "qwen2.5" else '{"name": "calculator", "parameters": {"expression": }'
+        if family.startswith("qwen2.5") else '{"name": "calculator", "parameters": {"expression": }'
     tokenizer, *_, conversations = _loop(family, [broken, "call:1 / 0", "It is 89.\n#### 89"])
     counts = conversations[0].counts
     assert (counts["bad_json"], counts["exception"], counts["tool_calls"], counts["turns"]) == (1, 1, 2, 3)

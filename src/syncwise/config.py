@@ -289,6 +289,12 @@ class RLConfig:
     tool_parser: str = "auto"  # auto (from the chat template) | hermes (<tool_call>{json}</tool_call>) | llama3_json
     max_turns: int = 4  # assistant turns per conversation; the last one's calls are not run
     tool_timeout_s: float = 10.0  # per call; past it the call's answer is an error (counted)
+    # All of a step's tool calls on a rank, however many and however long: past it the calls still running or
+    # not started answer an error (counted), so slow tools on one rank cannot keep the others waiting at the
+    # next collective until dist.timeout_s ends the job. 0: half of dist.timeout_s (it must be less)
+    tool_step_timeout_s: float = 0.0
+    tool_max_chars: int = 4096  # a tool's answer is cut to this many characters (the cut said in it)
+    tool_workers: int = 8  # a turn's calls over all conversations run side by side, this many at a time
     # What samples the responses (syncwise.rl.rollout): compact -- each prompt prefilled once, ended
     # sequences dropped, only drawn tokens' log-probs kept (syncwise.rl.sampling); generate -- Hugging Face
     # generate (the earlier path, for comparison); vllm -- a vLLM engine on every rank (syncwise.rl.vllm_rollout)
@@ -500,6 +506,15 @@ class Config:
         _choice("rl.tool_parser", self.rl.tool_parser, ("auto", "hermes", "llama3_json"))
         _positive("rl.max_turns", self.rl.max_turns)
         _positive("rl.tool_timeout_s", self.rl.tool_timeout_s)
+        _non_negative("rl.tool_step_timeout_s", self.rl.tool_step_timeout_s, "0: half of dist.timeout_s")
+        if not self.rl.tool_step_timeout_s:  # resolved here: what runs is what config.yaml records
+            self.rl.tool_step_timeout_s = self.dist.timeout_s / 2
+        if self.rl.tool_step_timeout_s >= self.dist.timeout_s:
+            raise ConfigError(f"rl.tool_step_timeout_s={self.rl.tool_step_timeout_s:g} must be less than "
+                              f"dist.timeout_s={self.dist.timeout_s:g}: the other ranks wait for this one's tools at "
+                              f"the next collective, which gives up after dist.timeout_s")
+        _positive("rl.tool_max_chars", self.rl.tool_max_chars)
+        _positive("rl.tool_workers", self.rl.tool_workers)
         if self.rl.tools and self.rl.chat_template == "false":
             raise ConfigError("rl.tools with rl.chat_template=false: tools are shown to the model and their results "
                               "given back through the chat template")
@@ -527,6 +542,12 @@ class Config:
                 f"rl.rollout_engine=vllm with rl.top_k/top_p/min_p needs rl.temperature=1 (got "
                 f"{self.rl.temperature:g}): vLLM gives a drawn token's log-prob before the temperature or after the "
                 f"truncation, never of the temperature-scaled full distribution the trainer's are; or use "
+                f"rl.rollout_engine=compact")
+        if self.rl.rollout_engine == "vllm" and self.rl.min_p > 0 and self.rl.top_p < 1:
+            raise ConfigError(
+                f"rl.min_p={self.rl.min_p:g} with rl.top_p={self.rl.top_p:g} on rl.rollout_engine=vllm: vLLM applies "
+                f"min-p before top-p, the compact sampler and generate after it (transformers' order), so the "
+                f"engines would sample different distributions; use one of the two (min-p with top-k agree), or "
                 f"rl.rollout_engine=compact")
         if self.rl.loss.rollout_is == "auto":  # resolved here: what runs is what config.yaml records
             self.rl.loss.rollout_is = "token" if self.sampler_differs else "none"

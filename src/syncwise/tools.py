@@ -32,24 +32,23 @@ _OPERATORS: dict[type, Callable[[Fraction, Fraction], Fraction]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: lambda a, b: Fraction(a // b), ast.Mod: operator.mod,
 }
-_LIMIT = 10**100  # operands and results beyond it are refused (a ** b could otherwise fill the memory)
+_LIMIT = 10**100  # magnitudes beyond it (or, but for 0, below its inverse) are refused
+# An exact value's numerator and denominator stay below this many bits (~6,000 digits): each operation on them
+# takes microseconds, and a power is refused before it is computed if its result would exceed it
+_MAX_BITS = 20_000
 
 
 def _evaluate(node: ast.AST) -> Fraction:
-    """An arithmetic expression's exact value: numbers, + - * / // % ** and unary signs, nothing else."""
+    """An arithmetic expression's exact value: numbers (a decimal as written: 0.1 is 1/10), + - * / // % **
+    and unary signs, nothing else; magnitudes within 1e-100 .. 1e100 (or 0)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
-        value = Fraction(node.value)
+        if isinstance(node.value, float) and not math.isfinite(node.value):
+            raise ValueError("the number is too large")
+        value = Fraction(repr(node.value)) if isinstance(node.value, float) else Fraction(node.value)
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
         value = _evaluate(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
     elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
-        base, exponent = _evaluate(node.left), _evaluate(node.right)
-        if exponent.denominator != 1 or abs(exponent) > 1000:
-            raise ValueError("** takes a whole exponent of at most 1000")
-        if base == 0 and exponent < 0:
-            raise ZeroDivisionError("0 to a negative power")
-        if base != 0 and abs(exponent) * math.log10(max(abs(base), 1 / abs(base))) > 100:
-            raise ValueError("the result is too large")
-        value = base ** int(exponent)
+        value = _power(_evaluate(node.left), _evaluate(node.right))
     elif isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Div | ast.FloorDiv | ast.Mod) and right == 0:
@@ -57,8 +56,34 @@ def _evaluate(node: ast.AST) -> Fraction:
         value = _OPERATORS[type(node.op)](left, right)
     else:
         raise ValueError(f"not arithmetic: {ast.unparse(node)!r}")
+    return _checked(value)
+
+
+def _power(base: Fraction, exponent: Fraction) -> Fraction:
+    """``base ** exponent`` for a whole exponent, refused before computing when it would leave the bounds."""
+    if exponent.denominator != 1 or abs(exponent) > 1000:
+        raise ValueError("** takes a whole exponent of at most 1000")
+    if base == 0:
+        if exponent < 0:
+            raise ZeroDivisionError("0 to a negative power")
+        return Fraction(0 if exponent else 1)
+    magnitude = float(exponent) * (math.log10(abs(base.numerator)) - math.log10(base.denominator))
+    if magnitude > 100:
+        raise ValueError("the result is too large")
+    if magnitude < -100:
+        raise ValueError("the result is too small (below 1e-100 in magnitude)")
+    if abs(exponent) * max(base.numerator.bit_length(), base.denominator.bit_length()) > _MAX_BITS:
+        raise ValueError("the exact result has too many digits; round the operands first")
+    return base ** int(exponent)
+
+
+def _checked(value: Fraction) -> Fraction:
     if abs(value) > _LIMIT:
         raise ValueError("the result is too large")
+    if value and abs(value) * _LIMIT < 1:
+        raise ValueError("the result is too small (below 1e-100 in magnitude)")
+    if max(value.numerator.bit_length(), value.denominator.bit_length()) > _MAX_BITS:
+        raise ValueError("the exact result has too many digits; round the operands first")
     return value
 
 

@@ -53,8 +53,9 @@ class RolloutEngine(Protocol):
     def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
         """``n`` responses per prompt (consecutive), each with its drawn tokens' log-probs under the untruncated
         temperature-scaled distribution (``full_log_probs``) and, where the engine knows it, under the one it
-        drew from (``log_probs``, else None). ``seed``: this rank's and step's (engines that keep their own
-        RNG state in the checkpoint may ignore it)."""
+        drew from (``log_probs``, else None). ``seed``: the first of ``len(prompts) * n`` consecutive seeds
+        reserved for this call (:func:`sample_seed`), sample k of prompt i's ``seed + i * n + k`` (engines that
+        keep their own RNG state in the checkpoint may ignore it)."""
 
     def release(self) -> None:
         """A rollout is over (every turn sampled): free what the engine need not hold through the update, until
@@ -77,10 +78,17 @@ def make_rollout_engine(config: Config, engine: Engine, tokenizer: PreTrainedTok
     return LocalCopyRollout(config.rl, engine, tokenizer, end_ids)
 
 
-def sample_seed(seed: int, step: int, rank: int) -> int:
-    """The sampling seed of (job seed, step, rank): a resumed job samples the same responses. Engines that
-    seed each prompt derive theirs from it (within 2**31, vLLM's range)."""
-    return ((seed * 1_000_003 + step) * 1_009 + rank) % (2**31 - 2**20)
+# vLLM seeds a torch.Generator per request: any value below 2**64 is taken as it is
+SEED_SPACE = 2**62
+
+
+def sample_seed(seed: int, step: int, rank: int, world_size: int, turn: int, turns: int, sequences: int) -> int:
+    """The first of ``sequences`` consecutive sampling seeds reserved for (job seed, step, rank, turn): an engine
+    that seeds each sample gives sample k of prompt i ``base + i * n + k`` (vLLM adds k to a request's seed for
+    its n samples), so no two samples of a job -- across steps, ranks, turns, prompts and samples -- share a seed
+    (up to 2**40 of them), and a resumed job draws the same."""
+    index = ((step * world_size + rank) * turns + turn) * sequences
+    return (seed * 2**40 + index) % SEED_SPACE
 
 
 class Rollout:
@@ -96,7 +104,7 @@ class Rollout:
             warnings.warn(TRUNCATION_NOTE, stacklevel=2)
         self.sampler = make_rollout_engine(config, engine, tokenizer, self.end_ids, self.max_new_tokens,
                                            beside_bytes)
-        self.tool_loop = ToolLoop(self.cfg, tokenizer, source.tools) if source.tools else None
+        self.tool_loop = ToolLoop(self.cfg, tokenizer, source.tools, self.end_ids) if source.tools else None
 
     @property
     def held_bytes(self) -> int:
@@ -128,18 +136,20 @@ class Rollout:
         :data:`~syncwise.rl.multi_turn.TOOL_COUNTS` (``tool_counts``).
 
         Samples of one prompt are consecutive (the GRPO group)."""
-        n = self.cfg.samples_per_prompt
-        seed = sample_seed(self.config.train.seed, step, self.engine.info.rank)
+        n, info = self.cfg.samples_per_prompt, self.engine.info
+        turns = self.cfg.max_turns if self.tool_loop is not None else 1
+        seeds = [sample_seed(self.config.train.seed, step, info.rank, info.world_size, turn, turns,
+                             len(prompt_ids) * n) for turn in range(turns)]
         if self.tool_loop is not None:
             conversations, tool_s = self.tool_loop.run(self.sampler, rows, prompt_ids, tool_schemas or
-                                                       [None] * len(rows), n, self.max_new_tokens, seed)
+                                                       [None] * len(rows), n, self.max_new_tokens, seeds)
             responses = [c.messages for c in conversations]
             drawn_known = all(c.drawn_log_probs is not None for c in conversations)
             sampled = [_Sampled(torch.tensor(c.tokens, dtype=torch.long), torch.tensor(c.sampled, dtype=torch.long),
                                 torch.tensor(c.full_log_probs), torch.tensor(c.drawn_log_probs) if drawn_known
                                 else None, c.ended) for c in conversations]
         else:
-            samples = self.sampler.sample(prompt_ids, n, self.max_new_tokens, seed)
+            samples = self.sampler.sample(prompt_ids, n, self.max_new_tokens, seeds[0])
             tool_s, conversations = 0.0, None
             responses = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in samples.tokens]
             drawn_all = samples.log_probs if samples.log_probs is not None else [None] * len(samples.tokens)

@@ -52,6 +52,8 @@ def load_function(path: str, key: str) -> Callable[..., Any]:
         fn = getattr(module, attr)
     except (ImportError, AttributeError, SyntaxError) as exc:
         raise ValueError(f"{key}: cannot import {path!r}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # the module's own code failed (or exited) while it was imported
+        raise ValueError(f"{key}: cannot import {path!r}: {type(exc).__name__}: {exc}") from exc
     if not callable(fn):
         raise ValueError(f"{key}: {path!r} is not callable")
     return fn

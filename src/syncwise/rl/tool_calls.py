@@ -18,7 +18,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-PARSERS = ("hermes", "llama3_json")
+# rl.tool_parser's parsers: what each reads
+FORMATS = {"hermes": "<tool_call>{json}</tool_call>", "llama3_json": 'a bare {"name": ..., "parameters": ...}'}
+PARSERS = tuple(FORMATS)
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -44,9 +46,18 @@ def template_text(tokenizer) -> str:
     return template if isinstance(template, str) else " ".join(str(t) for t in dict(template).values())
 
 
+def template_format(template: str) -> str | None:
+    """The parser a chat template's rendering of a call needs, or None where it cannot be told."""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "ipython" in template or '"parameters"' in template:
+        return "llama3_json"
+    return None
+
+
 def choose_parser(tokenizer, choice: str) -> str:
     """``rl.tool_parser``: ``auto`` reads the chat template; a ValueError in one line when it has no tool
-    support or the format cannot be told."""
+    support, the format cannot be told, or a parser set by hand is not the template's format."""
     template = template_text(tokenizer)
     if not template:
         raise ValueError("rl.tools: the tokenizer has no chat template, and tools are shown to the model through "
@@ -55,18 +66,23 @@ def choose_parser(tokenizer, choice: str) -> str:
         raise ValueError("rl.tools: the tokenizer's chat template does not render tools (it never reads 'tools'); "
                          "use a model whose template has tool support (Qwen2.5, Llama-3.1, Hermes), or set one "
                          "in the tokenizer's chat_template")
+    found = template_format(template)
     if choice != "auto":
+        if found is not None and found != choice:
+            raise ValueError(f"rl.tool_parser={choice}: the chat template renders tool calls as {found} "
+                             f"({FORMATS[found]}), and the model writes them as it was shown; set "
+                             f"rl.tool_parser={found} or auto")
         return choice
-    if "<tool_call>" in template:
-        return "hermes"
-    if "ipython" in template or '"parameters"' in template:
-        return "llama3_json"
-    raise ValueError("rl.tool_parser=auto: the chat template renders tools in a format syncwise does not know "
-                     f"(neither <tool_call> nor Llama-3.1's JSON); set rl.tool_parser to one of {', '.join(PARSERS)}")
+    if found is None:
+        raise ValueError("rl.tool_parser=auto: the chat template renders tools in a format syncwise does not "
+                         f"know (neither <tool_call> nor Llama-3.1's JSON); set rl.tool_parser to one of "
+                         f"{', '.join(PARSERS)}")
+    return found
 
 
 def parse_turn(text: str, parser: str) -> ParsedTurn:
-    """The calls in one assistant turn's text (special tokens already removed)."""
+    """The calls in one assistant turn's text (decoded with its special tokens but the end of the turn: a
+    tokenizer may register ``<tool_call>`` as one)."""
     return _hermes(text) if parser == "hermes" else _llama3_json(text)
 
 

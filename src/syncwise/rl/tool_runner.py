@@ -1,24 +1,34 @@
 """Tools the policy calls during a multi-turn rollout (``rl.tools``): plain Python functions a user writes --
 typed parameters and a Google-style docstring -- turned into the JSON schema a chat template takes
-(transformers' ``get_json_schema``, what ``apply_chat_template(tools=[fn])`` does), and run with a time limit.
+(transformers' ``get_json_schema``, what ``apply_chat_template(tools=[fn])`` does), and run by
+:class:`ToolRunner`.
 
-A tool runs in the rank's own process, as a reward function does: your code, with the job's rights. What it
-does wrong never stops the job: an exception, a call past ``rl.tool_timeout_s``, arguments that do not fit
-its signature, a return that is not text -- each becomes the tool's answer to the model (an ``error: ...``
-string, or the value as JSON) and is counted (``rollout/tool_errors/<kind>``).
+A tool runs in the rank's own process, as a reward function does: your code, with the job's rights. Each call
+runs on a thread of its own, the calls of a turn side by side (``rl.tool_workers`` at a time), and the rank
+waits for none past its limit: a call still running at ``rl.tool_timeout_s`` is abandoned -- its answer is the
+timeout -- and stopped where Python can stop it (an exception the tool's own ``except Exception`` does not
+catch, raised at its next bytecode; a call blocked in C runs on, abandoned). The calls of a step together stop
+at ``rl.tool_step_timeout_s``, so one rank's slow tools cannot keep the others waiting at the next collective
+until ``dist.timeout_s`` ends the job. Nothing a tool does wrong stops the job: an exception (``SystemExit``
+too), the time limits, arguments that do not fit its signature, an answer that is not text -- each becomes the
+tool's answer to the model (an ``error: ...`` string) and is counted (``rollout/tool_errors/<kind>``). An
+answer longer than ``rl.tool_max_chars`` is cut (the cut said in it); one that is JSON (``None``, a dict, a
+number) is given as JSON and counted apart, not as an error. What a tool prints goes to the job's output with
+``[tool <name>]`` before each line.
 
 Built in (:mod:`syncwise.tools`): ``rl.tools=[calculator]``, exact arithmetic on an expression without ``eval``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import json
-import signal
+import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +36,9 @@ from ..tools import BUILTIN_TOOLS
 from .scoring import load_function
 
 # What a tool call can go wrong with (each counted as rollout/tool_errors/<kind>; their sum: rollout/tool_errors)
-ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "exception", "timeout", "non_text")
-
-
+ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "exception", "timeout", "step_timeout", "non_text")
+# What a call's answer can be beside an error (counted, not errors): JSON (a dict, None, a number), cut
+ANSWER_KINDS = ("json_answers", "truncated_answers")
 
 
 @dataclass
@@ -71,60 +81,187 @@ class ToolResult:
     content: str  # what the model reads as the tool's answer
     error: str | None  # one of ERROR_KINDS, or None
     seconds: float
+    kinds: tuple[str, ...] = ()  # of ANSWER_KINDS: what else to count about the answer
+
+
+@dataclass(frozen=True)
+class ToolLimits:
+    """The limits every call runs within (``rl.tool_*``)."""
+
+    timeout_s: float = 10.0  # per call
+    step_timeout_s: float = 300.0  # all of a step's calls on this rank, one after another or side by side
+    max_chars: int = 4096  # an answer's length
+    workers: int = 8  # calls at a time
+
+
+class ToolCancelled(BaseException):
+    """Raised in an abandoned call's thread: a BaseException, so the tool's ``except Exception`` lets it by."""
+
+
+class ToolRunner:
+    """Runs one rank's tool calls (see the module's docstring); :meth:`new_step` starts a step's budget."""
+
+    def __init__(self, tools: dict[str, Tool], limits: ToolLimits):
+        self.tools, self.limits = tools, limits
+        self.spent = 0.0  # this step's seconds in tools (wall clock, however many ran at once)
+        self.abandoned: list[threading.Thread] = []  # calls past their limit, maybe still running
+        ToolOutput.install()
+
+    def new_step(self) -> None:
+        self.spent = 0.0
+        self.abandoned = [t for t in self.abandoned if t.is_alive()]
+
+    def run(self, calls: list[tuple[str, Any]]) -> list[ToolResult]:
+        """Every ``(name, arguments)`` call's result, in order: up to ``workers`` at a time, each within the
+        call's limit and all within what is left of the step's."""
+        started = time.perf_counter()
+        step_deadline = started + max(self.limits.step_timeout_s - self.spent, 0.0)
+        results: list[ToolResult | None] = [None] * len(calls)
+        finished: queue.Queue = queue.Queue()
+        waiting = list(range(len(calls)))
+        running: dict[int, tuple[threading.Thread, float, float]] = {}  # index -> (thread, start, deadline)
+        while waiting or running:
+            while waiting and len(running) < self.limits.workers:
+                i = waiting.pop(0)
+                now = time.perf_counter()
+                early = self._check(*calls[i])
+                if early is not None:
+                    results[i] = early
+                elif now >= step_deadline:
+                    results[i] = self._step_spent(calls[i][0])
+                else:
+                    thread = threading.Thread(target=self._call, args=(i, *calls[i], finished), daemon=True,
+                                              name=f"syncwise-tool-{calls[i][0]}")
+                    running[i] = (thread, now, min(now + self.limits.timeout_s, step_deadline))
+                    thread.start()
+            if not running:
+                continue
+            try:
+                i, value, failure = finished.get(timeout=max(min(d for _, _, d in running.values())
+                                                              - time.perf_counter(), 0.0))
+            except queue.Empty:
+                self._expire(calls, running, results, step_deadline)
+                continue
+            if i in running:  # not abandoned already
+                _, start, _ = running.pop(i)
+                results[i] = self._answer(calls[i][0], value, failure, time.perf_counter() - start)
+        self.spent += time.perf_counter() - started
+        return results
+
+    def _check(self, name: str, arguments: Any) -> ToolResult | None:
+        """The answer for a call that cannot run (no such tool, arguments that do not fit), else None."""
+        tool = self.tools.get(name)
+        if tool is None:
+            return ToolResult(f"error: there is no tool named {name!r} (tools: {', '.join(sorted(self.tools))})",
+                              "unknown_tool", 0.0)
+        if not isinstance(arguments, dict):
+            return ToolResult(f"error: the arguments of {name} must be a JSON object, got {arguments!r}",
+                              "bad_arguments", 0.0)
+        try:
+            inspect.signature(tool.fn).bind(**arguments)
+        except TypeError as exc:
+            return ToolResult(f"error: {name}: {exc}", "bad_arguments", 0.0)
+        return None
+
+    def _call(self, i: int, name: str, arguments: dict, finished: queue.Queue) -> None:
+        """One call, on its own thread: whatever it raises (SystemExit too) is its failure."""
+        try:
+            ToolOutput.current.name = name
+            try:
+                value, failure = self.tools[name].fn(**arguments), None
+            except ToolCancelled:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - a tool's exit, or anything else, is its answer
+                value, failure = None, exc
+            finally:
+                ToolOutput.current.name = None
+            finished.put((i, value, failure))
+        except ToolCancelled:
+            return  # abandoned: its answer was given already
+
+    def _expire(self, calls, running, results, step_deadline: float) -> None:
+        """Abandon the calls past their deadline: their answer is the limit they ran into."""
+        now = time.perf_counter()
+        for i, (thread, start, deadline) in list(running.items()):
+            if now < deadline:
+                continue
+            del running[i]
+            self.abandoned.append(thread)
+            _raise_in(thread, ToolCancelled)
+            name = calls[i][0]
+            if deadline < start + self.limits.timeout_s:  # the step's budget ran out first
+                results[i] = self._step_spent(name, now - start)
+            else:
+                results[i] = ToolResult(f"error: {name} did not finish within {self.limits.timeout_s:g} s",
+                                        "timeout", now - start)
+
+    def _step_spent(self, name: str, seconds: float = 0.0) -> ToolResult:
+        return ToolResult(f"error: {name} was not run to the end: this rank's tool calls have used the step's "
+                          f"rl.tool_step_timeout_s={self.limits.step_timeout_s:g} s", "step_timeout", seconds)
+
+    def _answer(self, name: str, value: Any, failure: BaseException | None, seconds: float) -> ToolResult:
+        """The model's view of what the call gave: text as it is, JSON for JSON values, an error otherwise --
+        at most ``max_chars`` of it."""
+        kinds: tuple[str, ...] = ()
+        error = None
+        if failure is not None:
+            content, error = f"error: {type(failure).__name__}: {failure}", "exception"
+        elif isinstance(value, str):
+            content = value
+        else:
+            try:
+                content, kinds = json.dumps(value), ("json_answers",)
+            except (TypeError, ValueError):
+                content, error = str(value), "non_text"
+        limit = self.limits.max_chars
+        if len(content) > limit:
+            content = (content[:limit] + f"\n[truncated: the first {limit} of {len(content)} characters "
+                       f"(rl.tool_max_chars)]")
+            kinds += ("truncated_answers",)
+        return ToolResult(content, error, seconds, kinds)
 
 
 def run_tool(tools: dict[str, Tool], name: str, arguments: Any, timeout_s: float) -> ToolResult:
-    """Call ``name`` with ``arguments`` (a dict of keyword arguments) within ``timeout_s``; whatever goes
-    wrong is the returned content (``error: ...``) and its kind, never an exception."""
-    start = time.perf_counter()
-
-    def result(content: str, error: str | None = None) -> ToolResult:
-        return ToolResult(content, error, time.perf_counter() - start)
-
-    tool = tools.get(name)
-    if tool is None:
-        return result(f"error: there is no tool named {name!r} (tools: {', '.join(sorted(tools))})", "unknown_tool")
-    if not isinstance(arguments, dict):
-        return result(f"error: the arguments of {name} must be a JSON object, got {arguments!r}", "bad_arguments")
-    try:
-        inspect.signature(tool.fn).bind(**arguments)
-    except TypeError as exc:
-        return result(f"error: {name}: {exc}", "bad_arguments")
-    try:
-        with time_limit(timeout_s):
-            value = tool.fn(**arguments)
-    except ToolTimeout:
-        return result(f"error: {name} did not finish within {timeout_s:g} s", "timeout")
-    except Exception as exc:  # the tool's own failure is its answer
-        return result(f"error: {type(exc).__name__}: {exc}", "exception")
-    if isinstance(value, str):
-        return result(value)
-    try:
-        return result(json.dumps(value), "non_text")
-    except (TypeError, ValueError):
-        return result(str(value), "non_text")
+    """One call, alone, within ``timeout_s`` (what :class:`ToolRunner` does for a turn's calls)."""
+    return ToolRunner(tools, ToolLimits(timeout_s=timeout_s)).run([(name, arguments)])[0]
 
 
-class ToolTimeout(Exception):
-    """A tool call ran past rl.tool_timeout_s."""
+def _raise_in(thread: threading.Thread, exception: type[BaseException]) -> None:
+    """Raise ``exception`` in ``thread`` at its next bytecode (CPython's asynchronous exception)."""
+    if thread.ident is not None and thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exception))
 
 
-@contextmanager
-def time_limit(seconds: float):
-    """Raise :class:`ToolTimeout` in the calling thread after ``seconds`` (SIGALRM's real-time timer; only
-    the main thread can take signals, elsewhere no limit). Interrupts Python code and sleeps, not a C call
-    that never returns to the interpreter."""
-    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class ToolOutput:
+    """``sys.stdout`` / ``sys.stderr`` as a tool's thread sees them: each line it prints says which tool
+    printed it (the job's own lines pass as they are). Installed once per process."""
 
-    def expire(signum, frame):
-        raise ToolTimeout
+    current = threading.local()
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    def __init__(self, stream):
+        self.stream = stream
+        self.line_start: dict[int, bool] = {}
+
+    @classmethod
+    def install(cls) -> None:
+        for attr in ("stdout", "stderr"):
+            stream = getattr(sys, attr)
+            if not isinstance(stream, cls) and stream is not None:
+                setattr(sys, attr, cls(stream))
+
+    def write(self, text: str) -> int:
+        name = getattr(self.current, "name", None)
+        if name is None:
+            return self.stream.write(text)
+        ident = threading.get_ident()
+        out = []
+        for piece in text.splitlines(keepends=True):
+            if self.line_start.get(ident, True):
+                out.append(f"[tool {name}] ")
+            out.append(piece)
+            self.line_start[ident] = piece.endswith("\n")
+        self.stream.write("".join(out))
+        return len(text)
+
+    def __getattr__(self, attr: str):
+        return getattr(self.stream, attr)

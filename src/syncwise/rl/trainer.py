@@ -49,6 +49,7 @@ from .multi_turn import TOOL_COUNTS
 from .ppo import Critic, ppo_advantages
 from .rollout import Rollout
 from .tasks import builtin_tokenizer, prompt_source
+from .tool_runner import ANSWER_KINDS, ERROR_KINDS
 from .warm_start import keep_changed_bases, start_from_policy, warm_start_step
 
 
@@ -132,12 +133,14 @@ def rollout_stats(
 def tool_metrics(sums: list[float], samples: float) -> dict[str, float]:
     """Multi-turn rollouts' metrics from the all-reduced :data:`TOOL_COUNTS` (over every rank)."""
     counts = dict(zip(TOOL_COUNTS, sums, strict=True))
-    errors = {kind: counts[kind] for kind in TOOL_COUNTS[2:]}
+    errors = {kind: counts[kind] for kind in (*ERROR_KINDS, "refused_by_template")}
     return {
         "rollout/turns_mean": counts["turns"] / samples,
         "rollout/tool_calls_per_sample": counts["tool_calls"] / samples,
         "rollout/tool_errors": sum(errors.values()),  # calls that went wrong, over every rank
         **{f"rollout/tool_errors/{kind}": value for kind, value in errors.items()},
+        # answers that are no errors: JSON values (a dict, None), and those cut to rl.tool_max_chars
+        **{f"rollout/tool_{kind}": counts[kind] for kind in ANSWER_KINDS},
     }
 
 

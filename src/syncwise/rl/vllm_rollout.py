@@ -12,7 +12,8 @@ group.
 - **KV cache**: ``kv_cache_memory_bytes`` from :func:`kv_cache_size` (never vLLM's 90%-of-memory default),
   and what vLLM holds comes off auto's budget like the compact sampler's copy.
 - **Sampling**: one request per prompt with ``n = rl.samples_per_prompt`` and its own seed (from the job's
-  seed, the step, the rank and the prompt's index: a resumed job samples the same responses); every end token
+  seed, the step, the rank, the turn and the prompt's index; no two samples of a job share one, and a resumed
+  job samples the same responses); every end token
   as ``stop_token_ids``, ``rl.stop`` as stop strings kept in the response. Log-probs: of the distribution
   sampled from (``processed_logprobs``: the temperature-scaled one, the trainer's); with top-k/p or min-p
   (at temperature 1, the config's check) of the untruncated one (``raw_logprobs``).
@@ -171,6 +172,12 @@ def process_kept() -> Iterator[None]:
                 os.environ[key] = value
 
 
+def request_seeds(seed: int, prompts: int, n: int) -> list[int]:
+    """Each prompt's request seed from the call's first (:func:`~syncwise.rl.rollout.sample_seed`): vLLM gives
+    a request's k-th of ``n`` samples its seed + k, so prompt i's samples draw with ``seed + i * n + k``."""
+    return [seed + i * n for i in range(prompts)]
+
+
 class VllmRollout:
     """One rank's vLLM engine (see the module's docstring)."""
 
@@ -266,8 +273,8 @@ class VllmRollout:
         params = [SamplingParams(
             n=n, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p, min_p=rl.min_p,
             max_tokens=max_new_tokens, stop_token_ids=self.end_ids, stop=rl.stop or None,
-            include_stop_str_in_output=True, logprobs=0, seed=seed + i * n, detokenize=bool(rl.stop),
-        ) for i in range(len(prompts))]
+            include_stop_str_in_output=True, logprobs=0, seed=request_seed, detokenize=bool(rl.stop),
+        ) for request_seed in request_seeds(seed, len(prompts), n)]
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         tokens, log_probs, ended = [], [], []
         for request in outputs:
