@@ -134,7 +134,7 @@ def test_a_tool_that_exits_or_hangs_in_a_retry_loop_is_cut_off_and_counted(folde
     calls = row["rollout/tool_calls_per_sample"] * 16  # 2 ranks x 2 prompts x 4 samples
     errors = {kind: row[f"rollout/tool_errors/{kind}"] for kind in ("exception", "timeout", "step_timeout")}
     assert errors["exception"] == 2 and errors["timeout"] == 4 and errors["step_timeout"] >= 2, errors
-    assert sum(errors.values()) == row["rollout/tool_errors"] <= calls, row
+    assert sum(errors.values()) <= row["rollout/tool_errors"] <= calls, row  # with the model's own bad calls
     assert row["time/tools_s"] < 1 + 5  # rank 0's: its budget, and the template's tokenising of the answers
 
 
