@@ -256,7 +256,7 @@ def engine_suite(info) -> dict:
         out["bad_input_error"] = str(exc)
     # Keys a loss reads: missing on rank 1, laid out per token instead of per target on rank 0 -- a BatchError
     # on every rank before any collective, not a KeyError on one rank and a broken connection on the other.
-    from syncwise.rl.losses import make_policy_loss
+    from syncwise.rl.algorithm.losses import make_policy_loss
 
     rl_batch = {**good, "advantages": torch.ones(good["input_ids"].shape[0])}
     for case, bad in (("missing_key", {k: v for k, v in rl_batch.items() if k != "advantages"}),

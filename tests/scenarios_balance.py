@@ -9,9 +9,9 @@ from scenarios import VOCAB, engine_config, full_grads
 from syncwise.config import PolicyLossConfig
 from syncwise.engine import Engine
 from syncwise.models import build_model
-from syncwise.rl.advantages import grpo_advantages, uniform_groups
-from syncwise.rl.balance import balance_ranks, select_trained_rows, take_rows
-from syncwise.rl.losses import make_policy_loss
+from syncwise.rl.algorithm.advantages import grpo_advantages, uniform_groups
+from syncwise.rl.algorithm.balance import balance_ranks, select_trained_rows, take_rows
+from syncwise.rl.algorithm.losses import make_policy_loss
 
 GROUP = 4
 TIMEOUT_S = 120.0

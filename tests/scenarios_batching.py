@@ -8,7 +8,7 @@ from scenarios import engine_config, full_grads, make_batch
 from syncwise.engine import Engine
 from syncwise.losses import AGG_MODES, Normalizer, make_sft_loss, target_mask
 from syncwise.models import build_model
-from syncwise.rl.losses import PolicyLossConfig, make_policy_loss
+from syncwise.rl.algorithm.losses import PolicyLossConfig, make_policy_loss
 
 VOCAB = 512
 SEQ = 24

@@ -12,7 +12,7 @@ from syncwise.data.batching import BatchError
 from syncwise.engine import CollectiveTimeout, Engine
 from syncwise.losses import LossOutput, sft_loss
 from syncwise.models import build_model
-from syncwise.rl.losses import make_policy_loss
+from syncwise.rl.algorithm.losses import make_policy_loss
 
 
 def _bad_batches(rank: int) -> dict[str, tuple[dict, object]]:

@@ -8,7 +8,7 @@ from scenarios_batching import skewed_batch
 from syncwise.engine import Engine
 from syncwise.losses import make_sft_loss
 from syncwise.models import build_model
-from syncwise.rl.losses import PolicyLossConfig, make_policy_loss
+from syncwise.rl.algorithm.losses import PolicyLossConfig, make_policy_loss
 from syncwise.sync.counting import count_collectives
 
 TEMPERATURE = 0.7

@@ -45,7 +45,7 @@ def measured_ppo_peaks(info) -> list[dict]:
     AdamW state, measured from its tensors) -- the peak with both models in memory."""
     from dataclasses import replace
 
-    from syncwise.rl.losses import ValueLossConfig, make_value_loss
+    from syncwise.rl.algorithm.losses import ValueLossConfig, make_value_loss
 
     out = []
     for preset, seq_len, size in PPO_PEAK_SHAPES:

@@ -11,8 +11,8 @@ from scenarios import engine_config, full_grads, make_batch
 from syncwise.engine import Engine
 from syncwise.losses import Normalizer, target_mask
 from syncwise.models import build_model, value_head_of
-from syncwise.rl.losses import ValueLossConfig, make_value_loss
-from syncwise.rl.ppo import ppo_advantages, value_outputs
+from syncwise.rl.algorithm.losses import ValueLossConfig, make_value_loss
+from syncwise.rl.algorithm.ppo import ppo_advantages, value_outputs
 
 CRITIC_MODES = {
     "per_microbatch": ("per_microbatch", ()),

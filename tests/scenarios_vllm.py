@@ -15,8 +15,8 @@ from scenarios_refresh import _peak_extra
 from syncwise.config import load_config
 from syncwise.engine import Engine
 from syncwise.models import build_model
-from syncwise.rl.rollout import Rollout
-from syncwise.rl.tasks import prompt_source
+from syncwise.rl.env.tasks import prompt_source
+from syncwise.rl.rollout.front import Rollout
 from syncwise.rl.trainer import end_token_ids, load_tokenizer
 
 PROMPT_TOKENS = 700  # five whole 128-token KV blocks on CPU, the prefix cache's unit
@@ -31,10 +31,10 @@ def _scale_policy(engine: Engine, factor: float) -> None:
 
 def _max_diff(rollout: Rollout, engine: Engine, source, rows, prompt_ids, step: int) -> float:
     """The largest |sampler - trainer| log-prob over the response tokens of one rollout at ``step``."""
-    batch, sampled = rollout.generate(rows, prompt_ids, source, step)
-    trainer = engine.forward_batch(batch, temperature=rollout.cfg.temperature).outputs["log_probs"]
-    mask = batch["loss_mask"][:, 1:].bool()
-    return float((sampled["log_probs"] - trainer.cpu()).abs()[mask].max())
+    result = rollout.generate(rows, prompt_ids, step)
+    trainer = engine.forward_batch(result.batch, temperature=rollout.cfg.temperature).outputs["log_probs"]
+    mask = result.batch["loss_mask"][:, 1:].bool()
+    return float((result.log_probs - trainer.cpu()).abs()[mask].max())
 
 
 def _resident(field: str = "VmRSS") -> int:
@@ -49,7 +49,7 @@ def _same_prompt_on_both_ranks(rollout: Rollout, info, prompt: list[int], n: int
     equal one of another rank's (the seeds of vLLM's samples once overlapped across ranks: most did)."""
     import torch.distributed as dist
 
-    from syncwise.rl.rollout import sample_seed
+    from syncwise.rl.rollout.base import sample_seed
 
     seed = sample_seed(0, 0, info.rank, info.world_size, 0, 1, n)
     ours = [t.tolist() for t in rollout.sampler.sample([prompt], n, 16, seed).tokens]
@@ -81,7 +81,7 @@ def vllm_refresh_suite(info, model_dir: str, kv_cache_bytes: int) -> dict:
     rows, prompt_ids = source.rows[:1], [ids]
     rollout.sync_weights()
     out_seeds = _same_prompt_on_both_ranks(rollout, info, ids[:40])
-    rollout.generate(source.rows[:1], source.prompt_ids[:1], source, 0)  # a prompt of the task's
+    rollout.generate(source.rows[:1], source.prompt_ids[:1], 0)  # a prompt of the task's
     # what building the engine, its first refresh and its first rollout took, at the peak, against its word
     out = {"measured_bytes": _resident("VmHWM") - baseline, "held_bytes": rollout.held_bytes, **out_seeds}
     out["fresh"] = _max_diff(rollout, engine, source, rows, prompt_ids, 0)
@@ -104,5 +104,5 @@ def vllm_refresh_suite(info, model_dir: str, kv_cache_bytes: int) -> dict:
     vllm_model = llm.collective_rpc(lambda worker: worker.model_runner.model)[0]
     out["refresh_extra_bytes"] = _peak_extra(rollout.sync_weights, engine.model, vllm_model)
     out["largest_unit_bytes"] = rollout.sampler.largest_unit_bytes
-    out["weight_bytes"] = rollout.sampler.weight_bytes
+    out["weight_bytes"] = rollout.sampler.footprint.weights
     return out

@@ -12,7 +12,7 @@ from dist_harness import run_distributed
 from numerics import assert_all_close
 from scenarios_balance import GROUP, balance_suite
 from syncwise.data.batching import karmarkar_karp
-from syncwise.rl.advantages import uniform_groups
+from syncwise.rl.algorithm.advantages import uniform_groups
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ def test_missing_rank_is_a_timeout_error_naming_rank_and_operation(tmp_path):
 GATE_REWARD = """
 import os, time
 from pathlib import Path
-from syncwise.rl.tasks import TASKS
+from syncwise.rl.env.tasks import TASKS
 
 _score = TASKS["target"]().reward_fn
 _calls = 0

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from syncwise.config import load_config
-from syncwise.rl.prompts import encode_prompts
-from syncwise.rl.sampling import StopStrings, Truncation, sample, truncated_log_probs
-from syncwise.rl.scoring import load_reward_fn, reward_functions, score
-from syncwise.rl.tasks import DATASET_MAX_NEW_TOKENS, load_dataset, prompt_source
+from syncwise.rl.env.prompts import encode_prompts
+from syncwise.rl.env.scoring import load_reward_fn, reward_functions, score
+from syncwise.rl.env.tasks import DATASET_MAX_NEW_TOKENS, load_dataset, prompt_source
+from syncwise.rl.rollout.compact import StopStrings, Truncation, sample, truncated_log_probs
 from syncwise.sft.tasks import arith_chat_rows, chat_tokenizer
 
 
@@ -147,7 +147,7 @@ def test_reward_functions_as_users_write_them(tmp_path, monkeypatch):
     assert totals == pytest.approx([1 + 0.05 + 2 + 0.5, 0 + 0.25 + 2 + 0.5])
     with pytest.raises(ValueError, match=r"rl.reward_fn: cannot import 'nope.py:f': no file nope.py"):
         load_reward_fn("nope.py:f")
-    from syncwise.rl.scoring import RewardFunction
+    from syncwise.rl.env.scoring import RewardFunction
 
     short = RewardFunction("short", "rl.reward_fn", lambda prompts, responses, rows: [1.0, 2.0], batched=True)
     with pytest.raises(ValueError, match=r"rl.reward_fn \(batched\): returned 2 rewards for 3 responses"):

@@ -49,7 +49,7 @@ def gpt2(tmp_path_factory):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from syncwise.rl.tasks import builtin_tokenizer
+    from syncwise.rl.env.tasks import builtin_tokenizer
 
     path = tmp_path_factory.mktemp("gpt2")
     tokenizer = builtin_tokenizer()

@@ -14,11 +14,12 @@ import torch
 
 from syncwise.config import load_config
 from syncwise.rewards import final_number
-from syncwise.rl.multi_turn import ToolLoop
-from syncwise.rl.prompts import encode_prompt, encode_prompts
-from syncwise.rl.sampling import Samples
-from syncwise.rl.tool_calls import choose_parser, parse_turn
-from syncwise.rl.tool_runner import ToolLimits, ToolRunner, load_tools, run_tool
+from syncwise.rl.env.base import FunctionTools
+from syncwise.rl.env.prompts import encode_prompt, encode_prompts
+from syncwise.rl.env.tool_calls import choose_parser, parse_turn
+from syncwise.rl.env.tools import ToolLimits, ToolRunner, load_tools, run_tool
+from syncwise.rl.rollout.base import Samples
+from syncwise.rl.rollout.turns import TurnLoop
 from syncwise.tools import calculator
 from user_models import llama31_tokenizer, qwen25_tokenizer
 
@@ -222,27 +223,27 @@ def test_the_time_limit_cannot_be_caught_by_the_tool(runner_tools):
 
 def test_a_turns_calls_run_side_by_side_and_answer_in_order(runner_tools):
     tools, _ = runner_tools
-    runner = ToolRunner(tools, ToolLimits(timeout_s=60, workers=6))
-    results = runner.run([("meet", {"who": i}) for i in range(6)])  # each waits until all six run at once
+    runner = ToolRunner(ToolLimits(timeout_s=60, workers=6))
+    results = runner.run([(tools, "meet", {"who": i}) for i in range(6)])  # each waits until all six run at once
     assert [r.content for r in results] == [f"met {i}" for i in range(6)] and not any(r.error for r in results)
 
 
 def test_a_steps_tool_time_is_bounded_and_the_calls_past_it_say_so(runner_tools):
     tools, _ = runner_tools
-    runner = ToolRunner(tools, ToolLimits(timeout_s=30, step_timeout_s=0.5, workers=1))
+    runner = ToolRunner(ToolLimits(timeout_s=30, step_timeout_s=0.5, workers=1))
     runner.new_step()
-    results = runner.run([("retries", {"seconds": 0.05}), ("answer", {"kind": "none"})])
+    results = runner.run([(tools, "retries", {"seconds": 0.05}), (tools, "answer", {"kind": "none"})])
     assert [r.error for r in results] == ["step_timeout", "step_timeout"]
     assert "the step's rl.tool_step_timeout_s=0.5 s" in results[1].content
-    assert runner.run([("answer", {"kind": "none"})])[0].error == "step_timeout"  # the next turn's too
+    assert runner.run([(tools, "answer", {"kind": "none"})])[0].error == "step_timeout"  # the next turn's too
     runner.new_step()
-    assert runner.run([("answer", {"kind": "none"})])[0].error is None  # a new step, a new budget
+    assert runner.run([(tools, "answer", {"kind": "none"})])[0].error is None  # a new step, a new budget
 
 
 def test_answers_are_json_or_cut_and_counted_apart_from_errors(runner_tools):
     tools, _ = runner_tools
-    runner = ToolRunner(tools, ToolLimits(max_chars=100))
-    none, mapping, a_set, long = runner.run([("answer", {"kind": k}) for k in ("none", "dict", "set", "long")])
+    runner = ToolRunner(ToolLimits(max_chars=100))
+    none, mapping, a_set, long = runner.run([(tools, "answer", {"kind": k}) for k in ("none", "dict", "set", "long")])
     assert (none.content, none.error, none.kinds) == ("null", None, ("json_answers",))
     assert (mapping.content, mapping.error) == ('{"a": [1, 2]}', None)
     assert (a_set.content, a_set.error) == ("{1}", "non_text")  # not JSON: its text, an error
@@ -356,7 +357,8 @@ def _loop(family, script, *overrides, max_new_tokens=600):
     schemas = [tools["calculator"].schema]
     prompt_ids = encode_prompt(PROMPT, cfg, tokenizer, schemas)
     engine = ScriptedEngine(tokenizer, [call(s[5:]) if s.startswith("call:") else s for s in script], end)
-    conversations, _ = ToolLoop(cfg, tokenizer, tools).run(engine, [{"prompt": PROMPT, "answer": "89"}],
+    loop = TurnLoop(cfg, tokenizer, None, lambda row: FunctionTools(tools), list(tools))
+    conversations, _ = loop.run(engine, [{"prompt": PROMPT, "answer": "89"}],
                                                            [prompt_ids], [schemas], 2, max_new_tokens,
                                                            seeds=[0] * cfg.max_turns)
     return tokenizer, end, call, schemas, prompt_ids, engine, conversations

@@ -11,7 +11,7 @@ from dist_harness import run_distributed
 from numerics import assert_all_close, assert_close
 from scenarios_ppo import CRITIC_MODES, critic_auto_with_held_bytes, plain_values, ppo_suite
 from syncwise.losses import target_mask
-from syncwise.rl.ppo import token_rewards
+from syncwise.rl.algorithm.ppo import token_rewards
 
 UNITS = 3  # qwen2-test: two decoder layers + root
 

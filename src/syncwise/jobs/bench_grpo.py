@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import config_to_dict, load_config, packaged_config
+from ..config.rollout_engines import ROLLOUT_ENGINES
 from ..metrics import plot_phase_bars, read_jsonl
 from ..rl.trainer import PHASES, train_worker
-from ..rl.vllm_rollout import vllm_installed
 from ..runtime.launcher import launch_local
 from .roofline import gemm_rate_worker
 
@@ -74,7 +74,7 @@ class GRPOBenchSpec:
 
 def _available(names: list[str]) -> list[str]:
     """``names`` without the vLLM rows where vLLM is not installed (``make VLLM_SPEC=``)."""
-    has_vllm = vllm_installed()
+    has_vllm = ROLLOUT_ENGINES["vllm"].installed()
     return [n for n in names if has_vllm or "rl.rollout_engine=vllm" not in GRPO_CONFIGS[n]]
 
 

@@ -99,8 +99,8 @@ def check_lora(config: Config, value_head: bool = False) -> None:
 def check_rl(config: Config) -> None:
     """The tokenizer loads; the prompt file parses (every row a string ``prompt``); the reward imports."""
     from ..checkpoint import CheckpointError, CheckpointManager
-    from ..rl.tasks import prompt_source
-    from ..rl.tool_calls import choose_parser
+    from ..rl.env.tasks import prompt_source
+    from ..rl.env.tool_calls import check_parser_name, choose_parser
     from ..rl.trainer import load_tokenizer
 
     rl = config.rl
@@ -117,13 +117,13 @@ def check_rl(config: Config) -> None:
     try:
         source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools)
         tokenizer = load_tokenizer(config)
+        check_parser_name(rl.tool_parser)
         if rl.tools:  # the template shows the tools and takes their results: it must know how
             choose_parser(tokenizer, rl.tool_parser)
         source.encode(tokenizer, rl)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
-    if rl.rollout_engine == "vllm":
-        check_vllm_rollout(config, rl.max_new_tokens or source.max_new_tokens)
+    check_rollout_engine(config, rl.max_new_tokens or source.max_new_tokens)
     try:
         checkpoint = CheckpointManager(Path(config.train.out_dir) / "checkpoints").resolve(config.train.resume)
         if checkpoint is not None and rl.algorithm == "ppo":
@@ -132,18 +132,21 @@ def check_rl(config: Config) -> None:
         raise PreflightError(str(exc)) from exc
 
 
-def check_vllm_rollout(config: Config, max_new_tokens: int) -> None:
-    """``rl.rollout_engine=vllm``: vLLM is installed, its CPU attention has the model's head size, its KV cache
-    holds one whole sequence, and a sleep level is asked only where vLLM has sleep mode (what needs vLLM itself
-    imported, ~10 s -- whether it has the model's architecture -- is checked where the engine is built)."""
-    from ..rl.vllm_rollout import check_head_size, check_sleep_level, kv_cache_size, require_vllm
+def check_rollout_engine(config: Config, max_new_tokens: int) -> None:
+    """``rl.rollout_engine``: the package it needs is installed, its table entry's checks of the model on the
+    job's device pass (vLLM's CPU head sizes, its sleep level), and what it holds is sized (a KV cache that holds
+    one whole sequence). What needs the engine itself imported (vLLM's architectures, ~10 s) is checked where
+    it is built."""
+    from ..config.rollout_engines import ROLLOUT_ENGINES
+    from ..memory.rollout import footprint_of
 
+    spec = ROLLOUT_ENGINES[config.rl.rollout_engine]
     try:
-        require_vllm()
-        device_type = _job_device(config).type
-        check_head_size(_hf_config(config), device_type)
-        kv_cache_size(config, _hf_config(config), max_new_tokens, device_type)
-        check_sleep_level(config.rl.vllm_sleep_level, device_type)
+        spec.require()
+        device_type, hf_config = _job_device(config).type, _hf_config(config)
+        if spec.check_model is not None:
+            spec.check_model(config.rl, hf_config, device_type)
+        footprint_of(config.rl, hf_config, 0, max_new_tokens, device_type)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
 

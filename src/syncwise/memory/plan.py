@@ -24,10 +24,11 @@ from ..data.batching import capped_bins, token_cost
 from ..models import meta_model_units
 from ..sync.modes import SyncChoice, SyncMode, spec, supported_modes
 from .accounting import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
-from .activations import estimate_activations, kv_cache_bytes, working_bytes
+from .activations import estimate_activations, working_bytes
 from .autosync import CAPS, AutoSync, Setting, StepShape, step_shape
 from .costs import Links, candidates, head_recompute_seconds
 from .plan_input import SHAPES, PlanInput
+from .rollout import rollout_footprint
 from .schedule import step_traffic, unit_traffic
 
 ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32, sharded like the parameters
@@ -81,27 +82,14 @@ class RolloutMemory:
     fits: bool
 
 
-VLLM_BLOCK_TOKENS = 16  # vLLM's KV block on CUDA (syncwise.rl.vllm_rollout.BLOCK_TOKENS)
-
-
 def rollout_memory(hf_config, inp: PlanInput, num_params: int, resident: int, budget: int) -> RolloutMemory:
-    """What the rollout adds (see :class:`RolloutMemory`); ``resident``: the sharded state that stays."""
-    dtype = DTYPE_BYTES[inp.rollout_dtype]
-    cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    length = inp.rollout_prompt_len + inp.rollout_new_tokens
-    if inp.rollout_sampler == "vllm":  # vLLM's paged cache: each sequence in whole blocks (16 tokens on CUDA)
-        length = -(-length // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS
-    kv = kv_cache_bytes(cfg, inp.rollout_sequences * length, inp.rollout_dtype)
-    if inp.rollout_sampler == "vllm":  # its sampler's fp32 logits, log-softmax and probabilities per sequence
-        scores = 3 * inp.rollout_sequences * cfg.vocab_size * 4
-    elif inp.rollout_sampler == "generate":  # every step's fp32 scores kept, stacked, then log-softmaxed
-        scores = 3 * inp.rollout_sequences * inp.rollout_new_tokens * cfg.vocab_size * 4
-    else:  # one step's logits, their fp32 log-softmax and probabilities; the drawn log-probs (the prefill's
-        # logits are the last position's only, one row per prompt: fewer than a step's)
-        scores = inp.rollout_sequences * (cfg.vocab_size * (dtype + 8) + inp.rollout_new_tokens * 4)
-    copy = num_params * dtype
-    peak = resident + copy + kv + scores
-    return RolloutMemory(copy, kv, scores, peak, peak <= budget)
+    """What the rollout adds (see :class:`RolloutMemory`; the engine's own model:
+    :func:`~syncwise.memory.rollout.rollout_footprint`); ``resident``: the sharded state that stays."""
+    footprint = rollout_footprint(inp.rollout_sampler, hf_config, inp.rollout_dtype, num_params,
+                                  inp.rollout_sequences, inp.rollout_prompt_len, inp.rollout_new_tokens)
+    peak = resident + footprint.sampling
+    return RolloutMemory(footprint.weights, footprint.kv_cache, footprint.logits + footprint.runtime, peak,
+                         peak <= budget)
 
 
 def load_hf_config(spec: str):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import DTYPES, LoraConfig
+from ..config import DTYPES, ROLLOUT_ENGINES, LoraConfig
 
 # Shapes of common models, from their public config.json files (weights are never needed).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -65,7 +65,7 @@ class PlanInput:
     rollout_prompt_len: int = 0
     rollout_new_tokens: int = 0
     rollout_dtype: str = "float32"
-    # rl.rollout_engine: compact keeps one step's logits, generate every step's scores, vllm its paged KV cache
+    # rl.rollout_engine (what each holds: syncwise.memory.rollout)
     rollout_sampler: str = "compact"
     critic: bool = False  # PPO: a value model beside the policy (its own plan; each holds the other's state)
     bandwidth_gbps: float = 100.0  # GB/s per rank within a shard group
@@ -102,7 +102,7 @@ class PlanInput:
             raise ValueError("--rollout-sequences, --rollout-prompt-len and --rollout-new-tokens must be >= 0")
         if self.rollout_sequences and not self.rollout_new_tokens:
             raise ValueError("--rollout-sequences needs --rollout-new-tokens (rl.max_new_tokens)")
-        if self.rollout_sampler not in ("compact", "generate", "vllm"):
-            raise ValueError(f"--rollout-sampler: {self.rollout_sampler!r} is not one of compact, generate, vllm")
+        if self.rollout_sampler not in ROLLOUT_ENGINES:
+            raise ValueError(f"--rollout-sampler: {self.rollout_sampler!r} is not one of {', '.join(ROLLOUT_ENGINES)}")
         if self.rollout_dtype not in DTYPES:
             raise ValueError(f"--rollout-dtype: {self.rollout_dtype!r} is not one of {', '.join(DTYPES)}")

@@ -14,7 +14,7 @@ on every rank::
     [ref log-probs], [old log-probs]         forward-only passes (a frozen reference with rl.loss.kl_coef or
                                              rl.kl_in_reward > 0; old ones only with several optimizer steps
                                              per batch or a KL in the reward)
-    PPO: critic values -> GAE, whitened      syncwise.rl.ppo (token rewards, advantages across ranks)
+    PPO: critic values -> GAE, whitened      syncwise.rl.algorithm.ppo (token rewards, advantages across ranks)
     PPO: critic.train_batch(value loss)      over the same mini-batches, before the actor's
     engine.train_batch(batch, policy loss)   micro-batched, sync mode from config (auto by default)
 """
@@ -42,14 +42,15 @@ from ..models import build_model
 from ..models.lora import adapters_disabled
 from ..runtime.distributed import DistInfo, agree, init_distributed, run_rank
 from ..runtime.signals import stopped
-from .advantages import grpo_advantages, rloo_advantages
-from .balance import samples_that_train
-from .losses import make_policy_loss
-from .multi_turn import TOOL_COUNTS
-from .ppo import Critic, ppo_advantages
-from .rollout import Rollout
-from .tasks import builtin_tokenizer, prompt_source
-from .tool_runner import ANSWER_KINDS, ERROR_KINDS
+from .algorithm.advantages import grpo_advantages, rloo_advantages
+from .algorithm.balance import samples_that_train
+from .algorithm.losses import make_policy_loss
+from .algorithm.ppo import Critic, ppo_advantages
+from .env.scoring import score_samples
+from .env.tasks import builtin_tokenizer, prompt_source
+from .env.tools import ANSWER_KINDS, ERROR_KINDS
+from .rollout.front import Rollout, RolloutResult
+from .rollout.turns import TOOL_COUNTS
 from .warm_start import keep_changed_bases, start_from_policy, warm_start_step
 
 
@@ -88,8 +89,9 @@ def advantages_for(rewards: torch.Tensor, config: Config) -> torch.Tensor:
 
 
 def rollout_stats(
-    sampled: dict[str, Any], sampler_log_probs: torch.Tensor, trainer_log_probs: torch.Tensor,
-    response_mask: torch.Tensor, counts: tuple[int, int, int], info: DistInfo, timeout_s: float,
+    result: RolloutResult, rewards: torch.Tensor, reward_parts: dict[str, torch.Tensor],
+    trainer_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, response_mask: torch.Tensor,
+    counts: tuple[int, int, int], info: DistInfo, timeout_s: float,
 ) -> dict[str, float]:
     """Over every rank (one small all-reduce): rewards, response lengths, the groups without signal and the
     samples that train (``counts``: uniform groups and groups sampled on this rank, samples it trains on),
@@ -97,13 +99,13 @@ def rollout_stats(
     that train, both of the untruncated distribution -- any mismatch between the two copies of the policy
     (dtype, temperature, padding, stale weights) biases the gradient -- and the probability mass the
     sampler's truncation kept."""
-    rewards, lengths = sampled["rewards"].double(), sampled["response_lengths"].double()
+    rewards, lengths = rewards.double(), result.response_lengths.double()
     diff = (sampler_log_probs - trainer_log_probs.cpu()).abs() * response_mask
-    parts = sorted(sampled["reward_parts"].items())
-    kept = sampled["kept_mass"].double()
-    tool_counts = sampled.get("tool_counts", torch.zeros(0, dtype=torch.float64))
+    parts = sorted(reward_parts.items())
+    kept = result.kept_mass.double()
+    tool_counts = result.tool_counts if result.tool_counts is not None else torch.zeros(0, dtype=torch.float64)
     sums = [rewards.sum(), (rewards**2).sum(), len(rewards), lengths.sum(), (rewards >= 1).sum(), diff.sum(),
-            response_mask.sum(), *counts, sampled["clipped"].sum(), kept.sum(), kept.numel(),
+            response_mask.sum(), *counts, result.clipped.sum(), kept.sum(), kept.numel(),
             *(values.double().sum() for _, values in parts), *tool_counts]
     totals, per_rank = agree([float(x) for x in sums], [float(diff.max()) if diff.numel() else 0.0],
                              "the rollout statistics all-reduce", info.device, timeout_s)
@@ -163,7 +165,7 @@ class PhaseClock:
             self.seconds[phase] += time.perf_counter() - start
 
     def move(self, source: str, target: str, seconds: float) -> None:
-        """Book ``seconds`` measured inside ``source`` (rewards scored during the rollout) to ``target``."""
+        """Book ``seconds`` measured inside ``source`` (the tools, run between the rollout's turns) to ``target``."""
         self.seconds[source] -= seconds
         self.seconds[target] += seconds
 
@@ -297,17 +299,20 @@ class RLTrainer:
         with clock("weight_sync"):
             self.rollout.sync_weights()
         with clock("rollout"):
-            batch, sampled = self.rollout.generate(rows, prompt_ids, self.source, step,
-                                                   [self.source.encoded.tools[i] for i in indices])
-        clock.move("rollout", "reward", sampled["reward_s"])  # scored inside the rollout call
-        clock.move("rollout", "tools", sampled["tool_s"])  # run between the turns
+            result = self.rollout.generate(rows, prompt_ids, step, [self.source.encoded.tools[i] for i in indices])
+        clock.move("rollout", "tools", result.tool_s)  # run between the turns
+        with clock("reward"):
+            totals, parts = score_samples(self.source.rewards, rows, result.responses, rl.samples_per_prompt,
+                                          [t.env_reward for t in result.trajectories])
+            rewards, reward_parts = torch.tensor(totals), {name: torch.tensor(v) for name, v in parts.items()}
+        batch = dict(result.batch)
         if self.critic is None:
-            batch["advantages"] = advantages_for(sampled["rewards"], self.config)
+            batch["advantages"] = advantages_for(rewards, self.config)
         else:
-            batch["rewards"] = sampled["rewards"].float()  # moves with its sample; GAE reads it after balancing
-        batch["rollout_log_probs"] = sampled["log_probs"]  # moves with its sample; the loss reads it if asked
+            batch["rewards"] = rewards.float()  # moves with its sample; GAE reads it after balancing
+        batch["rollout_log_probs"] = result.log_probs  # moves with its sample; the loss reads it if asked
         with clock("balance"):
-            batch, balance_metrics, counts = samples_that_train(batch, sampled["rewards"], self.config.rl,
+            batch, balance_metrics, counts = samples_that_train(batch, rewards, self.config.rl,
                                                                 self.info, self.tokenizer.pad_token_id,
                                                                 self.config.dist.timeout_s)
         sampler_log_probs = batch["rollout_log_probs"]
@@ -351,7 +356,7 @@ class RLTrainer:
             metrics.update(critic_metrics)
             metrics["stop/signal"] = max(metrics["stop/signal"], critic_metrics["critic/stop/signal"])
         metrics.update(balance_metrics)
-        metrics.update(rollout_stats(sampled, sampler_log_probs, before_update,
+        metrics.update(rollout_stats(result, rewards, reward_parts, before_update, sampler_log_probs,
                                      batch["loss_mask"][:, 1:].double(), counts, self.info,
                                      self.config.dist.timeout_s))
         metrics["train/step"] = step + 1

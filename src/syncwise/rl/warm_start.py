@@ -23,7 +23,7 @@ from ..config import Config
 from ..engine import Engine
 from ..engine.weights import load_plain_weights
 from ..losses import sft_loss
-from .rollout import response_batch
+from .rollout.front import response_batch
 
 
 def warm_start_batch(rows: list[dict[str, Any]], source, tokenizer) -> dict[str, torch.Tensor]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import RLConfig
-from ..data.chat import RowError, refusal, row_tools
+from ...config import RLConfig
+from ...data.chat import RowError, refusal, row_tools
 
 
 @dataclass

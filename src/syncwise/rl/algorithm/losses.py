@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..config import KL_ESTIMATORS, PolicyLossConfig
-from ..data.batching import BatchError
-from ..losses import (
+from ...config import KL_ESTIMATORS, PolicyLossConfig
+from ...data.batching import BatchError
+from ...losses import (
     BatchKey,
     LossFn,
     LossOutput,

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from ..config import Config
-from ..engine import Engine
-from ..losses import LossOutput, Normalizer, reads, target_mask
-from ..models import build_model
-from ..runtime.distributed import DistInfo, agree
+from ...config import Config
+from ...engine import Engine
+from ...losses import LossOutput, Normalizer, reads, target_mask
+from ...models import build_model
+from ...runtime.distributed import DistInfo, agree
 from .advantages import gae_advantages
 from .losses import ValueLossConfig, make_value_loss
 

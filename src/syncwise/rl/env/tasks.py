@@ -24,10 +24,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from ..config import RLConfig, reward_paths
+from ...config import RLConfig, reward_paths
 from .prompts import EncodedPrompts, encode_prompts
 from .scoring import RewardFunction, reward_functions
-from .tool_runner import Tool, load_tools
+from .tools import Tool, load_tools
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
 DIGITS = [str(d) for d in range(10)]

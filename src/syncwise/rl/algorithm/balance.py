@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import RLConfig
-from ..data.batching import Batch, sequence_lengths
-from ..runtime.distributed import DistInfo, agree, collective_timeout
+from ...config import RLConfig
+from ...data.batching import Batch, sequence_lengths
+from ...runtime.distributed import DistInfo, agree, collective_timeout
 from .advantages import uniform_groups
 
 
@@ -34,7 +34,7 @@ class Selection:
 def select_trained_rows(uniform: torch.Tensor, group_size: int, min_rows: int, device: torch.device,
                         timeout_s: float) -> Selection:
     """Collective (one small all-reduce): the rows of the groups with signal (``uniform``: the groups
-    without, from :func:`syncwise.rl.advantages.uniform_groups`). A rank left with fewer than
+    without, from :func:`syncwise.rl.algorithm.advantages.uniform_groups`). A rank left with fewer than
     ``min_rows`` rows (one per mini-batch) keeps as many rows of its uniform groups with the loss mask
     zeroed -- they count nowhere -- so every rank still runs the same optimizer steps. If no rank has a group
     with signal, every row trains as without the option (the step is then the KL term's alone)."""

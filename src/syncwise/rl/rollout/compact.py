@@ -1,5 +1,5 @@
-"""Sampling for the rollout: each prompt prefilled once, finished sequences dropped from the batch, and the
-drawn token's log-prob kept instead of every step's scores.
+"""The compact sampler's kernel (``rl.rollout_engine=compact``): each prompt prefilled once, finished sequences
+dropped from the batch, and the drawn token's log-prob kept instead of every step's scores.
 
 Hugging Face ``generate(num_return_sequences=n)`` expands the prompts before the prefill (each prompt is
 computed n times), keeps computing every sequence until the longest ends, and with ``output_scores`` keeps
@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..engine.step import positions_of
+from ...engine.step import positions_of
+from .base import Samples
 
 COMPACT_FRACTION = 8  # compact when at least 1/8 of the active sequences have ended
 
@@ -81,19 +82,6 @@ class StopStrings:
     def hit(self, tokens: list[int]) -> bool:
         tail = self.tokenizer.decode(tokens[-self.window:], skip_special_tokens=False)
         return any(s in tail for s in self.strings)
-
-
-@dataclass
-class Samples:
-    """Per sequence (``samples_per_prompt`` consecutive ones per prompt): the response tokens (up to and
-    including the end-of-sequence token) and the sampler's log-prob of each -- of the distribution it was drawn
-    from (``log_probs``) and of the untruncated one (``full_log_probs``; the same tensors without truncation)."""
-
-    tokens: list[torch.Tensor]
-    log_probs: list[torch.Tensor]
-    computed_rows: int  # sequence-steps computed (the padded loop's would be sequences x longest response)
-    ended: list[bool] = None  # ended by an end token or a stop string (False: cut by max_new_tokens)
-    full_log_probs: list[torch.Tensor] = None
 
 
 def left_padded(prompts: list[torch.Tensor], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,16 +10,13 @@ job's rights.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from .loader import load_function
 
 
 @dataclass
@@ -29,34 +26,6 @@ class RewardFunction:
     fn: Callable[..., Any]
     weight: float = 1.0
     batched: bool = False
-
-
-def load_function(path: str, key: str) -> Callable[..., Any]:
-    """The callable ``path`` names (``package.module:function`` or ``file.py:function``); a ValueError naming
-    ``key`` (``rl.reward_fn``, ``rl.tools``) if it cannot be had."""
-    target, sep, attr = path.rpartition(":")
-    if not sep or not target or not attr:
-        raise ValueError(f"{key}: {path!r} must look like 'package.module:function' or 'file.py:function'")
-    try:
-        if target.endswith(".py"):
-            file = Path(target)
-            if not file.is_file():
-                raise ImportError(f"no file {target}")
-            spec = importlib.util.spec_from_file_location(f"syncwise_user_{file.stem}", file)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path:  # as `python -m` runs: the job's folder importable
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(target)
-        fn = getattr(module, attr)
-    except (ImportError, AttributeError, SyntaxError) as exc:
-        raise ValueError(f"{key}: cannot import {path!r}: {exc}") from exc
-    except (Exception, SystemExit) as exc:  # the module's own code failed (or exited) while it was imported
-        raise ValueError(f"{key}: cannot import {path!r}: {type(exc).__name__}: {exc}") from exc
-    if not callable(fn):
-        raise ValueError(f"{key}: {path!r} is not callable")
-    return fn
 
 
 def load_reward_fn(path: str) -> Callable[..., Any]:
@@ -97,6 +66,18 @@ def score(functions: list[RewardFunction], prompts: list[Any], responses: list[s
         parts[reward.name] = _batched(reward, prompts, responses, rows) if reward.batched else [
             _one(reward, p, r, row) for p, r, row in zip(prompts, responses, rows, strict=True)]
     totals = [sum(r.weight * parts[r.name][i] for r in functions) for i in range(len(responses))]
+    return totals, parts
+
+
+def score_samples(functions: list[RewardFunction], rows: list[dict[str, Any]], responses: list[Any], n: int,
+                  episode_rewards: list[float | None] = ()) -> tuple[list[float], dict[str, list[float]]]:
+    """:func:`score` for a rollout step's samples, ``n`` consecutive ones per row; an episode's own score (its
+    environment's ``reward()``, where it gives one) is one more part, ``environment``, added to the total."""
+    group_rows = [rows[i // n] for i in range(len(responses))]
+    totals, parts = score(functions, [row["prompt"] for row in group_rows], responses, group_rows)
+    if any(r is not None for r in episode_rewards):
+        parts["environment"] = [r or 0.0 for r in episode_rewards]
+        totals = [total + r for total, r in zip(totals, parts["environment"], strict=True)]
     return totals, parts
 
 

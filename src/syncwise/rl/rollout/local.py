@@ -8,36 +8,32 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from ..config import RLConfig
-from ..engine import Engine
-from ..engine.weights import load_by_unit
-from ..models import uninitialised_model
-from .sampling import Samples, StopStrings, Truncation, left_padded, sample
+from ...engine.weights import load_by_unit
+from ...models import uninitialised_model
+from .base import RolloutSetup, Samples
+from .compact import StopStrings, Truncation, left_padded, sample
 
 
-class LocalCopyRollout:
-    """compact (:mod:`syncwise.rl.sampling`) or Hugging Face ``generate`` on the rank's own model copy."""
+class LocalCopy:
+    """The rank's own copy of the policy, refreshed in place; :meth:`sample` is each engine's."""
 
-    def __init__(self, cfg: RLConfig, engine: Engine, tokenizer: PreTrainedTokenizerBase, end_ids: list[int]):
-        self.cfg, self.tokenizer, self.end_ids = cfg, tokenizer, end_ids
-        self.kind = cfg.rollout_engine
-        self.cut = Truncation(cfg.top_k, cfg.top_p, cfg.min_p)
-        self.stop = StopStrings(cfg.stop, tokenizer)
+    name = ""
+
+    def __init__(self, setup: RolloutSetup):
+        self.cfg, self.tokenizer, self.end_ids, self.device = setup.rl, setup.tokenizer, setup.end_ids, setup.device
+        self.cut = Truncation(self.cfg.top_k, self.cfg.top_p, self.cfg.min_p)
+        self.stop = StopStrings(self.cfg.stop, self.tokenizer)
         # Built uninitialised: the first refresh writes every parameter (load_by_unit checks it).
-        self.model = uninitialised_model(engine.features.plain_hf_config, getattr(torch, cfg.rollout_dtype),
-                                         engine.info.device)
+        self.model = uninitialised_model(setup.hf_config, getattr(torch, self.cfg.rollout_dtype), setup.device)
         self.model.eval().requires_grad_(False)
-        self.device = engine.info.device
 
     def held_bytes(self) -> int:
         """The copy's parameters and buffers."""
         return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
 
     def describe(self) -> str:
-        sampler = "the compact sampler" if self.kind == "compact" else "Hugging Face generate"
-        return f"rollouts by {sampler} on a {self.cfg.rollout_dtype} copy"
+        return f"rollouts by {self.name} on a {self.cfg.rollout_dtype} copy"
 
     def refresh(self, weights_by_unit: Iterator[dict[str, torch.Tensor]]) -> None:
         load_by_unit(self.model, weights_by_unit)
@@ -46,22 +42,33 @@ class LocalCopyRollout:
         """The copy stays (it is refreshed in place)."""
 
     def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
-        tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompts]
-        if self.kind == "generate":
-            return self._generate(tensors, n, max_new_tokens)
-        return sample(self.model, tensors, n, max_new_tokens, self.cfg.temperature, self.end_ids,
-                      self.tokenizer.pad_token_id, self.cut, self.stop)
+        raise NotImplementedError
 
-    def _generate(self, prompts: list[torch.Tensor], n: int, max_new_tokens: int) -> Samples:
-        """Hugging Face ``generate`` (each prompt prefilled once per sample, every sequence computed until the
-        longest ends, every step's scores kept). Per sequence: the response up to its first end token or stop
-        string, the log-prob of each token under the scores (after the temperature and truncation warpers: the
-        distribution it was drawn from) and under the raw logits over the temperature (untruncated), and
-        whether it ended."""
-        tok = self.tokenizer
-        input_ids, mask = left_padded(prompts, tok.pad_token_id, self.device)
+
+class CompactRollout(LocalCopy):
+    """``rl.rollout_engine=compact``: :func:`syncwise.rl.rollout.compact.sample` on the copy."""
+
+    name = "the compact sampler"
+
+    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
+        return sample(self.model, [torch.tensor(ids, dtype=torch.long) for ids in prompts], n, max_new_tokens,
+                      self.cfg.temperature, self.end_ids, self.tokenizer.pad_token_id, self.cut, self.stop)
+
+
+class GenerateRollout(LocalCopy):
+    """``rl.rollout_engine=generate``: Hugging Face ``generate`` on the copy (each prompt prefilled once per
+    sample, every sequence computed until the longest ends, every step's scores kept)."""
+
+    name = "Hugging Face generate"
+
+    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
+        """Per sequence: the response up to its first end token or stop string, the log-prob of each token under
+        the scores (after the temperature and truncation warpers: the distribution it was drawn from) and under
+        the raw logits over the temperature (untruncated), and whether it ended."""
+        tok, cut = self.tokenizer, self.cut
+        input_ids, mask = left_padded([torch.tensor(ids, dtype=torch.long) for ids in prompts], tok.pad_token_id,
+                                      self.device)
         width = input_ids.shape[1]
-        cut = self.cut
         out = self.model.generate(
             input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=self.cfg.temperature,
             top_k=cut.top_k, top_p=cut.top_p, min_p=cut.min_p or None, max_new_tokens=max_new_tokens,

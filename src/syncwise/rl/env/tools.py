@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..tools import BUILTIN_TOOLS
-from .scoring import load_function
+from ...tools import BUILTIN_TOOLS
+from .loader import load_function
 
 # What a tool call can go wrong with (each counted as rollout/tool_errors/<kind>; their sum: rollout/tool_errors)
 ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "exception", "timeout", "step_timeout", "non_text")
@@ -98,11 +98,15 @@ class ToolCancelled(BaseException):
     """Raised in an abandoned call's thread: a BaseException, so the tool's ``except Exception`` lets it by."""
 
 
+# One call: the tools of its episode, the name called, the arguments as parsed
+Call = tuple[dict[str, Tool], str, Any]
+
+
 class ToolRunner:
     """Runs one rank's tool calls (see the module's docstring); :meth:`new_step` starts a step's budget."""
 
-    def __init__(self, tools: dict[str, Tool], limits: ToolLimits):
-        self.tools, self.limits = tools, limits
+    def __init__(self, limits: ToolLimits):
+        self.limits = limits
         self.spent = 0.0  # this step's seconds in tools (wall clock, however many ran at once)
         self.abandoned: list[threading.Thread] = []  # calls past their limit, maybe still running
         ToolOutput.install()
@@ -111,9 +115,9 @@ class ToolRunner:
         self.spent = 0.0
         self.abandoned = [t for t in self.abandoned if t.is_alive()]
 
-    def run(self, calls: list[tuple[str, Any]]) -> list[ToolResult]:
-        """Every ``(name, arguments)`` call's result, in order: up to ``workers`` at a time, each within the
-        call's limit and all within what is left of the step's."""
+    def run(self, calls: list[Call]) -> list[ToolResult]:
+        """Every call's result, in order: up to ``workers`` at a time (over every episode of the rank), each
+        within the call's limit and all within what is left of the step's."""
         started = time.perf_counter()
         step_deadline = started + max(self.limits.step_timeout_s - self.spent, 0.0)
         results: list[ToolResult | None] = [None] * len(calls)
@@ -124,14 +128,15 @@ class ToolRunner:
             while waiting and len(running) < self.limits.workers:
                 i = waiting.pop(0)
                 now = time.perf_counter()
-                early = self._check(*calls[i])
+                tools, name, arguments = calls[i]
+                early = _check(tools, name, arguments)
                 if early is not None:
                     results[i] = early
                 elif now >= step_deadline:
-                    results[i] = self._step_spent(calls[i][0])
+                    results[i] = self._step_spent(name)
                 else:
-                    thread = threading.Thread(target=self._call, args=(i, *calls[i], finished), daemon=True,
-                                              name=f"syncwise-tool-{calls[i][0]}")
+                    thread = threading.Thread(target=_call, args=(i, tools[name], arguments, finished), daemon=True,
+                                              name=f"syncwise-tool-{name}")
                     running[i] = (thread, now, min(now + self.limits.timeout_s, step_deadline))
                     thread.start()
             if not running:
@@ -144,40 +149,9 @@ class ToolRunner:
                 continue
             if i in running:  # not abandoned already
                 _, start, _ = running.pop(i)
-                results[i] = self._answer(calls[i][0], value, failure, time.perf_counter() - start)
+                results[i] = self._answer(value, failure, time.perf_counter() - start)
         self.spent += time.perf_counter() - started
         return results
-
-    def _check(self, name: str, arguments: Any) -> ToolResult | None:
-        """The answer for a call that cannot run (no such tool, arguments that do not fit), else None."""
-        tool = self.tools.get(name)
-        if tool is None:
-            return ToolResult(f"error: there is no tool named {name!r} (tools: {', '.join(sorted(self.tools))})",
-                              "unknown_tool", 0.0)
-        if not isinstance(arguments, dict):
-            return ToolResult(f"error: the arguments of {name} must be a JSON object, got {arguments!r}",
-                              "bad_arguments", 0.0)
-        try:
-            inspect.signature(tool.fn).bind(**arguments)
-        except TypeError as exc:
-            return ToolResult(f"error: {name}: {exc}", "bad_arguments", 0.0)
-        return None
-
-    def _call(self, i: int, name: str, arguments: dict, finished: queue.Queue) -> None:
-        """One call, on its own thread: whatever it raises (SystemExit too) is its failure."""
-        try:
-            ToolOutput.current.name = name
-            try:
-                value, failure = self.tools[name].fn(**arguments), None
-            except ToolCancelled:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - a tool's exit, or anything else, is its answer
-                value, failure = None, exc
-            finally:
-                ToolOutput.current.name = None
-            finished.put((i, value, failure))
-        except ToolCancelled:
-            return  # abandoned: its answer was given already
 
     def _expire(self, calls, running, results, step_deadline: float) -> None:
         """Abandon the calls past their deadline: their answer is the limit they ran into."""
@@ -188,7 +162,7 @@ class ToolRunner:
             del running[i]
             self.abandoned.append(thread)
             _raise_in(thread, ToolCancelled)
-            name = calls[i][0]
+            name = calls[i][1]
             if deadline < start + self.limits.timeout_s:  # the step's budget ran out first
                 results[i] = self._step_spent(name, now - start)
             else:
@@ -199,7 +173,7 @@ class ToolRunner:
         return ToolResult(f"error: {name} was not run to the end: this rank's tool calls have used the step's "
                           f"rl.tool_step_timeout_s={self.limits.step_timeout_s:g} s", "step_timeout", seconds)
 
-    def _answer(self, name: str, value: Any, failure: BaseException | None, seconds: float) -> ToolResult:
+    def _answer(self, value: Any, failure: BaseException | None, seconds: float) -> ToolResult:
         """The model's view of what the call gave: text as it is, JSON for JSON values, an error otherwise --
         at most ``max_chars`` of it."""
         kinds: tuple[str, ...] = ()
@@ -223,7 +197,40 @@ class ToolRunner:
 
 def run_tool(tools: dict[str, Tool], name: str, arguments: Any, timeout_s: float) -> ToolResult:
     """One call, alone, within ``timeout_s`` (what :class:`ToolRunner` does for a turn's calls)."""
-    return ToolRunner(tools, ToolLimits(timeout_s=timeout_s)).run([(name, arguments)])[0]
+    return ToolRunner(ToolLimits(timeout_s=timeout_s)).run([(tools, name, arguments)])[0]
+
+
+def _check(tools: dict[str, Tool], name: str, arguments: Any) -> ToolResult | None:
+    """The answer for a call that cannot run (no such tool, arguments that do not fit), else None."""
+    tool = tools.get(name)
+    if tool is None:
+        return ToolResult(f"error: there is no tool named {name!r} (tools: {', '.join(sorted(tools))})",
+                          "unknown_tool", 0.0)
+    if not isinstance(arguments, dict):
+        return ToolResult(f"error: the arguments of {name} must be a JSON object, got {arguments!r}",
+                          "bad_arguments", 0.0)
+    try:
+        inspect.signature(tool.fn).bind(**arguments)
+    except TypeError as exc:
+        return ToolResult(f"error: {name}: {exc}", "bad_arguments", 0.0)
+    return None
+
+
+def _call(i: int, tool: Tool, arguments: dict, finished: queue.Queue) -> None:
+    """One call, on its own thread: whatever it raises (SystemExit too) is its failure."""
+    try:
+        ToolOutput.current.name = tool.name
+        try:
+            value, failure = tool.fn(**arguments), None
+        except ToolCancelled:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a tool's exit, or anything else, is its answer
+            value, failure = None, exc
+        finally:
+            ToolOutput.current.name = None
+        finished.put((i, value, failure))
+    except ToolCancelled:
+        return  # abandoned: its answer was given already
 
 
 def _raise_in(thread: threading.Thread, exception: type[BaseException]) -> None:

@@ -15,12 +15,10 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-# rl.tool_parser's parsers: what each reads
-FORMATS = {"hermes": "<tool_call>{json}</tool_call>", "llama3_json": 'a bare {"name": ..., "parameters": ...}'}
-PARSERS = tuple(FORMATS)
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -46,18 +44,16 @@ def template_text(tokenizer) -> str:
     return template if isinstance(template, str) else " ".join(str(t) for t in dict(template).values())
 
 
-def template_format(template: str) -> str | None:
-    """The parser a chat template's rendering of a call needs, or None where it cannot be told."""
-    if "<tool_call>" in template:
-        return "hermes"
-    if "ipython" in template or '"parameters"' in template:
-        return "llama3_json"
-    return None
+def check_parser_name(choice: str) -> None:
+    """``rl.tool_parser`` names a parser of :data:`PARSERS`, or ``auto``: a ValueError in one line if not."""
+    if choice != "auto" and choice not in PARSERS:
+        raise ValueError(f"rl.tool_parser: {choice!r} is not one of auto, {', '.join(PARSERS)}")
 
 
 def choose_parser(tokenizer, choice: str) -> str:
     """``rl.tool_parser``: ``auto`` reads the chat template; a ValueError in one line when it has no tool
     support, the format cannot be told, or a parser set by hand is not the template's format."""
+    check_parser_name(choice)
     template = template_text(tokenizer)
     if not template:
         raise ValueError("rl.tools: the tokenizer has no chat template, and tools are shown to the model through "
@@ -66,11 +62,11 @@ def choose_parser(tokenizer, choice: str) -> str:
         raise ValueError("rl.tools: the tokenizer's chat template does not render tools (it never reads 'tools'); "
                          "use a model whose template has tool support (Qwen2.5, Llama-3.1, Hermes), or set one "
                          "in the tokenizer's chat_template")
-    found = template_format(template)
+    found = next((name for name, parser in PARSERS.items() if parser.rendered_by(template)), None)
     if choice != "auto":
         if found is not None and found != choice:
             raise ValueError(f"rl.tool_parser={choice}: the chat template renders tool calls as {found} "
-                             f"({FORMATS[found]}), and the model writes them as it was shown; set "
+                             f"({PARSERS[found].looks}), and the model writes them as it was shown; set "
                              f"rl.tool_parser={found} or auto")
         return choice
     if found is None:
@@ -83,7 +79,7 @@ def choose_parser(tokenizer, choice: str) -> str:
 def parse_turn(text: str, parser: str) -> ParsedTurn:
     """The calls in one assistant turn's text (decoded with its special tokens but the end of the turn: a
     tokenizer may register ``<tool_call>`` as one)."""
-    return _hermes(text) if parser == "hermes" else _llama3_json(text)
+    return PARSERS[parser].parse(text)
 
 
 def _hermes(text: str) -> ParsedTurn:
@@ -145,3 +141,20 @@ def _add_call(turn: ParsedTurn, block: str, arguments_key: str) -> None:
         with contextlib.suppress(json.JSONDecodeError):
             arguments = json.loads(arguments)
     turn.calls.append(ToolCall(call["name"], arguments))
+
+
+@dataclass(frozen=True)
+class Parser:
+    """One ``rl.tool_parser``: how its calls look, how to read them, how to tell a template that renders them."""
+
+    looks: str
+    parse: Callable[[str], ParsedTurn]
+    rendered_by: Callable[[str], bool]
+
+
+# rl.tool_parser's choices besides auto, in the order auto tries them on a template
+PARSERS: dict[str, Parser] = {
+    "hermes": Parser("<tool_call>{json}</tool_call>", _hermes, lambda template: "<tool_call>" in template),
+    "llama3_json": Parser('a bare {"name": ..., "parameters": ...}', _llama3_json,
+                          lambda template: "ipython" in template or '"parameters"' in template),
+}

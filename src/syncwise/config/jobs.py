@@ -1,0 +1,82 @@
+"""The jobs' own sections: ``syncwise sft``'s (``sft``) and every job's run (``train``: steps, seed, output,
+checkpoints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .checks import ConfigError, choice, non_negative, positive
+
+SFT_TASKS = ("progression", "arith_chat")
+SFT_TRUNCATION = ("right", "left", "drop")
+
+
+@dataclass
+class SFTConfig:
+    """`syncwise sft`: supervised fine-tuning on a dataset (JSONL, Parquet, a save_to_disk folder) or a
+    built-in task (``progression``: the fast synthetic demo; ``arith_chat``: GSM8K-shaped chat problems)."""
+
+    task: str = "progression"  # used when no sft.dataset is given
+    dataset: str | None = None
+    eval_dataset: str | None = None
+    eval_fraction: float = 0.0  # without sft.eval_dataset: hold out this fraction of sft.dataset
+    tokenizer: str | None = None  # default: model.path's
+    max_length: int = 1024  # longer samples are truncated (sft.truncation) and counted
+    truncation: str = "right"  # right (keep the start) | left (keep the end) | drop
+    on_bad_row: str = "error"  # error (one line naming the file and row) | skip (left out, counted)
+    epochs: float = 1.0
+    steps: int = 0  # > 0: this many steps instead of sft.epochs
+    batch_size: int = 16  # sequences per step over all ranks
+    batch_tokens: int = 0  # > 0: a step is this many real tokens over all ranks instead
+    eval_every: int = 0  # evaluate every N steps (0: only at the end)
+    checkpoint_every: int = 0  # 0: only the final checkpoint
+    resume: str = "none"  # none | auto (from <out_dir>/checkpoints/latest) | a checkpoint directory
+    export: bool = True  # a Hugging Face model (and its tokenizer with the chat template) in <out_dir>/export
+    progress: bool = False  # a progress bar on rank 0 (the default prints a line every sft.log_every steps)
+    seed: int = 0
+    out_dir: str = "runs/sft"
+    log_every: int = 1
+    min_len: int = 8  # the progression task's sequence lengths
+    max_len: int = 32
+
+    def validate(self) -> SFTConfig:
+        choice("sft.task", self.task, SFT_TASKS)
+        choice("sft.truncation", self.truncation, SFT_TRUNCATION)
+        choice("sft.on_bad_row", self.on_bad_row, ("error", "skip"))
+        non_negative("sft.steps", self.steps, "0: sft.epochs passes")
+        positive("sft.epochs", self.epochs)
+        positive("sft.batch_size", self.batch_size)
+        non_negative("sft.batch_tokens", self.batch_tokens, "0: sft.batch_size sequences")
+        positive("sft.max_length", self.max_length)
+        non_negative("sft.eval_every", self.eval_every, "0: at the end only")
+        non_negative("sft.checkpoint_every", self.checkpoint_every, "0: the final checkpoint only")
+        positive("sft.log_every", self.log_every)
+        positive("sft.min_len", self.min_len)
+        if self.max_len < self.min_len:
+            raise ConfigError(f"sft.max_len: must be >= sft.min_len ({self.min_len}), got {self.max_len}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"sft.eval_fraction: must be in [0, 1), got {self.eval_fraction}")
+        if self.eval_fraction and self.eval_dataset:
+            raise ConfigError("sft.eval_fraction and sft.eval_dataset: give one (a held-out fraction, or a file)")
+        if (self.eval_fraction or self.eval_dataset) and not self.dataset:
+            raise ConfigError("sft.eval_dataset / sft.eval_fraction need sft.dataset (a built-in task has its own)")
+        return self
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    seed: int = 0
+    out_dir: str = "runs/grpo"
+    logger: str = "jsonl"  # jsonl | tensorboard (also writes TensorBoard event files)
+    progress: bool = True  # a progress bar on rank 0
+    checkpoint_every: int = 20  # 0: only the final checkpoint
+    resume: str = "none"  # none | auto (from <out_dir>/checkpoints/latest) | a checkpoint directory
+    export: bool = True  # write a Hugging Face model (safetensors) to <out_dir>/export at the end
+    max_consecutive_skips: int = 5  # stop (with a checkpoint) after this many non-finite steps in a row
+
+    def validate(self) -> TrainConfig:
+        choice("train.logger", self.logger, ("jsonl", "tensorboard"))
+        positive("train.steps", self.steps)
+        non_negative("train.checkpoint_every", self.checkpoint_every)
+        return self

@@ -1,0 +1,49 @@
+"""The environment room's door: what a conversation's world is to the rollout (:class:`Environment`).
+
+An episode starts from its dataset row (:meth:`~Environment.start`, which may say something first), offers the
+policy its tools -- bound to the episode, so a tool can change the episode's state -- and may score the
+episode once it is over (:meth:`~Environment.reward`). The turn loop (:mod:`syncwise.rl.rollout.turns`) asks
+nothing else of it: the tools of every episode in a turn run side by side in one
+:class:`~syncwise.rl.env.tools.ToolRunner`, each call within its limits. ``rl.tools``' plain functions are
+the environment without state (:class:`FunctionTools`, one for every episode)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from .tools import Tool
+
+
+class Environment(Protocol):
+    """One episode's world."""
+
+    def start(self, row: dict[str, Any]) -> str | None:
+        """Begin the episode of a dataset row; an observation shown before the first turn, or None."""
+
+    def tools(self) -> dict[str, Tool]:
+        """What the policy may call in this episode, by name."""
+
+    def reward(self) -> float | None:
+        """The episode's score after its last turn (None: the reward functions alone score it)."""
+
+    def close(self) -> None:
+        """The episode is over (scored, or failed): let go of what it holds."""
+
+
+class FunctionTools:
+    """``rl.tools``: plain functions, the same for every episode -- nothing to start, score or close."""
+
+    def __init__(self, tools: dict[str, Tool]):
+        self._tools = tools
+
+    def start(self, row: dict[str, Any]) -> str | None:
+        return None
+
+    def tools(self) -> dict[str, Tool]:
+        return self._tools
+
+    def reward(self) -> float | None:
+        return None
+
+    def close(self) -> None:
+        """Nothing held."""

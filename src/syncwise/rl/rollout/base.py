@@ -1,0 +1,115 @@
+"""The rollout room's door: what every rollout engine implements (:class:`RolloutEngine`), what it is built
+from (:class:`RolloutSetup`: a plain record, no training engine), what it returns (:class:`Samples`), the
+per-sample record every rollout ends in (:class:`Trajectory`: one turn or several), and the sampling seeds."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ...config import RLConfig
+
+
+@dataclass
+class Samples:
+    """Per sequence (``samples_per_prompt`` consecutive ones per prompt): the response tokens (up to and
+    including the end-of-sequence token) and the sampler's log-prob of each -- of the distribution it was drawn
+    from (``log_probs``; None where the engine does not report it) and of the untruncated one
+    (``full_log_probs``; the same tensors without truncation)."""
+
+    tokens: list[torch.Tensor]
+    log_probs: list[torch.Tensor] | None
+    computed_rows: int  # sequence-steps computed (the padded loop's would be sequences x longest response)
+    ended: list[bool] = None  # ended by an end token or a stop string (False: cut by max_new_tokens)
+    full_log_probs: list[torch.Tensor] = None
+
+
+@dataclass
+class RolloutSetup:
+    """What a rollout engine is built from on this rank: the policy's plain Hugging Face config (LoRA merged),
+    where and how to sample, and what training holds beside it (for an engine that plans its memory)."""
+
+    hf_config: Any
+    device: torch.device
+    rl: RLConfig  # the sampling settings (temperature, truncation, stop strings, dtype, the engine's own keys)
+    tokenizer: Any
+    end_ids: list[int]  # every token that ends a response
+    max_new_tokens: int
+    seed: int  # the job's (train.seed)
+    memory_budget: int  # this rank's budget in bytes (sync.memory_budget resolved)
+    training_bytes: int = 0  # what this rank's training needs at the least beside the engine
+
+
+class RolloutEngine(Protocol):
+    """What samples the responses (``rl.rollout_engine``): each engine one module, one entry in the table
+    :data:`syncwise.config.rollout_engines.ROLLOUT_ENGINES`."""
+
+    def held_bytes(self) -> int:
+        """What the engine keeps in memory on this rank for the whole job (its weights, a KV cache it keeps)."""
+
+    def refresh(self, weights_by_unit: Iterator[dict[str, torch.Tensor]]) -> None:
+        """Load the policy's current weights, given one wrapping unit at a time, keyed as the plain Hugging Face
+        model's (LoRA merged). Collective through the iterator: consume it all."""
+
+    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
+        """``n`` responses per prompt (consecutive), each with its drawn tokens' log-probs under the untruncated
+        temperature-scaled distribution (``full_log_probs``) and, where the engine knows it, under the one it
+        drew from (``log_probs``, else None). ``seed``: the first of ``len(prompts) * n`` consecutive seeds
+        reserved for this call (:func:`sample_seed`), sample k of prompt i's ``seed + i * n + k`` (engines that
+        keep their own RNG state in the checkpoint may ignore it)."""
+
+    def release(self) -> None:
+        """A rollout is over (every turn sampled): free what the engine need not hold through the update, until
+        the next :meth:`refresh` (vLLM's sleep mode on CUDA)."""
+
+    def describe(self) -> str:
+        """A few words for the job's first line."""
+
+
+@dataclass
+class Trajectory:
+    """One sample, however many turns it took: its prompt, and after it every token (sampled, or the template's text
+    between turns), which were sampled (1: trained) and which not (0), the sampler's log-prob of each (of the
+    untruncated distribution; of the one it drew from, or None where the engine does not say; 0 where
+    nothing was sampled), what the reward function sees (``response``: the text, or with tools the messages
+    after the prompt), whether the last turn ended by itself, and what happened on the way (``counts``)."""
+
+    prompt: list[int] = field(default_factory=list)  # the prompt's tokens it follows
+    tokens: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    full_log_probs: list[float] = field(default_factory=list)
+    drawn_log_probs: list[float] | None = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)  # with tools: assistant and tool messages
+    text: str = ""  # without tools: the response decoded
+    ended: bool = False  # not cut by rl.max_new_tokens
+    done: bool = False
+    env_reward: float | None = None  # the episode's own score (an environment's reward()), if it gives one
+    counts: Counter = field(default_factory=Counter)  # turns, tool calls, answer kinds, each error kind
+
+    def add(self, tokens: list[int], sampled: bool, full: list[float] | None = None,
+            drawn: list[float] | None = None) -> None:
+        self.tokens += tokens
+        self.sampled += [int(sampled)] * len(tokens)
+        self.full_log_probs += full if full is not None else [0.0] * len(tokens)
+        if self.drawn_log_probs is not None:
+            if sampled and drawn is None:
+                self.drawn_log_probs = None  # the engine does not report the drawn distribution
+            else:
+                self.drawn_log_probs += drawn if drawn is not None else [0.0] * len(tokens)
+
+
+# vLLM seeds a torch.Generator per request: any value below 2**64 is taken as it is
+SEED_SPACE = 2**62
+
+
+def sample_seed(seed: int, step: int, rank: int, world_size: int, turn: int, turns: int, sequences: int) -> int:
+    """The first of ``sequences`` consecutive sampling seeds reserved for (job seed, step, rank, turn): an engine
+    that seeds each sample gives sample k of prompt i ``base + i * n + k`` (vLLM adds k to a request's seed for
+    its n samples), so no two samples of a job -- across steps, ranks, turns, prompts and samples -- share a seed
+    (up to 2**40 of them), and a resumed job draws the same."""
+    index = ((step * world_size + rank) * turns + turn) * sequences
+    return (seed * 2**40 + index) % SEED_SPACE

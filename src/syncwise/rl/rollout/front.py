@@ -1,0 +1,170 @@
+"""The rollout's front: ``samples_per_prompt`` responses per prompt from the current policy, by the engine
+``rl.rollout_engine`` names, returned as a right-padded training batch -- prompt tokens, then the response up
+to and including its end token, with ``loss_mask`` on the tokens the policy drew -- and a typed
+:class:`RolloutResult`.
+
+The trainer talks to :class:`Rollout` only; :class:`Rollout` talks to a
+:class:`~syncwise.rl.rollout.base.RolloutEngine` -- refresh its weights from the sharded policy, sample, say
+what it holds -- built from a plain :class:`~syncwise.rl.rollout.base.RolloutSetup` (the engines are one entry
+each in :data:`syncwise.config.rollout_engines.ROLLOUT_ENGINES`), and runs the turn loop
+(:mod:`syncwise.rl.rollout.turns`) over it alike for every engine: the batch, and the sampler's log-probs
+aligned with the trainer's targets. Scoring is the trainer's own phase.
+
+Like verl's rollout worker, each rank refreshes its engine from the sharded training model before each step,
+one unit at a time (one unit's memory, not the whole model's), then samples without any collective.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ...config import Config
+from ...config.rollout_engines import ROLLOUT_ENGINES
+from ...engine import Engine
+from ...memory.accounting import resolve_budget
+from ...runtime.distributed import local_tensor
+from ..env.base import FunctionTools
+from ..env.tasks import PromptSource
+from .base import RolloutEngine, RolloutSetup, Trajectory, sample_seed
+from .turns import TurnLoop, counts_tensor
+
+TRUNCATION_NOTE = (
+    "rl.top_k / rl.top_p / rl.min_p truncate the sampler's distribution, and the trainer's log-probs are of the "
+    "full one: rollout/log_prob_diff and rl.loss.rollout_is use the sampler's log-probs of the drawn tokens under "
+    "the untruncated distribution (the copies' own mismatch; the truncation's kept mass, rollout/kept_mass, is no "
+    "policy change and is not weighted in); the gradient is the untruncated policy's at the truncated samples")
+
+
+def make_rollout_engine(setup: RolloutSetup) -> RolloutEngine:
+    """``rl.rollout_engine``'s engine for this rank, from its table entry (built alike on every rank)."""
+    module, _, name = ROLLOUT_ENGINES[setup.rl.rollout_engine].loader.partition(":")
+    return getattr(importlib.import_module(module), name)(setup)
+
+
+def least_training_bytes(engine: Engine, beside_bytes: int, tokens: int) -> int:
+    """What this rank's training needs at the least beside a rollout engine: the policy's parameters and
+    optimizer state, its sharded gradients, ``beside_bytes`` (the other models kept beside it) and the first
+    step's activations (its safest setting: the fused head, one micro-batch of ``tokens``)."""
+    grads = sum(local_tensor(p).numel() * p.element_size() for p in engine.model.parameters() if p.requires_grad)
+    tuning = engine.governor.tuning
+    activations = tuning.activation_bytes(tokens, True) if tuning is not None else 0
+    return engine.resident_bytes() + grads + beside_bytes + activations
+
+
+@dataclass
+class RolloutResult:
+    """One rollout step on this rank, per sample (``samples_per_prompt`` consecutive ones per prompt)."""
+
+    batch: dict[str, torch.Tensor]  # input_ids, attention_mask, loss_mask: right-padded prompt + response
+    trajectories: list[Trajectory]
+    log_probs: torch.Tensor  # [B, T-1] the sampler's, aligned with the trainer's targets (untruncated; 0 elsewhere)
+    kept_mass: torch.Tensor  # per sampled token, the mass its truncation kept (empty where the engine does not say)
+    tool_s: float  # spent in the tools, between the turns
+    tool_counts: torch.Tensor | None  # with tools: TOOL_COUNTS summed over the samples
+
+    @property
+    def responses(self) -> list[Any]:
+        """What the reward functions see: the text, or with tools each conversation's messages after the prompt."""
+        return [t.messages if self.tool_counts is not None else t.text for t in self.trajectories]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return torch.tensor([len(t.tokens) for t in self.trajectories])  # every token after the prompt
+
+    @property
+    def clipped(self) -> torch.Tensor:
+        return torch.tensor([not t.ended for t in self.trajectories])  # cut by the length limit
+
+
+class Rollout:
+    """This rank's rollout: the engine ``rl.rollout_engine`` names, and the training batch from its samples."""
+
+    def __init__(self, config: Config, engine: Engine, tokenizer: PreTrainedTokenizerBase, source: PromptSource,
+                 end_ids: list[int] | None = None, beside_bytes: int = 0):
+        self.config, self.cfg, self.engine, self.tokenizer = config, config.rl, engine, tokenizer
+        # Every token that ends a response: the tokenizer's end token and the model's generation_config's
+        self.end_ids = sorted(set(end_ids or []) | {tokenizer.eos_token_id})
+        self.max_new_tokens = self.cfg.max_new_tokens or source.max_new_tokens
+        if self.cfg.truncates and engine.info.is_main:
+            warnings.warn(TRUNCATION_NOTE, stacklevel=2)
+        hf_config = engine.features.plain_hf_config
+        longest = min(self.cfg.max_prompt_length + self.max_new_tokens,
+                      getattr(hf_config, "max_position_embeddings", None) or 2**31)
+        device = engine.info.device
+        self.sampler = make_rollout_engine(RolloutSetup(
+            hf_config, device, self.cfg, tokenizer, self.end_ids, self.max_new_tokens, config.train.seed,
+            resolve_budget(config.sync.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
+            least_training_bytes(engine, beside_bytes, longest)))
+        tools = FunctionTools(source.tools) if source.tools else None
+        self.turns = TurnLoop(self.cfg, tokenizer, self.end_ids, (lambda row: tools) if tools else None,
+                              list(source.tools))
+
+    @property
+    def held_bytes(self) -> int:
+        """What the rollout engine holds for the whole job on this rank."""
+        return self.sampler.held_bytes()
+
+    def describe(self) -> str:
+        loop = self.turns.describe()
+        return self.sampler.describe() + (f", {loop}" if loop else "")
+
+    @torch.no_grad()
+    def sync_weights(self) -> None:
+        """Collective: the rollout engine refreshed from the current (sharded) policy, one unit at a time
+        (LoRA: merged weights)."""
+        self.sampler.refresh(self.engine.full_weights_by_unit())
+
+    @torch.no_grad()
+    def generate(self, rows: list[dict[str, Any]], prompt_ids: list[list[int]], step: int = 0,
+                 tool_schemas: list | None = None) -> RolloutResult:
+        """``samples_per_prompt`` samples per row (its prompt already encoded: ``prompt_ids``; with tools,
+        conversations, the rows' tools shown as ``tool_schemas``) at ``step``. Samples of one prompt are
+        consecutive (the GRPO group)."""
+        n, info = self.cfg.samples_per_prompt, self.engine.info
+        seeds = [sample_seed(self.config.train.seed, step, info.rank, info.world_size, turn, self.turns.max_turns,
+                             len(prompt_ids) * n) for turn in range(self.turns.max_turns)]
+        trajectories, tool_s = self.turns.run(self.sampler, rows, prompt_ids, tool_schemas or [None] * len(rows),
+                                              n, self.max_new_tokens, seeds)
+        self.sampler.release()  # every turn sampled: the engine may free what the update does not need
+        sampled = [torch.tensor(t.sampled, dtype=torch.long) for t in trajectories]
+        full = [torch.tensor(t.full_log_probs, dtype=torch.float32) for t in trajectories]
+        drawn_known = all(t.drawn_log_probs is not None for t in trajectories)
+        # with truncation, how much of the full distribution's mass each drawn token's step kept
+        kept_mass = (torch.cat([(f - torch.tensor(t.drawn_log_probs, dtype=torch.float32)).exp()[s.bool()]
+                                for t, f, s in zip(trajectories, full, sampled, strict=True)])
+                     if drawn_known else torch.zeros(0))
+        sequences, response_masks, sampler = [], [], []
+        for t, mask, log_probs in zip(trajectories, sampled, full, strict=True):
+            prompt = torch.tensor(t.prompt, dtype=torch.long)
+            sequences.append(torch.cat([prompt, torch.tensor(t.tokens, dtype=torch.long)]))
+            trained = mask * int(t.ended or not self.cfg.mask_truncated)
+            response_masks.append(torch.cat([torch.zeros_like(prompt), trained]))
+            # Per target (position j predicts token j + 1): the response tokens' sampler log-probs.
+            sampler.append(torch.cat([log_probs.new_zeros(len(prompt) - 1), log_probs * mask]))
+        batch = response_batch(sequences, response_masks, self.tokenizer.pad_token_id)
+        return RolloutResult(
+            {k: v.cpu() for k, v in batch.items()}, trajectories,
+            right_pad(sampler, batch["input_ids"].shape[1] - 1, 0.0).cpu(), kept_mass.double(), tool_s,
+            counts_tensor(trajectories) if self.turns.multi_turn else None)
+
+
+def response_batch(sequences: list[torch.Tensor], response_masks: list[torch.Tensor], pad_id: int) -> dict:
+    """A right-padded training batch of prompt + response sequences, ``loss_mask`` on the responses."""
+    width = max(len(s) for s in sequences)
+    return {
+        "input_ids": right_pad(sequences, width, pad_id),
+        "attention_mask": right_pad([torch.ones_like(s) for s in sequences], width, 0),
+        "loss_mask": right_pad(response_masks, width, 0),
+    }
+
+
+def right_pad(rows: list[torch.Tensor], width: int, value: int) -> torch.Tensor:
+    """Stack 1-D tensors, each right-padded with ``value`` to ``width``."""
+    return torch.stack([torch.nn.functional.pad(r, (0, width - len(r)), value=value) for r in rows])
