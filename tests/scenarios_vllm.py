@@ -15,9 +15,8 @@ from scenarios_refresh import _peak_extra
 from syncwise.config import load_config
 from syncwise.engine import Engine
 from syncwise.models import build_model
-from syncwise.rl.env.tasks import prompt_source
+from syncwise.rl.env.tasks import end_token_ids, load_tokenizer, prompt_source
 from syncwise.rl.rollout.front import Rollout
-from syncwise.rl.trainer import end_token_ids, load_tokenizer
 
 PROMPT_TOKENS = 700  # five whole 128-token KV blocks on CPU, the prefix cache's unit
 

@@ -65,7 +65,7 @@ def test_bench_rl_workload_smoke(tmp_path):
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    from syncwise.jobs.bench_rl import HAND_WRITTEN, RL_CONFIGS, UNIFORM_CONFIGS
+    from syncwise.jobs.bench.rl import HAND_WRITTEN, RL_CONFIGS, UNIFORM_CONFIGS
 
     records = json.loads((out / "bench_rl.json").read_text())["records"]
     assert {(r["data"], r["config"]) for r in records} == (
@@ -131,7 +131,7 @@ def test_bench_grpo_workload_quick(tmp_path):
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    from syncwise.jobs.bench_grpo import QUICK_CONFIGS
+    from syncwise.jobs.bench.grpo import QUICK_CONFIGS
 
     report = json.loads((out / "bench_grpo.json").read_text())
     results = report["results"]

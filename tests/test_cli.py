@@ -50,14 +50,16 @@ def test_config_error_exits_2_before_spawning(tmp_path):
 
 
 def test_bench_quick_is_the_small_version_of_either_workload():
-    from syncwise.jobs.bench import BenchSpec
-    from syncwise.jobs.bench_rl import RLBenchSpec
-    from syncwise.jobs.cli import bench_job, build_parser
+    from syncwise.jobs.bench.modes import BenchSpec
+    from syncwise.jobs.bench.modes import spec_of as modes_spec
+    from syncwise.jobs.bench.rl import RLBenchSpec
+    from syncwise.jobs.bench.rl import spec_of as rl_spec
+    from syncwise.jobs.cli import build_parser
 
-    _, rl_quick = bench_job(build_parser().parse_args(["bench", "--workload", "rl", "--quick"]))
+    rl_quick = rl_spec(build_parser().parse_args(["bench", "--workload", "rl", "--quick"]))
     assert rl_quick == RLBenchSpec.quick("runs/bench_rl") and rl_quick != RLBenchSpec()
     assert rl_quick.presets == ["qwen2-tiny"] and rl_quick.sequences < RLBenchSpec().sequences
-    _, rl_custom = bench_job(build_parser().parse_args(["bench", "--workload", "rl", "--quick", "--repeats", "4"]))
+    rl_custom = rl_spec(build_parser().parse_args(["bench", "--workload", "rl", "--quick", "--repeats", "4"]))
     assert rl_custom.repeats == 4 and rl_custom.presets == ["qwen2-tiny"]
-    _, modes_quick = bench_job(build_parser().parse_args(["bench", "--quick"]))
+    modes_quick = modes_spec(build_parser().parse_args(["bench", "--quick"]))
     assert modes_quick == BenchSpec.quick("runs/bench")

@@ -165,7 +165,7 @@ def test_reward_weights_must_match_the_functions():
 def test_end_tokens_come_from_the_models_generation_config(tmp_path):
     from transformers import GenerationConfig
 
-    from syncwise.rl.trainer import end_token_ids
+    from syncwise.rl.env.tasks import end_token_ids
 
     assert end_token_ids(None) == [] and end_token_ids(str(tmp_path)) == []
     GenerationConfig(eos_token_id=[2, 7]).save_pretrained(tmp_path)  # a chat model's turn end beside its eos

@@ -8,7 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from syncwise.jobs.roofline import fraction_of_peak, gemm_rate
+from syncwise.jobs.bench.roofline import fraction_of_peak, gemm_rate
 from syncwise.models.flops import UsefulFlops, attention_width, matmul_params
 
 

@@ -107,7 +107,7 @@ def test_export_chats_with_transformers(user):
 
 def test_grpo_from_an_sft_export_picks_up_its_tokenizer_and_template(user):
     from syncwise.config import load_config
-    from syncwise.rl.trainer import load_tokenizer
+    from syncwise.rl.env.tasks import load_tokenizer
 
     export = user["root"] / "full" / "export"
     tokenizer = load_tokenizer(load_config(None, [f"model.path={export}"]))

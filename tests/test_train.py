@@ -71,7 +71,7 @@ def test_grpo_run_writes_metrics_plot_and_tensorboard(runs):
 def test_every_step_says_where_its_time_went(runs):
     """Disjoint phases of the step (weight refresh, sampling, rewards, reference and old log-probs, the
     update) and the real tokens per second of sampling and of the update."""
-    from syncwise.rl.trainer import PHASES
+    from syncwise.rl.stats import PHASES
 
     for r in read_jsonl(runs["root"] / "full" / "metrics.jsonl"):
         phases = [r[f"time/{phase}_s"] for phase in PHASES]
@@ -268,7 +268,7 @@ def test_bf16_rollout_copy_differs_from_the_trainer_and_the_correction_sees_it(t
     from transformers import AutoModelForCausalLM
 
     from syncwise.models import preset_config
-    from syncwise.rl.trainer import load_tokenizer
+    from syncwise.rl.env.tasks import load_tokenizer
 
     config = load_config(packaged_config("grpo.yaml"))
     hf_config = preset_config(config.model.preset, vocab_size=len(load_tokenizer(config)))

@@ -10,10 +10,10 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any
 
-from ..config import ConfigError, config_to_dict, load_config, packaged_config
-from ..runtime.launcher import DEBUG_ENV, launch_local, leave, rank_main
+from ..config import ROLLOUT_ENGINES, ConfigError, config_to_dict, load_config, packaged_config
+from ..runtime.launcher import DEBUG_ENV, launch
+from .bench import WORKLOADS, run_workload
 
 
 def _split_args(values: list[str]) -> tuple[str | None, list[str]]:
@@ -42,23 +42,13 @@ def _run_job(worker_path: str, args: argparse.Namespace, job: str, default_confi
             kind = "config error" if isinstance(exc, ConfigError) else "error"
             print(f"syncwise: {kind}: {exc}", file=sys.stderr)
         return 2
-    return _launch(_worker(worker_path), config.dist.nproc, config_to_dict(config))
+    return launch(_worker(worker_path), config.dist.nproc, config_to_dict(config))
 
 
 def _worker(path: str):
     """The job's rank entry point, ``module:function`` (importing it imports torch)."""
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-def _launch(worker, nproc: int, payload: dict) -> int:
-    """Run ``worker(payload)`` as this torchrun rank, or spawn ``nproc`` local ranks; the exit status."""
-    from ..runtime.distributed import launched_by_torchrun  # torch: only once a job really starts
-
-    if not launched_by_torchrun():
-        return launch_local(worker, nproc, payload).exit_code
-    leave(rank_main(worker, payload))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +75,7 @@ def _main(argv: list[str] | None) -> int:
             return _write_example_data(args.write_example_data, args.task)
         return _run_job("syncwise.jobs.sft:sft_worker", args, "sft")
     if args.command == "bench":
-        return _run_bench(args)
+        return run_workload(args)
     return 1  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -104,11 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --write-example-data: arith_chat (word problems) or arith_tools (tool-use chats "
                           "with the calculator, and the same problems without it)")
     bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
-    bench.add_argument("--workload", choices=("modes", "rl", "loss", "grpo", "sft"), default="modes",
-                       help="modes: every sync mode side by side; rl: padded vs packed on long-tailed RL lengths "
-                            "(and a hand-written packed loop); loss: the log-prob path alone against autograd's; "
-                            "grpo: whole GRPO steps on the repeat task, phase by phase (--repeats: rounds); "
-                            "sft: syncwise sft's steps beside train_batch alone on the same batches")
+    bench.add_argument("--workload", choices=tuple(WORKLOADS), default="modes",
+                       help="; ".join(f"{name}: {workload.summary}" for name, workload in WORKLOADS.items()))
     bench.add_argument("--quick", action="store_true", help="the small 2-minute version")
     bench.add_argument("--nproc", type=int, default=2, help="local ranks (ignored under torchrun)")
     bench.add_argument("--out", default="runs/bench", help="folder for bench.json and bench.md")
@@ -159,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rollout-new-tokens", type=int, default=0, help="GRPO: rl.max_new_tokens")
     plan.add_argument("--rollout-dtype", default="float32", help="GRPO: the rollout copy's dtype")
     plan.add_argument("--rollout-sampler", default="compact",
-                      help="GRPO: rl.rollout_engine (compact, generate or vllm)")
+                      help=f"GRPO: rl.rollout_engine ({', '.join(ROLLOUT_ENGINES)})")
     plan.add_argument("--critic", action="store_true",
                       help="PPO: a value model beside the policy (both models' bytes per mode, auto's pair)")
     plan.add_argument("--bandwidth-gbps", type=float, default=100.0, help="GB/s per rank in a shard group")
@@ -211,71 +198,6 @@ def _run_plan(args: argparse.Namespace) -> int:
         return 2
     print(plan_to_json(plan) if args.json else format_plan(plan))
     return 0
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    if args.workload == "loss":  # one process: no ranks to launch
-        from .bench_loss import LossBenchSpec, bench_loss
-
-        out = args.out if args.out != "runs/bench" else "runs/bench_loss"
-        spec = LossBenchSpec.quick(out) if args.quick else LossBenchSpec(out_dir=out)
-        if args.repeats is not None:
-            spec.repeats = args.repeats
-        return bench_loss(spec)
-    if args.workload == "grpo":  # whole `syncwise train` jobs, each on its own local ranks
-        from .bench_grpo import GRPOBenchSpec, bench_grpo
-
-        out = args.out if args.out != "runs/bench" else "runs/bench_grpo"
-        spec = GRPOBenchSpec.quick(out) if args.quick else GRPOBenchSpec(out_dir=out)
-        spec.nproc = args.nproc
-        if args.configs:
-            spec.configs = args.configs
-        if args.presets:  # one model per run: its rows compare engines and settings on it
-            if len(args.presets) > 1:
-                raise SystemExit("syncwise: error: bench --workload grpo: one --presets model per run")
-            spec.extra = [f"model.preset={args.presets[0]}"]
-        if args.repeats is not None:
-            spec.rounds = args.repeats
-        return bench_grpo(spec)
-    if args.workload == "sft":  # syncwise sft's steps beside train_batch alone
-        from .bench_sft import SFTBenchSpec, bench_sft_worker
-
-        out = args.out if args.out != "runs/bench" else "runs/bench_sft"
-        spec = SFTBenchSpec.quick(out) if args.quick else SFTBenchSpec(out_dir=out)
-        if args.repeats is not None:
-            spec.rounds = args.repeats
-        return _launch(bench_sft_worker, args.nproc, dataclasses.asdict(spec))
-    if args.workload == "rl" and args.profile:  # one process, no ranks
-        from .bench_rl import profile_packed_step
-
-        out = args.out if args.out != "runs/bench" else "runs/bench_rl"
-        return profile_packed_step(*(args.presets or ["qwen2-20m"])[:1], sequences=args.sequences or 32, out_dir=out)
-    worker, spec = bench_job(args)
-    return _launch(worker, args.nproc, dataclasses.asdict(spec))
-
-
-def bench_job(args: argparse.Namespace) -> tuple[Any, Any]:
-    """The bench worker and its spec for the parsed ``syncwise bench`` arguments (``--quick``: the small
-    version of either workload; explicit options override it)."""
-    from .bench import BenchSpec, bench_worker
-    from .bench_rl import RLBenchSpec, bench_rl_worker
-
-    if args.workload == "rl":
-        out = args.out if args.out != "runs/bench" else "runs/bench_rl"
-        spec = RLBenchSpec.quick(out) if args.quick else RLBenchSpec(out_dir=out)
-        names, worker = ("presets", "repeats", "warmup", "sequences"), bench_rl_worker
-    else:
-        spec = BenchSpec.quick(args.out) if args.quick else BenchSpec(out_dir=args.out)
-        spec.baselines = not args.no_baselines
-        names = ("presets", "microbatches", "modes", "repeats", "warmup", "seq_len", "lora_rank", "lora_modes")
-        worker = bench_worker
-    for name in names:
-        value = getattr(args, name)
-        if value is not None:
-            setattr(spec, name, value)
-    return worker, spec
 
 
 if __name__ == "__main__":

@@ -99,9 +99,8 @@ def check_lora(config: Config, value_head: bool = False) -> None:
 def check_rl(config: Config) -> None:
     """The tokenizer loads; the prompt file parses (every row a string ``prompt``); the reward imports."""
     from ..checkpoint import CheckpointError, CheckpointManager
-    from ..rl.env.tasks import prompt_source
+    from ..rl.env.tasks import load_tokenizer, prompt_source
     from ..rl.env.tool_calls import check_parser_name, choose_parser
-    from ..rl.trainer import load_tokenizer
 
     rl = config.rl
     key = "rl.tokenizer" if rl.tokenizer else "model.path"

@@ -340,3 +340,13 @@ def _outcome(codes: list[int], reports: list[ErrorReport], nproc: int, superviso
     if debug_enabled() and reports:
         print(root_cause(reports).traceback, file=sys.stderr, flush=True)
     return JobResult(1, reports, lines)
+
+
+def launch(fn: Callable[..., Any], nproc: int, payload: dict) -> int:
+    """Run ``fn(payload)`` as this torchrun rank, or spawn ``nproc`` local ranks; the exit status."""
+    from .distributed import launched_by_torchrun  # torch: only once a job really starts
+
+    if not launched_by_torchrun():
+        return launch_local(fn, nproc, payload).exit_code
+    leave(rank_main(fn, payload))
+    return 0

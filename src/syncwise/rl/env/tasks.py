@@ -24,7 +24,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from ...config import RLConfig, reward_paths
+from ...config import Config, RLConfig, reward_paths
 from .prompts import EncodedPrompts, encode_prompts
 from .scoring import RewardFunction, reward_functions
 from .tools import Tool, load_tools
@@ -212,3 +212,28 @@ def prompt_source(task: str, dataset: str | None, reward_fn: str | list[str] | N
     source.rewards = (reward_functions(paths, list(reward_weights)) if paths
                       else [RewardFunction(task, "rl.reward_fn", source.reward_fn)])
     return source
+
+
+def end_token_ids(model_path: str | None) -> list[int]:
+    """The end tokens of the model's ``generation_config.json`` (an int or a list: chat models end turns with
+    their own token); none without one."""
+    if not model_path or not (Path(model_path) / "generation_config.json").is_file():
+        return []
+    from transformers import GenerationConfig
+
+    eos = GenerationConfig.from_pretrained(model_path, local_files_only=True).eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def load_tokenizer(config: Config):
+    """The job's tokenizer: ``rl.tokenizer``'s, the model directory's (left padding; the end token pads where
+    it has no pad token), or the built-in task's."""
+    from transformers import AutoTokenizer
+
+    path = config.rl.tokenizer or config.model.path
+    if path:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, padding_side="left")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+    return builtin_tokenizer(config.rl.task)

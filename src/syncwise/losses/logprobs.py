@@ -1,111 +1,19 @@
-"""Loss functions and the global normaliser that makes accumulated gradients equal the full-batch gradient.
-
-A loss function is called once per micro-batch as ``loss_fn(model_outputs, micro_batch, normalizer)`` and
-returns a :class:`LossOutput`. Its ``loss`` must be the micro-batch's share of the *full-batch* loss: a sum
-over the micro-batch divided by a *global* count (all micro-batches, all DP ranks), multiplied by
-``normalizer.dp_size`` because data-parallel gradient reduction averages over ranks. Summed over every
-micro-batch and rank, the shares then give exactly the full-batch loss and gradient, however the batch is
-split.
-"""
+"""Log-probs and entropy of the targets, a chunk of tokens at a time: from the logits (their vocabulary-wide fp32
+log-softmax never exists for more than ``engine.logprob_chunk_size`` tokens at once), or -- under the fused LM
+head -- straight from the final hidden states, so the [tokens, vocabulary] logits and their gradient never
+exist at all."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .config import AGG_MODES
-
-
-@dataclass(frozen=True)
-class Normalizer:
-    """Global counts over all micro-batches and DP ranks of one optimizer step (one all-reduce)."""
-
-    tokens: float  # loss tokens (target positions with loss_mask set)
-    sequences: float  # sequences with at least one loss token
-    dp_size: int
-    max_target_len: float = 0.0  # longest loss span of any sequence (seq-mean-token-sum-norm's default)
-
-
-@dataclass
-class LossOutput:
-    """A micro-batch's loss share, its metrics, and optional per-sample outputs.
-
-    ``metrics`` are *summed* over micro-batches and ranks, so report global shares the way ``loss`` is
-    (without the ``dp_size`` factor) -- except those whose name ends in ``_max``, which are maxima over
-    micro-batches and ranks (:func:`is_maximum`). ``outputs`` hold one row per sample of the micro-batch; the engine
-    returns them for the whole batch in the original sample order.
-    """
-
-    loss: torch.Tensor
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-LossFn = Callable[[Any, dict[str, torch.Tensor], Normalizer], LossOutput]
-
-LAYOUT_SHAPES = {"sample": "[B]", "token": "[B, T]", "target": "[B, T-1]"}
-
-
-@dataclass(frozen=True)
-class BatchKey:
-    """A batch tensor a loss function reads: the layouts it may have (``sample`` [B], ``token`` [B, T],
-    ``target`` [B, T-1]; see :func:`syncwise.data.packing.layout`) and whether the batch must have it."""
-
-    layouts: tuple[str, ...]
-    required: bool = True
-    why: str = ""  # what needs it, for the error
-
-
-def reads(loss_fn: LossFn, **keys: BatchKey) -> LossFn:
-    """Declare the batch keys ``loss_fn`` reads, so the engine checks them with the rest of the batch on
-    every rank, before any collective: a key missing on one rank is then a ``BatchError`` on all of them,
-    not a ``KeyError`` on one and a hang (or a broken connection) on the others."""
-    loss_fn.batch_keys = keys  # type: ignore[attr-defined]
-    return loss_fn
-
-
-def check_batch_keys(batch: dict[str, torch.Tensor], loss_fn: LossFn | None) -> None:
-    """Raise ``BatchError`` naming the first key ``loss_fn`` declares that ``batch`` lacks or lays out wrong."""
-    from .data.batching import BatchError
-    from .data.packing import layout
-
-    rows, width = batch["input_ids"].shape
-    for key, spec in (getattr(loss_fn, "batch_keys", None) or {}).items():
-        value = batch.get(key)
-        shapes = " or ".join(LAYOUT_SHAPES[name] for name in spec.layouts)
-        if value is None:
-            if spec.required:
-                raise BatchError(f"batch[{key!r}]: missing; {spec.why or 'the loss'} needs it ({shapes})")
-            continue
-        if layout(value, rows, width) not in spec.layouts:
-            raise BatchError(f"batch[{key!r}]: shape {tuple(value.shape)} is not {shapes} "
-                             f"(input_ids is {tuple(batch['input_ids'].shape)})")
-
-
-def is_maximum(metric: str) -> bool:
-    """Whether a loss metric is reduced by maximum (its name ends in ``_max``) rather than summed."""
-    return metric.endswith("_max")
-
-
-def target_mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Which next-token targets count, shape [B, T-1]: ``loss_mask`` (else ``attention_mask``) of the
-    predicted token, where the predicting token is real too -- so a left-padded row never trains
-    "padding -> first token" (the same targets a packed row keeps)."""
-    attention = batch.get("attention_mask")
-    mask = batch.get("loss_mask", attention)
-    if mask is None:
-        return torch.ones_like(batch["input_ids"][:, 1:], dtype=torch.float32)
-    targets = mask[:, 1:].to(torch.float32)
-    if attention is not None:
-        targets = targets * (attention[:, :-1] * attention[:, 1:]).to(torch.float32)
-    return targets
-
+from .batch import LossFn
 
 # Tokens whose vocabulary-wide fp32 log-softmax exists at once (engine.logprob_chunk_size; 0: all).
 _CHUNK_TOKENS: ContextVar[int] = ContextVar("syncwise_logprob_chunk_tokens", default=1024)
@@ -409,86 +317,3 @@ def fused_head_ready(loss_fn: LossFn) -> LossFn:
 def takes_fused_head(loss_fn: LossFn | None) -> bool:
     """Whether ``loss_fn`` (None: the forward-only pass's own log-probs) accepts :class:`LogitsFromHidden`."""
     return loss_fn is None or bool(getattr(loss_fn, "fused_head_ready", False))
-
-
-def target_sequences(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """Which sequence each target position belongs to, [R, T-1]: given by a packed micro-batch
-    (``target_sequence``); None for the padded layout, where each row is one sequence."""
-    return batch.get("target_sequence")
-
-
-def sequence_sums(
-    values: torch.Tensor, mask: torch.Tensor, sequences: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ masked values, Σ mask) of each sequence: per row, or grouped by ``sequences`` when packed."""
-    masked = values * mask
-    if sequences is None:
-        return masked.sum(dim=1), mask.sum(dim=1)
-    count = int(sequences.max()) + 1 if sequences.numel() else 0
-    index = sequences.reshape(-1)
-    sums = masked.new_zeros(count).index_add(0, index, masked.reshape(-1))
-    counts = mask.new_zeros(count).index_add(0, index, mask.reshape(-1))
-    return sums, counts
-
-
-def per_position(per_sequence: torch.Tensor, like: torch.Tensor, sequences: torch.Tensor | None = None) -> torch.Tensor:
-    """A per-sequence value at each target position of its sequence."""
-    if sequences is None:
-        return per_sequence.unsqueeze(1).expand_as(like)
-    return per_sequence[sequences]
-
-
-def aggregate(
-    values: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normalizer, norm_constant: float = 0.0,
-    sequences: torch.Tensor | None = None,
-):
-    """This micro-batch's share of the full-batch aggregate of per-token ``values`` [B, T-1] (or [1, N-1]
-    packed, with ``sequences`` from :func:`target_sequences`).
-
-    - ``token-mean``: Σ masked values / global loss tokens
-    - ``seq-mean-token-sum``: Σ_seq (Σ its values) / global sequences
-    - ``seq-mean-token-mean``: Σ_seq (mean of its values) / global sequences
-    - ``seq-mean-token-sum-norm``: Σ masked values / (global sequences × ``norm_constant``; default the
-      longest loss span in the global batch)
-
-    Summed over every micro-batch and DP rank this is exactly the full-batch value (no ``dp_size``
-    factor here; see :class:`LossOutput`).
-    """
-    masked = values * mask
-    if mode == "token-mean":
-        return masked.sum() / max(norm.tokens, 1.0)
-    if mode == "seq-mean-token-sum":
-        return masked.sum() / max(norm.sequences, 1.0)
-    if mode == "seq-mean-token-mean":
-        sums, counts = sequence_sums(values, mask, sequences)
-        return (sums / counts.clamp(min=1.0)).sum() / max(norm.sequences, 1.0)
-    if mode == "seq-mean-token-sum-norm":
-        constant = norm_constant if norm_constant > 0 else max(norm.max_target_len, 1.0)
-        return masked.sum() / (max(norm.sequences, 1.0) * constant)
-    raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGG_MODES)}")
-
-
-def make_sft_loss(agg: str = "token-mean", norm_constant: float = 0.0) -> LossFn:
-    """Cross-entropy on the loss-masked targets, aggregated with ``agg``."""
-    if agg not in AGG_MODES:
-        raise ValueError(f"loss aggregation {agg!r} is not one of {', '.join(AGG_MODES)}")
-
-    def loss_fn(outputs: Any, micro_batch: dict[str, torch.Tensor], norm: Normalizer) -> LossOutput:
-        mask = target_mask(micro_batch)
-        log_probs, predictions = token_log_probs_and_predictions(outputs.logits, micro_batch["input_ids"])
-        token_loss = -log_probs
-        share = aggregate(token_loss, mask, agg, norm, norm_constant, target_sequences(micro_batch))
-        with torch.no_grad():
-            correct = (predictions == micro_batch["input_ids"][:, 1:]).float()
-            accuracy = aggregate(correct, mask, "token-mean", norm)
-        return LossOutput(
-            loss=share * norm.dp_size,
-            metrics={"loss": share.detach(), "token_accuracy": accuracy},
-            outputs={"token_loss": token_loss.detach()},
-        )
-
-    return fused_head_ready(loss_fn)
-
-
-sft_loss = make_sft_loss("token-mean")
-sft_loss.__doc__ = "Token-mean cross-entropy: Σ masked token losses / global loss-token count."

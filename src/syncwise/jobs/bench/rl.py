@@ -3,7 +3,7 @@
 RL responses are long-tailed: here each rank holds ``sequences`` lengths drawn from a log-normal (median
 96, sigma 1.5, clamped to 16-512; fixed seeds), the shape on which padded micro-batches computed twice the
 real tokens. Every configuration trains the same model on the same data with the same loss; rounds are
-interleaved as in :mod:`syncwise.jobs.bench`. Per configuration: real tokens per second (all ranks), the
+interleaved as in :mod:`syncwise.jobs.bench.modes`. Per configuration: real tokens per second (all ranks), the
 padding fraction, micro-batches per step, the estimated cross-rank imbalance (sum over micro-batches of
 the slowest rank's workload / the mean's: the share of compute spent waiting for the slowest rank at the
 micro-batch collectives) and the memory peak measured on the first step. A uniform-length dataset (every
@@ -16,22 +16,21 @@ packed micro-batches (:class:`HandWrittenPackedLoop`: the same split, attention 
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..config import load_config
-from ..engine import Engine
-from ..models import PRESETS, build_model, count_parameters, preset_config
-from ..models.flops import UsefulFlops
-from ..runtime.distributed import DistInfo, run_rank
-from .bench import time_interleaved
+from ...config import load_config
+from ...engine import Engine
+from ...models import PRESETS, build_model, count_parameters, preset_config
+from ...models.flops import UsefulFlops
+from ...runtime.distributed import DistInfo, run_rank
+from .modes import time_interleaved
+from .report import fmt, machine, write_report
 from .roofline import fraction_of_peak, gemm_rate
 
 # name -> overrides; the first is the reference the others are compared with. Rows whose name says nothing
@@ -284,14 +283,11 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['preset']} ({r['params'] / 1e6:.1f}M) | {r['data']} | {r['config']} | {r['step_time_median_s']:.3f} "
             f"| {r['real_tokens_per_s']:.0f} | {r['throughput_vs_padded']:.2f} | {r['padding_fraction']:.1%} "
-            f"| {r['microbatches']:g} | {_fmt(r['cross_rank_imbalance'])} | {r['fraction_of_gemm_peak']:.1%} | {peak} "
+            f"| {r['microbatches']:g} | {fmt(r['cross_rank_imbalance'], 3, '–')} "
+            f"| {r['fraction_of_gemm_peak']:.1%} | {peak} "
             f"| {ran} |"
         )
     return "\n".join(lines)
-
-
-def _fmt(value: float | None) -> str:
-    return f"{value:.3f}" if value is not None else "–"
 
 
 def summary(records: list[dict[str, Any]]) -> list[str]:
@@ -337,39 +333,29 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def profile_packed_step(preset: str = "qwen2-20m", sequences: int = 32, rows: int = 14,
-                        out_dir: str = "runs/bench_rl") -> int:
-    """``syncwise bench --workload rl --profile``: torch.profiler's top self-CPU operators of one packed step
-    (rank 0's long-tailed sequences, one process, ``engine.strategy=none``, after warm-up steps): at a
-    512-token cap with the fused LM head and with materialised logits, and on the defaults (head and cap
-    auto's, profiled once auto has settled); printed and written to ``profile.md``."""
-    from torch.profiler import ProfilerActivity, profile
+def spec_of(args) -> RLBenchSpec:
+    """The spec of the parsed arguments (``--quick``: the small version; explicit options override it)."""
+    from . import out_dir
 
-    from ..losses import sft_loss
-    from ..runtime.distributed import init_distributed
+    out = out_dir(args, "bench_rl")
+    spec = RLBenchSpec.quick(out) if args.quick else RLBenchSpec(out_dir=out)
+    for name in ("presets", "repeats", "warmup", "sequences"):
+        if getattr(args, name) is not None:
+            setattr(spec, name, getattr(args, name))
+    return spec
 
-    info = init_distributed("gloo", 600.0)
-    batch = batch_of(long_tail_lengths(sequences, 0), PRESETS[preset]["vocab_size"], 0)
-    sections = []
-    capped = ["engine.packing=true", "engine.max_tokens_per_micro_batch=512"]
-    for label, overrides in ((f"engine.fused_lm_head=true, {CAP[1]}", [*capped, "engine.fused_lm_head=true"]),
-                             (f"engine.fused_lm_head=false, {CAP[1]}", [*capped, "engine.fused_lm_head=false"]),
-                             ("the defaults (LM head and token cap auto)", [])):
-        cfg = load_config(None, [f"model.preset={preset}", "engine.strategy=none", *overrides])
-        engine = Engine(cfg, build_model(cfg.model), info)
-        engine.train_batch(batch, sft_loss)
-        while not engine.governor.settled:  # auto's decision and its measured step
-            engine.train_batch(batch, sft_loss)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            engine.train_batch(batch, sft_loss)
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
-        sections.append(f"{label} ({torch.get_num_threads()} thread(s)):\n\n```\n{table}\n```")
-    text = "\n\n".join(sections)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.md").write_text(text + "\n")
-    print(text, f"written: {out / 'profile.md'}", sep="\n", flush=True)
-    return 0
+
+def run(args) -> int:
+    """``syncwise bench --workload rl``: launched ranks; with ``--profile`` one process, no ranks."""
+    from ...runtime.launcher import launch
+    from . import out_dir
+
+    if args.profile:
+        from .profile import profile_packed_step
+
+        return profile_packed_step(*(args.presets or ["qwen2-20m"])[:1], sequences=args.sequences or 32,
+                                   out_dir=out_dir(args, "bench_rl"))
+    return launch(bench_rl_worker, args.nproc, asdict(spec_of(args)))
 
 
 def bench_rl_worker(spec_dict: dict[str, Any]) -> None:
@@ -378,17 +364,7 @@ def bench_rl_worker(spec_dict: dict[str, Any]) -> None:
     def body(info: DistInfo) -> None:
         records = run_rl_bench(info, spec)
         if info.is_main:
-            out = Path(spec.out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            machine = {"device": str(info.device), "world_size": info.world_size, "torch": torch.__version__,
-                       "threads_per_rank": torch.get_num_threads()}
-            (out / "bench_rl.json").write_text(json.dumps({"spec": asdict(spec), "machine": machine,
-                                                           "records": records}, indent=1))
-            table, lines = markdown_table(records), summary(records)
-            (out / "bench_rl.md").write_text(table + "\n\n" + "\n".join(f"- {line}" for line in lines) + "\n")
-            print(table, flush=True)
-            for line in lines:
-                print(line, flush=True)
-            print(f"written: {out / 'bench_rl.json'}, {out / 'bench_rl.md'}", flush=True)
+            write_report(spec.out_dir, "bench_rl", spec, {"machine": machine(info), "records": records},
+                         markdown_table(records), summary(records))
 
     run_rank(body)

@@ -13,18 +13,17 @@ one process, no ranks.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..losses import LogitsFromHidden, logprob_chunking, token_log_probs, token_log_probs_and_entropy
+from ...losses import LogitsFromHidden, logprob_chunking, token_log_probs, token_log_probs_and_entropy
+from .report import write_report
 
 
 @dataclass
@@ -127,12 +126,20 @@ def markdown_table(records: list[dict[str, Any]], spec: LossBenchSpec) -> str:
     return "\n".join(lines)
 
 
+def run(args) -> int:
+    """``syncwise bench --workload loss``: one process, no ranks to launch."""
+    from . import out_dir
+
+    spec = LossBenchSpec.quick(out_dir(args, "bench_loss")) if args.quick else LossBenchSpec(
+        out_dir=out_dir(args, "bench_loss"))
+    if args.repeats is not None:
+        spec.repeats = args.repeats
+    return bench_loss(spec)
+
+
 def bench_loss(spec: LossBenchSpec) -> int:
     """Run, print and write ``bench_loss.json`` / ``bench_loss.md``; the exit status."""
     records = run_loss_bench(spec)
-    out = Path(spec.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_loss.json").write_text(json.dumps({"spec": asdict(spec), "records": records}, indent=1))
     table = markdown_table(records, spec)
     worst = max(r["ratio"] for r in records if "LM head" not in r["what"])
     lines = [f"slowest syncwise / plain ratio of the loss path from logits {worst:.3f} (target <= 1.00)"]
@@ -142,6 +149,5 @@ def bench_loss(spec: LossBenchSpec) -> int:
             materialised = by_name[(what.replace(", fused", ", logits materialised"), temperature)]
             lines.append(f"{what.removesuffix(', fused')}, T {temperature}: fused / materialised logits "
                          f"{fused / materialised:.3f}")
-    (out / "bench_loss.md").write_text(table + "\n\n" + "".join(f"- {line}\n" for line in lines))
-    print(table, *lines, f"written: {out / 'bench_loss.json'}, {out / 'bench_loss.md'}", sep="\n", flush=True)
+    write_report(spec.out_dir, "bench_loss", spec, {"records": records}, table, lines)
     return 0

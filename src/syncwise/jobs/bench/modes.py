@@ -19,7 +19,6 @@ PNG plots.
 
 from __future__ import annotations
 
-import json
 import signal
 import statistics
 import time
@@ -32,14 +31,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from ..config import load_config
-from ..engine import Engine
-from ..losses import sft_loss
-from ..models import PRESETS, build_model, count_parameters, decoder_layers, preset_config
-from ..models.flops import UsefulFlops
-from ..runtime.distributed import DistInfo, run_rank
-from ..runtime.signals import JobStopped, agreed_stop
-from ..sync.modes import MODES, SyncMode
+from ...config import load_config
+from ...engine import Engine
+from ...losses import sft_loss
+from ...models import PRESETS, build_model, count_parameters, decoder_layers, preset_config
+from ...models.flops import UsefulFlops
+from ...runtime.distributed import DistInfo, run_rank
+from ...runtime.signals import JobStopped, agreed_stop
+from ...sync.modes import MODES, SyncMode
+from .report import fmt, machine, write_report
 from .roofline import fraction_of_peak, gemm_rate
 
 # Every whole-model mode plain FSDP2 runs (the table's order), and auto; partial on request (--modes).
@@ -198,8 +198,8 @@ def run_bench(info: DistInfo, spec: BenchSpec) -> list[dict[str, Any]]:
 def minimum_collectives_s(engine: Engine, info: DistInfo) -> float:
     """The time of the collectives no sync mode can avoid in a step: one all-gather and one reduce-scatter
     of every FSDP unit, timed on these ranks (:func:`syncwise.memory.calibrate.time_collective`)."""
-    from ..memory.calibrate import time_collective
-    from ..memory.schedule import unit_traffic
+    from ...memory.calibrate import time_collective
+    from ...memory.schedule import unit_traffic
 
     units = unit_traffic(engine.memory_model, hsdp=False)
     return sum(time_collective("all_gather", u.gather_bytes, info.device)
@@ -249,10 +249,6 @@ def _add_ratios(records: list[dict[str, Any]]) -> None:
             r["ratio_to_limit"] = r["step_time_median_s"] / r["limit_s"]
 
 
-def _fmt(value: float | None, digits: int = 2) -> str:
-    return "" if value is None else f"{value:.{digits}f}"
-
-
 def markdown_table(records: list[dict[str, Any]]) -> str:
     lines = [
         "| model | micro-batches | configuration | step s (median) | spread s | vs per_microbatch | vs floor "
@@ -264,13 +260,13 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
         config = r["config"] + (f" → {r['auto_choice']}" if r.get("auto_choice") else "")
         comm = [str(r[f"comm/{k}_count"]) if f"comm/{k}_count" in r else "–"
                 for k in ("all_gather", "reduce_scatter", "all_reduce")]
-        mib = [_fmt(r[k] / 2**20, 1) if k in r else "–" for k in
+        mib = [fmt(r[k] / 2**20, 1) if k in r else "–" for k in
                ("comm/all_gather_bytes", "comm/reduce_scatter_bytes", "memory/retained_grad_bytes",
                 "memory/unsharded_param_bytes", "memory/peak_bytes")]
         lines.append(
             f"| {r['preset']} ({r['params'] / 1e6:.1f}M) | {r['microbatches']} | {config} "
             f"| {r['step_time_median_s']:.3f} | {r['step_time_spread_s']:.3f} "
-            f"| {_fmt(r['ratio_to_per_microbatch'])} | {_fmt(r['ratio_to_floor'])} | {_fmt(r.get('ratio_to_limit'))} "
+            f"| {fmt(r['ratio_to_per_microbatch'])} | {fmt(r['ratio_to_floor'])} | {fmt(r.get('ratio_to_limit'))} "
             f"| {r['fraction_of_gemm_peak']:.1%} | {' | '.join(comm)} "
             f"| {' | '.join(mib)} |"
         )
@@ -369,28 +365,31 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return paths
 
 
+def spec_of(args) -> BenchSpec:
+    """The spec of the parsed arguments (``--quick``: the small version; explicit options override it)."""
+    spec = BenchSpec.quick(args.out) if args.quick else BenchSpec(out_dir=args.out)
+    spec.baselines = not args.no_baselines
+    for name in ("presets", "microbatches", "modes", "repeats", "warmup", "seq_len", "lora_rank", "lora_modes"):
+        if getattr(args, name) is not None:
+            setattr(spec, name, getattr(args, name))
+    return spec
+
+
+def run(args) -> int:
+    """``syncwise bench`` (``--workload modes``): the sync modes side by side on launched ranks."""
+    from ...runtime.launcher import launch
+
+    return launch(bench_worker, args.nproc, asdict(spec_of(args)))
+
+
 def bench_worker(spec_dict: dict[str, Any]) -> None:
     spec = BenchSpec(**spec_dict)
 
     def body(info: DistInfo) -> None:
-        device = info.device
         records = run_bench(info, spec)
         if info.is_main:
-            out = Path(spec.out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            machine = {"device": str(device), "world_size": info.world_size, "torch": torch.__version__,
-                       "threads_per_rank": torch.get_num_threads(),
-                       "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-            (out / "bench.json").write_text(json.dumps(
-                {"spec": asdict(spec), "machine": machine, "records": records}, indent=1))
-            table = markdown_table(records)
-            lines = summary(records)
-            (out / "bench.md").write_text(table + "\n\n" + "\n".join(f"- {line}" for line in lines) + "\n")
-            plots = plot(records, out)
-            print(table, flush=True)
-            for line in lines:
-                print(line, flush=True)
-            print(f"written: {out / 'bench.json'}, {out / 'bench.md'}, " + ", ".join(str(p) for p in plots),
-                  flush=True)
+            Path(spec.out_dir).mkdir(parents=True, exist_ok=True)
+            write_report(spec.out_dir, "bench", spec, {"machine": machine(info), "records": records},
+                         markdown_table(records), summary(records), plot(records, Path(spec.out_dir)))
 
     run_rank(body)

@@ -19,18 +19,19 @@ shortcut -- is the reference. Writes ``bench_grpo.json``, ``bench_grpo.md`` and 
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import config_to_dict, load_config, packaged_config
-from ..config.rollout_engines import ROLLOUT_ENGINES
-from ..metrics import plot_phase_bars, read_jsonl
-from ..rl.trainer import PHASES, train_worker
-from ..runtime.launcher import launch_local
+from ...config import config_to_dict, load_config, packaged_config
+from ...config.rollout_engines import ROLLOUT_ENGINES
+from ...metrics import plot_phase_bars, read_jsonl
+from ...rl.stats import PHASES
+from ...rl.trainer import train_worker
+from ...runtime.launcher import launch_local
+from .report import write_report
 from .roofline import gemm_rate_worker
 
 # name -> overrides; the first is the reference.
@@ -119,6 +120,24 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def run(args) -> int:
+    """``syncwise bench --workload grpo``: whole ``syncwise train`` jobs, each on its own local ranks."""
+    from . import out_dir
+
+    out = out_dir(args, "bench_grpo")
+    spec = GRPOBenchSpec.quick(out) if args.quick else GRPOBenchSpec(out_dir=out)
+    spec.nproc = args.nproc
+    if args.configs:
+        spec.configs = args.configs
+    if args.presets:  # one model per run: its rows compare engines and settings on it
+        if len(args.presets) > 1:
+            raise SystemExit("syncwise: error: bench --workload grpo: one --presets model per run")
+        spec.extra = [f"model.preset={args.presets[0]}"]
+    if args.repeats is not None:
+        spec.rounds = args.repeats
+    return bench_grpo(spec)
+
+
 def bench_grpo(spec: GRPOBenchSpec) -> int:
     """Run every configuration ``spec.rounds`` times, interleaved; write the tables and the plot. Returns
     the exit status (that of the first job that did not finish)."""
@@ -161,11 +180,9 @@ def bench_grpo(spec: GRPOBenchSpec) -> int:
         sampler = _sampler_of(name)
         twin = next(other for other in spec.configs if _sampler_of(other) == sampler)
         r["same_responses_as"] = twin if r["response_tokens"] == results[twin]["response_tokens"] else None
-    (out_dir / "bench_grpo.json").write_text(json.dumps({"spec": asdict(spec), "results": results}, indent=1))
-    table = format_results(spec, results)
-    (out_dir / "bench_grpo.md").write_text(table + "\n")
     plot_phase_bars(results, out_dir / "grpo_phases.png", list(PHASES))
-    print(table, flush=True)
+    write_report(out_dir, "bench_grpo", spec, {"results": results}, format_results(spec, results),
+                 also=[out_dir / "grpo_phases.png"])
     return 0
 
 

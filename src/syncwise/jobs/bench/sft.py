@@ -8,7 +8,6 @@ target <= 5%.
 
 from __future__ import annotations
 
-import json
 import signal
 import statistics
 import time
@@ -16,13 +15,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import load_config
-from ..data.sft_dataset import padded_batch, rank_share
-from ..engine.wrap import DTYPE_BY_NAME
-from ..losses import sft_loss
-from ..runtime.distributed import DistInfo, run_rank
-from ..runtime.signals import JobStopped
-from ..sft.trainer import SFTTrainer
+from ...config import load_config
+from ...data.sft_dataset import padded_batch, rank_share
+from ...engine.wrap import DTYPE_BY_NAME
+from ...losses import sft_loss
+from ...runtime.distributed import DistInfo, run_rank
+from ...runtime.signals import JobStopped
+from ...sft.trainer import SFTTrainer
+from .report import write_report
 from .roofline import gemm_rate
 
 
@@ -108,17 +108,24 @@ def format_result(result: dict[str, Any]) -> str:
     ])
 
 
+def run(args) -> int:
+    """``syncwise bench --workload sft``: syncwise sft's steps beside train_batch alone, on launched ranks."""
+    from ...runtime.launcher import launch
+    from . import out_dir
+
+    out = out_dir(args, "bench_sft")
+    spec = SFTBenchSpec.quick(out) if args.quick else SFTBenchSpec(out_dir=out)
+    if args.repeats is not None:
+        spec.rounds = args.repeats
+    return launch(bench_sft_worker, args.nproc, asdict(spec))
+
+
 def bench_sft_worker(spec_dict: dict[str, Any]) -> None:
     spec = SFTBenchSpec(**spec_dict)
 
     def body(info: DistInfo) -> None:
         result = run_sft_bench(info, spec)
         if info.is_main:
-            out = Path(spec.out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "bench_sft.json").write_text(json.dumps({"spec": asdict(spec), "result": result}, indent=1))
-            text = format_result(result)
-            (out / "bench_sft.md").write_text(text + "\n")
-            print(text, flush=True)
+            write_report(spec.out_dir, "bench_sft", spec, {"result": result}, format_result(result))
 
     run_rank(body)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..memory.calibrate import best_matmul_seconds
+from ...memory.calibrate import best_matmul_seconds
 
 GEMM_ROWS = 512  # tokens of the timed matmuls: a micro-batch's worth
 
@@ -49,7 +49,7 @@ def gemm_rate_worker(model_dir: str, dtype: str, out_file: str) -> None:
 
     from transformers import AutoConfig
 
-    from ..runtime.distributed import run_rank
+    from ...runtime.distributed import run_rank
 
     def body(info) -> None:
         rate = gemm_rate(AutoConfig.from_pretrained(model_dir), getattr(torch, dtype), info.device)

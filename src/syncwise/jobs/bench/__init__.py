@@ -1,0 +1,37 @@
+"""``syncwise bench``: one workload per module, each measuring its ratios side by side in one run, with a
+hand-written baseline beside every engine figure. :data:`WORKLOADS` is the table ``--workload`` chooses from;
+a workload's module is imported only when it runs (torch)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Workload:
+    summary: str  # for --help
+    run: str  # "module:function", the function taking the parsed arguments and returning the exit status
+
+
+WORKLOADS: dict[str, Workload] = {
+    "modes": Workload("every sync mode side by side", "syncwise.jobs.bench.modes:run"),
+    "rl": Workload("padded vs packed on long-tailed RL lengths (and a hand-written packed loop)",
+                   "syncwise.jobs.bench.rl:run"),
+    "loss": Workload("the log-prob path alone against autograd's", "syncwise.jobs.bench.loss:run"),
+    "grpo": Workload("whole GRPO steps on the repeat task, phase by phase (--repeats: rounds)",
+                     "syncwise.jobs.bench.grpo:run"),
+    "sft": Workload("syncwise sft's steps beside train_batch alone on the same batches", "syncwise.jobs.bench.sft:run"),
+}
+
+
+def run_workload(args: argparse.Namespace) -> int:
+    """The workload ``--workload`` names, run; its exit status."""
+    module, _, name = WORKLOADS[args.workload].run.partition(":")
+    return getattr(importlib.import_module(module), name)(args)
+
+
+def out_dir(args: argparse.Namespace, name: str) -> str:
+    """``--out``, or where the workload writes by default (``runs/<name>``)."""
+    return args.out if args.out != "runs/bench" else f"runs/{name}"

@@ -1,0 +1,127 @@
+"""A GRPO / PPO step's metrics beside the engine's: the rollout's statistics over every rank (rewards,
+lengths, the sampler against the trainer, what the truncation kept, the tools' counts), the wall-clock seconds of
+each phase, and one row for a step of several optimizer steps."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..losses import is_maximum
+from ..runtime.distributed import DistInfo, agree
+from .env.tools import ANSWER_KINDS, ERROR_KINDS
+from .rollout.front import RolloutResult
+from .rollout.turns import TOOL_COUNTS
+
+
+def rollout_stats(
+    result: RolloutResult, rewards: torch.Tensor, reward_parts: dict[str, torch.Tensor],
+    trainer_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, response_mask: torch.Tensor,
+    counts: tuple[int, int, int], info: DistInfo, timeout_s: float,
+) -> dict[str, float]:
+    """Over every rank (one small all-reduce): rewards, response lengths, the groups without signal and the
+    samples that train (``counts``: uniform groups and groups sampled on this rank, samples it trains on),
+    how far the trainer's log-probs (before any update) are from the sampler's over the response tokens
+    that train, both of the untruncated distribution -- any mismatch between the two copies of the policy
+    (dtype, temperature, padding, stale weights) biases the gradient -- and the probability mass the
+    sampler's truncation kept."""
+    rewards, lengths = rewards.double(), result.response_lengths.double()
+    diff = (sampler_log_probs - trainer_log_probs.cpu()).abs() * response_mask
+    parts = sorted(reward_parts.items())
+    kept = result.kept_mass.double()
+    tool_counts = result.tool_counts if result.tool_counts is not None else torch.zeros(0, dtype=torch.float64)
+    sums = [rewards.sum(), (rewards**2).sum(), len(rewards), lengths.sum(), (rewards >= 1).sum(), diff.sum(),
+            response_mask.sum(), *counts, result.clipped.sum(), kept.sum(), kept.numel(),
+            *(values.double().sum() for _, values in parts), *tool_counts]
+    totals, per_rank = agree([float(x) for x in sums], [float(diff.max()) if diff.numel() else 0.0],
+                             "the rollout statistics all-reduce", info.device, timeout_s)
+    (total, squares, count, length, solved, diff_sum, tokens, uniform_groups, groups, trained, clipped, kept_sum,
+     kept_count) = totals[:13].tolist()
+    mean = total / count
+    by_function = {f"reward/{name}": float(value) / count
+                   for (name, _), value in zip(parts, totals[13:13 + len(parts)], strict=True)}
+    return {
+        **(tool_metrics(totals[13 + len(parts):].tolist(), count) if len(tool_counts) else {}),
+        **(by_function if len(parts) > 1 else {}),
+        "response/clipped_fraction": clipped / count,  # cut by rl.max_new_tokens
+        "reward/mean": mean,
+        "reward/std": math.sqrt(max(squares / count - mean * mean, 0.0)),
+        "reward/solved_fraction": solved / count,
+        "response/length_mean": length / count,
+        "rollout/response_tokens": length,  # over every rank
+        "rollout/log_prob_diff": diff_sum / max(tokens, 1.0),
+        "rollout/log_prob_diff_max": float(per_rank.max()),
+        # what rl.top_k/top_p/min_p kept, per token (absent where the engine does not report it: vLLM's)
+        **({"rollout/kept_mass": kept_sum / kept_count} if kept_count else {}),
+        "rollout/uniform_group_fraction": uniform_groups / groups,
+        "rollout/trained_samples": trained,  # over every rank (rl.skip_uniform_groups leaves some out)
+    }
+
+
+def tool_metrics(sums: list[float], samples: float) -> dict[str, float]:
+    """Multi-turn rollouts' metrics from the all-reduced :data:`TOOL_COUNTS` (over every rank)."""
+    counts = dict(zip(TOOL_COUNTS, sums, strict=True))
+    errors = {kind: counts[kind] for kind in (*ERROR_KINDS, "refused_by_template")}
+    return {
+        "rollout/turns_mean": counts["turns"] / samples,
+        "rollout/tool_calls_per_sample": counts["tool_calls"] / samples,
+        "rollout/tool_errors": sum(errors.values()),  # calls that went wrong, over every rank
+        **{f"rollout/tool_errors/{kind}": value for kind, value in errors.items()},
+        # answers that are no errors: JSON values (a dict, None), and those cut to rl.tool_max_chars
+        **{f"rollout/tool_{kind}": counts[kind] for kind in ANSWER_KINDS},
+    }
+
+
+PHASES = ("weight_sync", "rollout", "tools", "reward", "balance", "ref_log_prob", "old_log_prob", "values",
+          "critic_update", "update")
+
+
+class PhaseClock:
+    """Wall-clock seconds of each phase of a GRPO step on this rank (``time/<phase>_s``)."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Book ``seconds`` measured inside ``source`` (the tools, run between the rollout's turns) to ``target``."""
+        self.seconds[source] -= seconds
+        self.seconds[target] += seconds
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{phase}_s": value for phase, value in self.seconds.items()}
+
+
+def combine_updates(updates: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for a rollout step of several optimizer steps: the loss metrics averaged (maxima: the
+    maximum), skipped updates counted, a stop requested in any of them kept, the rest from the last."""
+    row = dict(updates[-1])
+    for key in updates[-1]:
+        if key == "loss" or key.startswith("actor/"):
+            values = [u[key] for u in updates]
+            row[key] = max(values) if is_maximum(key) else sum(values) / len(values)
+    row["train/skipped"] = sum(u["train/skipped"] for u in updates)
+    row["stop/signal"] = max(u["stop/signal"] for u in updates)
+    row["train/optimizer_steps"] = len(updates)
+    return row
+
+
+def throughput(response_tokens: float, clock: PhaseClock, updates: list[dict[str, Any]]) -> dict[str, float]:
+    """The rollout's tokens per second, the update's real tokens per second and useful FLOPs (every rank's)."""
+    return {
+        "perf/rollout_tokens_per_s": response_tokens / max(clock.seconds["rollout"], 1e-9),
+        "perf/update_tokens_per_s": sum(u["batch/real_tokens"] for u in updates) / max(clock.seconds["update"], 1e-9),
+        "perf/update_useful_flops": sum(u["perf/useful_flops"] for u in updates),
+    }
