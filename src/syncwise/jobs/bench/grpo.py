@@ -74,9 +74,12 @@ class GRPOBenchSpec:
 
 
 def _available(names: list[str]) -> list[str]:
-    """``names`` without the vLLM rows where vLLM is not installed (``make VLLM_SPEC=``)."""
-    has_vllm = ROLLOUT_ENGINES["vllm"].installed()
-    return [n for n in names if has_vllm or "rl.rollout_engine=vllm" not in GRPO_CONFIGS[n]]
+    """``names`` without the rows whose rollout engine is not installed (vLLM's with ``make VLLM_SPEC=``)."""
+    def engine(name: str) -> str:
+        chosen = [o.partition("=")[2] for o in GRPO_CONFIGS[name] if o.startswith("rl.rollout_engine=")]
+        return chosen[-1] if chosen else "compact"
+
+    return [n for n in names if ROLLOUT_ENGINES[engine(n)].installed()]
 
 
 def _job_config(spec: GRPOBenchSpec, name: str | None, out: Path, start: Path | None = None) -> dict[str, Any]:
