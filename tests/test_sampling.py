@@ -135,3 +135,31 @@ def test_the_compact_sampler_truncates_as_vllm_where_the_config_lets_both(top_k,
     assert same_support == agree
     if agree:
         torch.testing.assert_close(ours[ours.isfinite()], theirs[theirs.isfinite()], rtol=1e-5, atol=1e-5)
+
+
+def test_a_rollout_engine_is_built_from_a_plain_setup_without_a_training_engine(setup):
+    """The engines take a RolloutSetup (config, device, sampling settings, ...), not the Engine: the compact one
+    built alone, refreshed from a plain model's weights a layer at a time, samples what a forward pass gives."""
+    import dataclasses
+
+    from syncwise.config import load_config
+    from syncwise.config.rollout_engines import ROLLOUT_ENGINES
+    from syncwise.rl.rollout.base import RolloutSetup
+    from syncwise.rl.rollout.front import make_rollout_engine
+
+    tok, model, prompts = setup
+    rl = dataclasses.replace(load_config(None, []).rl, temperature=0.7)
+    engine = make_rollout_engine(RolloutSetup(model.config, torch.device("cpu"), rl, tok, [tok.eos_token_id],
+                                              MAX_NEW, seed=0, memory_budget=2**30))
+    assert type(engine).__name__ == ROLLOUT_ENGINES["compact"].loader.rpartition(":")[2]
+    state = model.state_dict()
+    layers = sorted({".".join(k.split(".")[:3]) for k in state if ".layers." in k})
+    units = [{k: v for k, v in state.items() if k.startswith(prefix + ".")} for prefix in layers]
+    units.append({k: v for k, v in state.items() if ".layers." not in k})  # embeddings, norm, head
+    engine.refresh(iter(units))
+    torch.manual_seed(0)
+    out = engine.sample([p.tolist() for p in prompts[:2]], 3, 12, seed=0)
+    assert engine.held_bytes() == sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    for i, (tokens, log_probs) in enumerate(zip(out.tokens, out.full_log_probs, strict=True)):
+        expected = _forward_log_probs(model, prompts[i // 3], tokens, 0.7)
+        torch.testing.assert_close(log_probs, expected, rtol=1e-5, atol=1e-5)
