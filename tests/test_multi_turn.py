@@ -358,9 +358,8 @@ def _loop(family, script, *overrides, max_new_tokens=600):
     prompt_ids = encode_prompt(PROMPT, cfg, tokenizer, schemas)
     engine = ScriptedEngine(tokenizer, [call(s[5:]) if s.startswith("call:") else s for s in script], end)
     loop = TurnLoop(cfg, tokenizer, None, lambda row: FunctionTools(tools), list(tools))
-    conversations, _ = loop.run(engine, [{"prompt": PROMPT, "answer": "89"}],
-                                                           [prompt_ids], [schemas], 2, max_new_tokens,
-                                                           seeds=[0] * cfg.max_turns)
+    conversations, _ = loop.run(engine, [{"prompt": PROMPT, "answer": "89"}], [prompt_ids], [schemas], 2,
+                                max_new_tokens, seeds=[0] * cfg.max_turns)
     return tokenizer, end, call, schemas, prompt_ids, engine, conversations
 
 
@@ -439,3 +438,59 @@ def test_a_rows_tools_must_be_ones_the_job_defines(tmp_path):
     encoded = encode_prompts(rows[:2], None, "p.jsonl", cfg, tokenizer, tools)
     assert encoded.tools == [[tools["calculator"].schema]] * 2 and encoded.templated  # strings as user turns
     assert "calculator" in tokenizer.decode(encoded.ids[0])
+
+
+class CountingEpisode:
+    """An environment with state, through the loop's door (issue 50): it opens with an observation, its one
+    tool counts the calls of its own episode, it scores the episode by that count and records that it was
+    closed."""
+
+    closed: list = []
+
+    def __init__(self, row):
+        self.row, self.calls = row, 0
+
+    def start(self, row):
+        return f"You have {row['budget']} tries."
+
+    def tools(self):
+        from syncwise.rl.env.tools import Tool
+
+        def calculator(expression: str) -> str:
+            self.calls += 1
+            return f"try {self.calls}: {expression}"
+
+        return {"calculator": Tool("calculator", calculator, {})}
+
+    def reward(self):
+        return float(self.calls)
+
+    def close(self):
+        CountingEpisode.closed.append(self)
+
+
+def test_an_environment_opens_the_episode_holds_its_state_and_scores_it():
+    tokenizer, end, call = FAMILIES["qwen2.5"]
+    tokenizer = tokenizer()
+    cfg = load_config(None, ["rl.tools=[calculator]"]).rl
+    schemas = [load_tools(["calculator"])["calculator"].schema]
+    row = {"prompt": PROMPT, "answer": "89", "budget": 3}
+    prompt_ids = encode_prompt(PROMPT, cfg, tokenizer, schemas)
+    engine = ScriptedEngine(tokenizer, [call("1 + 1"), call("2 + 2"), "Done.\n#### 4"], end)
+    CountingEpisode.closed = []
+    loop = TurnLoop(cfg, tokenizer, None, CountingEpisode, ["calculator"])
+    trajectories, _ = loop.run(engine, [row], [prompt_ids], [schemas], 2, 600, seeds=[0] * cfg.max_turns)
+    opening = {"role": "user", "content": "You have 3 tries."}
+    with_opening = encode_prompt(PROMPT + [opening], cfg, tokenizer, schemas)
+    # the observation is a user turn of each episode's own prompt: the first turn is asked per conversation
+    assert engine.calls[0] == ([with_opening, with_opening], 1, 600)
+    for t in trajectories:
+        assert t.prompt == with_opening and t.messages[0] == opening
+        assert [m["content"] for m in t.messages if m["role"] == "tool"] == ["try 1: 1 + 1", "try 2: 2 + 2"]
+        assert t.env_reward == 2.0  # each episode counted its own calls
+    assert len(CountingEpisode.closed) == 2 and all(e.calls == 2 for e in CountingEpisode.closed)
+    from syncwise.rl.env.scoring import RewardFunction, score_samples
+
+    totals, parts = score_samples([RewardFunction("final_number", "rl.reward_fn", final_number)], [row],
+                                  [t.messages for t in trajectories], 2, [t.env_reward for t in trajectories])
+    assert parts["environment"] == [2.0, 2.0] and totals == [2.0, 2.0]  # #### 4 is not 89: 0 + the episode's 2

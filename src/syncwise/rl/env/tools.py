@@ -108,12 +108,10 @@ class ToolRunner:
     def __init__(self, limits: ToolLimits):
         self.limits = limits
         self.spent = 0.0  # this step's seconds in tools (wall clock, however many ran at once)
-        self.abandoned: list[threading.Thread] = []  # calls past their limit, maybe still running
         ToolOutput.install()
 
     def new_step(self) -> None:
         self.spent = 0.0
-        self.abandoned = [t for t in self.abandoned if t.is_alive()]
 
     def run(self, calls: list[Call]) -> list[ToolResult]:
         """Every call's result, in order: up to ``workers`` at a time (over every episode of the rank), each
@@ -160,8 +158,7 @@ class ToolRunner:
             if now < deadline:
                 continue
             del running[i]
-            self.abandoned.append(thread)
-            _raise_in(thread, ToolCancelled)
+            _raise_in(thread, ToolCancelled)  # abandoned: stopped where Python can stop it
             name = calls[i][1]
             if deadline < start + self.limits.timeout_s:  # the step's budget ran out first
                 results[i] = self._step_spent(name, now - start)
