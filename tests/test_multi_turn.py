@@ -358,8 +358,8 @@ def _loop(family, script, *overrides, max_new_tokens=600):
     prompt_ids = encode_prompt(PROMPT, cfg, tokenizer, schemas)
     engine = ScriptedEngine(tokenizer, [call(s[5:]) if s.startswith("call:") else s for s in script], end)
     loop = TurnLoop(cfg, tokenizer, None, lambda row: FunctionTools(tools), list(tools))
-    conversations, _ = loop.run(engine, [{"prompt": PROMPT, "answer": "89"}], [prompt_ids], [schemas], 2,
-                                max_new_tokens, seeds=[0] * cfg.max_turns)
+    conversations, _, _ = loop.run(engine, [{"prompt": PROMPT, "answer": "89"}], [prompt_ids], [schemas], 2,
+                                   max_new_tokens, seeds=[0] * cfg.max_turns)
     return tokenizer, end, call, schemas, prompt_ids, engine, conversations
 
 
@@ -441,9 +441,9 @@ def test_a_rows_tools_must_be_ones_the_job_defines(tmp_path):
 
 
 class CountingEpisode:
-    """An environment with state, through the loop's door (issue 50): it opens with an observation, its one
-    tool counts the calls of its own episode, it scores the episode by that count and records that it was
-    closed."""
+    """An environment with state, through the loop's door (issue 50): it opens with text, its one tool counts
+    the calls of its own episode, it scores the episode by that count, says how many it had, and records that
+    it was closed."""
 
     closed: list = []
 
@@ -451,7 +451,7 @@ class CountingEpisode:
         self.row, self.calls = row, 0
 
     def start(self, row):
-        return f"You have {row['budget']} tries."
+        return f" You have {row['budget']} tries."
 
     def tools(self):
         from syncwise.rl.env.tools import Tool
@@ -465,11 +465,17 @@ class CountingEpisode:
     def reward(self):
         return float(self.calls)
 
+    def metrics(self):
+        return {"calls": float(self.calls)}
+
     def close(self):
         CountingEpisode.closed.append(self)
 
 
 def test_an_environment_opens_the_episode_holds_its_state_and_scores_it():
+    from syncwise.rl.env.scoring import RewardFunction, score_samples
+    from syncwise.rl.rollout.turns import opened
+
     tokenizer, end, call = FAMILIES["qwen2.5"]
     tokenizer = tokenizer()
     cfg = load_config(None, ["rl.tools=[calculator]"]).rl
@@ -479,18 +485,24 @@ def test_an_environment_opens_the_episode_holds_its_state_and_scores_it():
     engine = ScriptedEngine(tokenizer, [call("1 + 1"), call("2 + 2"), "Done.\n#### 4"], end)
     CountingEpisode.closed = []
     loop = TurnLoop(cfg, tokenizer, None, CountingEpisode, ["calculator"])
-    trajectories, _ = loop.run(engine, [row], [prompt_ids], [schemas], 2, 600, seeds=[0] * cfg.max_turns)
-    opening = {"role": "user", "content": "You have 3 tries."}
-    with_opening = encode_prompt(PROMPT + [opening], cfg, tokenizer, schemas)
-    # the observation is a user turn of each episode's own prompt: the first turn is asked per conversation
+    trajectories, _, episodes = loop.run(engine, [row], [prompt_ids], [schemas], 2, 600, seeds=[0] * cfg.max_turns)
+    # what start said is appended to the last user message (as TRL does with reset's text): each episode's
+    # prompt is its own, so the first turn is asked per conversation
+    with_opening = encode_prompt(opened(PROMPT, " You have 3 tries."), cfg, tokenizer, schemas)
+    assert opened(PROMPT, "!")[-1]["content"] == PROMPT[-1]["content"] + "!" and with_opening != prompt_ids
     assert engine.calls[0] == ([with_opening, with_opening], 1, 600)
     for t in trajectories:
-        assert t.prompt == with_opening and t.messages[0] == opening
+        assert t.prompt == with_opening and t.opening == " You have 3 tries."
         assert [m["content"] for m in t.messages if m["role"] == "tool"] == ["try 1: 1 + 1", "try 2: 2 + 2"]
         assert t.env_reward == 2.0  # each episode counted its own calls
-    assert len(CountingEpisode.closed) == 2 and all(e.calls == 2 for e in CountingEpisode.closed)
-    from syncwise.rl.env.scoring import RewardFunction, score_samples
+    assert not CountingEpisode.closed  # open until the trainer has scored them
 
-    totals, parts = score_samples([RewardFunction("final_number", "rl.reward_fn", final_number)], [row],
-                                  [t.messages for t in trajectories], 2, [t.env_reward for t in trajectories])
-    assert parts["environment"] == [2.0, 2.0] and totals == [2.0, 2.0]  # #### 4 is not 89: 0 + the episode's 2
+    def calls_made(prompt, response, row, env):  # a reward function that reads its sample's episode
+        return 0.5 * env.calls
+
+    functions = [RewardFunction("final_number", "rl.reward_fn", final_number),
+                 RewardFunction("calls_made", "rl.reward_fn", calls_made)]
+    totals, parts = score_samples(functions, [row], [t.messages for t in trajectories], 2, episodes,
+                                  [t.env_reward for t in trajectories], "CountingEpisode")
+    assert parts["CountingEpisode"] == [2.0, 2.0] and parts["calls_made"] == [1.0, 1.0]
+    assert totals == [3.0, 3.0]  # #### 4 is not 89: 0, + 1 from the reward function, + the episode's 2

@@ -46,6 +46,44 @@ def add(a: int, b: int) -> str:
     print(f"adding {a} and {b}")
     return str(a + b)
 '''
+# An environment class as TRL's GRPOTrainer docs write one for environment_factory (reset(**kwargs), get_reward,
+# public methods as tools) -- written to TRL's contract, not to syncwise's API; get_metrics and close are
+# syncwise's extras (the test counts them in a file, as a user's class might log)
+TRL_ENV = '''
+import json
+import os
+
+
+class AdderEnv:
+    def reset(self, **kwargs) -> str | None:
+        self.calls = 0
+        self.answer = int(kwargs["answer"])
+        return None
+
+    def get_reward(self) -> float:
+        return 1.0 if self.calls == 1 else 0.0
+
+    def get_metrics(self) -> dict:
+        return {"calls": self.calls}
+
+    def close(self) -> None:
+        with open(os.environ["ENV_LOG"], "a") as log:
+            log.write(json.dumps({"closed": self.calls}) + "\\n")
+
+    def add(self, a: int, b: int) -> int:
+        \"\"\"
+        Add two numbers.
+
+        Args:
+            a: One number.
+            b: The other.
+
+        Returns:
+            The sum.
+        \"\"\"
+        self.calls += 1
+        return a + b
+'''
 CONVERSATION = [
     {"role": "user", "content": "What is 12 + 7?"},
     {"role": "assistant", "content": "", "tool_calls": [
@@ -67,6 +105,7 @@ def folder(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tools_job")
     (root / "my_tools.py").write_text(ADD_TOOL)
+    (root / "adder_env.py").write_text(TRL_ENV)
     namespace: dict = {}
     exec(ADD_TOOL, namespace)  # noqa: S102 - the test's own tool, for its schema
     memorized_tool_model(root, CONVERSATION, [get_json_schema(namespace["add"])])
@@ -75,8 +114,50 @@ def folder(tmp_path_factory):
     return root
 
 
+BAD_ENVS = '''
+class NoTools:
+    def reset(self, **kwargs):
+        return None
+
+
+class Untyped:
+    def reset(self, **kwargs):
+        return None
+
+    def look(self, where) -> str:
+        """Look.
+
+        Args:
+            where: Where.
+        """
+        return where
+
+
+class Undocumented:
+    def reset(self, **kwargs):
+        return None
+
+    def look(self, where: str) -> str:
+        return where
+
+
+class NeedsSeed:
+    def reset(self, seed: int, **kwargs):
+        return None
+
+    def look(self, where: str) -> str:
+        """Look.
+
+        Args:
+            where: Where.
+        """
+        return where
+'''
+
+
 def _train(folder: Path, out: str, *overrides: str, misbehaves: bool = False) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ADD_MISBEHAVES": "1" if misbehaves else ""}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ADD_MISBEHAVES": "1" if misbehaves else "",
+           "ENV_LOG": str(folder / f"{out}.closed.jsonl")}
     env.pop("PYTHONPATH", None)
     return subprocess.run([sys.executable, "-m", "syncwise", "train", *JOB, f"model.path={folder / 'qwen2-tools'}",
                            f"train.out_dir={folder / out}", *overrides], cwd=folder, capture_output=True,
@@ -138,12 +219,39 @@ def test_a_tool_that_exits_or_hangs_in_a_retry_loop_is_cut_off_and_counted(folde
     assert row["time/tools_s"] < 1 + 5  # rank 0's: its budget, and the template's tokenising of the answers
 
 
+def test_an_environment_class_written_for_trl_trains_unchanged(folder):
+    """rl.environment with a class written to TRL's environment_factory contract (and no rl.tools): one instance
+    per conversation, its method the tool, get_reward a reward of its own beside rl.reward_fn's, get_metrics
+    logged as env/, every episode closed once scored."""
+    proc = _train(folder, "environment", "train.steps=2", "rl.tools=[]", "rl.environment=adder_env.py:AdderEnv")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "multi-turn with environment AdderEnv: tools add (hermes calls" in proc.stdout
+    rows = _rows(folder, "environment")
+    for row in rows:
+        assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
+        assert 0 < row["reward/AdderEnv"] <= 1 and row["reward/final_number"] > 0.2, row
+        assert row["reward/mean"] == pytest.approx(row["reward/AdderEnv"] + row["reward/final_number"], rel=1e-9)
+        # the calls that reached the episode's method (a call that did not parse is counted, but never runs)
+        assert 0 < row["env/calls"] <= row["rollout/tool_calls_per_sample"] + 1e-9, row
+        assert row["rollout/log_prob_diff"] < 2e-6, row
+    closed = (folder / "environment.closed.jsonl").read_text().splitlines()
+    assert len(closed) == 2 * 16  # every conversation's episode, both steps, both ranks
+
+
 @pytest.mark.parametrize(("override", "said"), [
     ("rl.tools=[my_tools.py:nope]", "rl.tools: cannot import 'my_tools.py:nope'"),
     ("rl.tools=[untyped.py:tool]", "rl.tools: 'untyped.py:tool': parameter(s) x have no type hint"),
     ("rl.dataset=bad_tools.jsonl", "bad_tools.jsonl line 1: 'tools' names 'search', which rl.tools does not define"),
     ("rl.tool_parser=llama3_json", "rl.tool_parser=llama3_json: the chat template renders tool calls as hermes"),
     ("rl.tools=[broken.py:add]", "rl.tools: cannot import 'broken.py:add': RuntimeError: no API key"),
+    ("rl.environment=bad_envs.py:NoTools", "rl.environment: 'bad_envs.py:NoTools' has no tool methods"),
+    ("rl.environment=bad_envs.py:Untyped", "rl.environment: 'bad_envs.py:Untyped': look: parameter(s) where have "
+                                           "no type hint"),
+    ("rl.environment=bad_envs.py:Undocumented", "rl.environment: 'bad_envs.py:Undocumented': look: "),
+    ("rl.environment=bad_envs.py:NeedsSeed", "rl.environment: NeedsSeed.reset needs seed, which prompts.jsonl line 1 "
+                                            "does not have (its columns: answer, prompt)"),
+    ("rl.environment=adder_env.py:AdderEnv", "rl.environment: AdderEnv has tool(s) add, and rl.tools defines them "
+                                             "too"),
 ])
 def test_bad_tool_input_is_found_before_any_rank_starts(folder, override, said, monkeypatch):
     """The checks the command line runs before the ranks (in-process here; the next test runs the command)."""
@@ -153,6 +261,7 @@ def test_bad_tool_input_is_found_before_any_rank_starts(folder, override, said, 
     (folder / "untyped.py").write_text('def tool(x) -> str:\n    """T.\n\n    Args:\n        x: X.\n    """\n'
                                        '    return x\n')
     (folder / "broken.py").write_text("raise RuntimeError('no API key')\n")
+    (folder / "bad_envs.py").write_text(BAD_ENVS)
     (folder / "bad_tools.jsonl").write_text(json.dumps({"prompt": "Hi", "answer": "1", "tools": ["search"]}) + "\n")
     monkeypatch.chdir(folder)
     config = load_config(None, [*JOB, f"model.path={folder / 'qwen2-tools'}", override])

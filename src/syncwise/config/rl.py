@@ -101,6 +101,10 @@ class RLConfig:
     tool_step_timeout_s: float = 0.0
     tool_max_chars: int = 4096  # a tool's answer is cut to this many characters (the cut said in it)
     tool_workers: int = 8  # a turn's calls over all conversations run side by side, this many at a time
+    # An environment class, "file.py:Class" or "package.module:Class", written to TRL's environment_factory
+    # contract (syncwise.rl.env.classes): one instance per conversation, reset(**row), its public methods the
+    # tools, get_reward() one more reward, get_metrics() logged as env/<name>, close() after scoring
+    environment: str | None = None
     # What samples the responses (syncwise.rl.rollout.front): compact -- each prompt prefilled once, ended
     # sequences dropped, only drawn tokens' log-probs kept (syncwise.rl.rollout.compact); generate -- Hugging Face
     # generate (the earlier path, for comparison); vllm -- a vLLM engine on every rank (syncwise.rl.rollout.vllm)
@@ -223,9 +227,10 @@ class RLConfig:
         non_negative("rl.tool_step_timeout_s", self.tool_step_timeout_s, "0: half of dist.timeout_s")
         positive("rl.tool_max_chars", self.tool_max_chars)
         positive("rl.tool_workers", self.tool_workers)
-        if self.tools and self.chat_template == "false":
-            raise ConfigError("rl.tools with rl.chat_template=false: tools are shown to the model and their results "
-                              "given back through the chat template")
+        if (self.tools or self.environment) and self.chat_template == "false":
+            key = "rl.tools" if self.tools else "rl.environment"
+            raise ConfigError(f"{key} with rl.chat_template=false: tools are shown to the model and their results "
+                              f"given back through the chat template")
 
 
 # Sections of the critic that may differ from the actor's (critic.<section>.<key>=...)

@@ -114,10 +114,10 @@ def check_rl(config: Config) -> None:
             f"{key}: cannot load a tokenizer from {rl.tokenizer or config.model.path}: {_first_line(exc)}"
         ) from exc
     try:
-        source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools)
+        source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools, rl.environment)
         tokenizer = load_tokenizer(config)
         check_parser_name(rl.tool_parser)
-        if rl.tools:  # the template shows the tools and takes their results: it must know how
+        if rl.tools or rl.environment:  # the template shows the tools and takes their results: it must know how
             choose_parser(tokenizer, rl.tool_parser)
         source.encode(tokenizer, rl)
     except ValueError as exc:

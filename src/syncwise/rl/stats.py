@@ -125,3 +125,32 @@ def throughput(response_tokens: float, clock: PhaseClock, updates: list[dict[str
         "perf/update_tokens_per_s": sum(u["batch/real_tokens"] for u in updates) / max(clock.seconds["update"], 1e-9),
         "perf/update_useful_flops": sum(u["perf/useful_flops"] for u in updates),
     }
+
+
+def env_metrics(per_episode: list[dict[str, float]], info: DistInfo, timeout_s: float) -> dict[str, float]:
+    """``env/<name>``: each number an environment's ``get_metrics()`` gave, its mean over the step's episodes
+    that gave it, over every rank (the names agreed first: an episode may give some only sometimes)."""
+    import torch.distributed as dist
+
+    names = sorted(set().union(*per_episode)) if per_episode else []
+    if dist.is_initialized() and info.world_size > 1:
+        everyone: list = [None] * info.world_size
+        dist.all_gather_object(everyone, names)
+        names = sorted(set().union(*everyone))
+    sums = [sum(m.get(name, 0.0) for m in per_episode) for name in names]
+    counts = [sum(name in m for m in per_episode) for name in names]
+    totals, _ = agree([*sums, *counts], [], "the environment metrics all-reduce", info.device, timeout_s)
+    values = totals.tolist()
+    return {f"env/{name}": values[i] / max(values[len(names) + i], 1.0) for i, name in enumerate(names)}
+
+
+def progress_line(metrics: dict[str, Any]) -> str:
+    """The progress bar's words for a step: reward, the actor's loss and collectives, the critic's, the times."""
+    actor = (f"loss {metrics['loss']:.4f} gn {metrics['train/grad_norm']:.2f} "
+             f"AG {metrics['comm/all_gather_count']} RS {metrics['comm/reduce_scatter_count']} "
+             f"AR {metrics['comm/all_reduce_count']} {metrics['sync/mode']}"
+             if "loss" in metrics else "actor waits (critic.warmup_steps)")
+    critic = (f" | vf {metrics['critic/vf_loss']:.4f} ev {metrics['critic/vf_explained_var']:.2f} "
+              f"{metrics['critic/sync/mode']}" if "critic/vf_loss" in metrics else "")
+    return (f"reward {metrics['reward/mean']:.3f} {actor}{critic} | rollout {metrics['time/rollout_s']:.1f}s "
+            f"update {metrics['time/update_s'] + metrics['time/critic_update_s']:.1f}s")

@@ -44,8 +44,8 @@ from .algorithm.losses import make_policy_loss
 from .algorithm.ppo import Critic, ppo_advantages
 from .env.scoring import score_samples
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
-from .rollout.front import Rollout
-from .stats import PHASES, PhaseClock, combine_updates, rollout_stats, throughput
+from .rollout.front import Rollout, RolloutResult
+from .stats import PHASES, PhaseClock, combine_updates, env_metrics, progress_line, rollout_stats, throughput
 from .warm_start import keep_changed_bases, start_from_policy, warm_start_step
 
 
@@ -72,7 +72,8 @@ class RLTrainer:
         torch.manual_seed(train.seed * 1000 + info.rank)
         random.seed(train.seed * 1000 + info.rank)
         self.tokenizer = load_tokenizer(config)
-        self.source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools)
+        self.source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools,
+                                    rl.environment)
         self.source.encode(self.tokenizer, rl)
         overrides = {} if config.model.path else {"vocab_size": len(self.tokenizer)}
         updates_per_step = rl.mini_batches * rl.epochs
@@ -175,9 +176,7 @@ class RLTrainer:
             result = self.rollout.generate(rows, prompt_ids, step, [self.source.encoded.tools[i] for i in indices])
         clock.move("rollout", "tools", result.tool_s)  # run between the turns
         with clock("reward"):
-            totals, parts = score_samples(self.source.rewards, rows, result.responses, rl.samples_per_prompt,
-                                          [t.env_reward for t in result.trajectories])
-            rewards, reward_parts = torch.tensor(totals), {name: torch.tensor(v) for name, v in parts.items()}
+            rewards, reward_parts, episode_metrics = self._reward(result, rows)
         batch = dict(result.batch)
         if self.critic is None:
             batch["advantages"] = advantages_for(rewards, self.config)
@@ -229,6 +228,8 @@ class RLTrainer:
             metrics.update(critic_metrics)
             metrics["stop/signal"] = max(metrics["stop/signal"], critic_metrics["critic/stop/signal"])
         metrics.update(balance_metrics)
+        if self.source.environment is not None:
+            metrics.update(env_metrics(episode_metrics, self.info, self.config.dist.timeout_s))
         metrics.update(rollout_stats(result, rewards, reward_parts, before_update, sampler_log_probs,
                                      batch["loss_mask"][:, 1:].double(), counts, self.info,
                                      self.config.dist.timeout_s))
@@ -239,6 +240,20 @@ class RLTrainer:
         if self.info.is_main:
             self._log(metrics)
         return metrics
+
+    def _reward(self, result: RolloutResult, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, dict, list]:
+        """Every sample's reward (the weighted total), each source's, and what each episode says about itself;
+        the episodes are closed after, also when scoring fails."""
+        env = self.source.environment
+        try:
+            totals, parts = score_samples(self.source.rewards, rows, result.responses,
+                                          self.config.rl.samples_per_prompt, result.episodes or None,
+                                          [t.env_reward for t in result.trajectories],
+                                          env.name if env is not None else "environment")
+            episode_metrics = [episode.metrics() for episode in result.episodes]
+        finally:
+            result.close_episodes()
+        return torch.tensor(totals), {name: torch.tensor(v) for name, v in parts.items()}, episode_metrics
 
     def warm_start(self) -> None:
         """``rl.warm_start_steps`` supervised steps on the task's correct responses through the same engine,
@@ -284,16 +299,7 @@ class RLTrainer:
             logger.log(metrics)
         self.history.append(metrics)
         if self.bar is not None:
-            actor = (f"loss {metrics['loss']:.4f} gn {metrics['train/grad_norm']:.2f} "
-                     f"AG {metrics['comm/all_gather_count']} RS {metrics['comm/reduce_scatter_count']} "
-                     f"AR {metrics['comm/all_reduce_count']} {metrics['sync/mode']}"
-                     if "loss" in metrics else "actor waits (critic.warmup_steps)")
-            critic = (f" | vf {metrics['critic/vf_loss']:.4f} ev {metrics['critic/vf_explained_var']:.2f} "
-                      f"{metrics['critic/sync/mode']}" if "critic/vf_loss" in metrics else "")
-            self.bar.set_postfix_str(
-                f"reward {metrics['reward/mean']:.3f} {actor}{critic} | rollout {metrics['time/rollout_s']:.1f}s "
-                f"update {metrics['time/update_s'] + metrics['time/critic_update_s']:.1f}s"
-            )
+            self.bar.set_postfix_str(progress_line(metrics))
             self.bar.update(1)
 
     def save(self, done: int) -> Path:

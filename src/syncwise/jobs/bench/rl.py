@@ -89,8 +89,8 @@ class HandWrittenPackedLoop:
     def __init__(self, preset: str, mode: str, max_tokens: int, info: DistInfo):
         from torch.distributed.fsdp import fully_shard
 
-        from ..data import attention
-        from ..models import decoder_layers
+        from ...data import attention
+        from ...models import decoder_layers
 
         cfg = load_config(None, [f"model.preset={preset}"])
         self.model = build_model(cfg.model).to(info.device)
@@ -110,9 +110,9 @@ class HandWrittenPackedLoop:
         import torch.distributed as dist
         import torch.nn.functional as F
 
-        from ..data.attention import sequence_bounds
-        from ..data.batching import microbatches_needed, sequence_lengths, split_batch
-        from ..data.packing import pack
+        from ...data.attention import sequence_bounds
+        from ...data.batching import microbatches_needed, sequence_lengths, split_batch
+        from ...data.packing import pack
 
         counts = torch.tensor([float(microbatches_needed(batch, 1, self.max_tokens, packed=True))])
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)

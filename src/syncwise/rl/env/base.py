@@ -1,11 +1,13 @@
 """The environment room's door: what a conversation's world is to the rollout (:class:`Environment`).
 
-An episode starts from its dataset row (:meth:`~Environment.start`, which may say something first), offers the
-policy its tools -- bound to the episode, so a tool can change the episode's state -- and may score the
-episode once it is over (:meth:`~Environment.reward`). The turn loop (:mod:`syncwise.rl.rollout.turns`) asks
-nothing else of it: the tools of every episode in a turn run side by side in one
+An episode starts from its dataset row (:meth:`~Environment.start`, which may say something first: appended
+to the prompt's last user message), offers the policy its tools -- bound to the episode, so a tool can change
+the episode's state -- and may score the episode once it is over (:meth:`~Environment.reward`) and say
+something about it (:meth:`~Environment.metrics`); it is closed once the trainer has scored it. The turn loop
+(:mod:`syncwise.rl.rollout.turns`) asks nothing else of it: the tools of every episode in a turn run side by side in one
 :class:`~syncwise.rl.env.tools.ToolRunner`, each call within its limits. ``rl.tools``' plain functions are
-the environment without state (:class:`FunctionTools`, one for every episode)."""
+the environment without state (:class:`FunctionTools`, one for every episode); ``rl.environment``'s class is
+:mod:`syncwise.rl.env.classes`' (one instance an episode)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ class Environment(Protocol):
     def reward(self) -> float | None:
         """The episode's score after its last turn (None: the reward functions alone score it)."""
 
+    def metrics(self) -> dict[str, float]:
+        """Numbers about the episode, logged as ``env/<name>`` (their mean over the step's episodes)."""
+
     def close(self) -> None:
         """The episode is over (scored, or failed): let go of what it holds."""
 
@@ -44,6 +49,9 @@ class FunctionTools:
 
     def reward(self) -> float | None:
         return None
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         """Nothing held."""

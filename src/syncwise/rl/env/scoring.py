@@ -3,8 +3,11 @@
 A path is ``package.module:function`` (imported as ``python -m`` would, with the job's folder first on the
 path) or ``path/to/file.py:function``. A function is per-sample, ``fn(prompt, response, row) -> float``, or
 batched, ``fn(prompts, responses, rows) -> list[float]`` -- declared with ``@syncwise.rewards.batched`` or by
-naming its first parameter ``prompts``. Several functions are summed with ``rl.reward_weights``; each is
-logged as ``reward/<name>`` beside the weighted total. Reward functions are your code and run with the
+naming its first parameter ``prompts``. With ``rl.environment``, a per-sample function with an ``env``
+parameter is given the sample's episode (the environment instance), a batched one with an ``environments``
+parameter the list of them (TRL's name). Several functions are summed with ``rl.reward_weights``; each is
+logged as ``reward/<name>`` beside the weighted total; an episode's own ``get_reward()`` is one more part, at
+weight 1, logged under its class's name. Reward functions are your code and run with the
 job's rights.
 """
 
@@ -57,33 +60,49 @@ def reward_functions(paths: list[str], weights: list[float]) -> list[RewardFunct
     return out
 
 
-def score(functions: list[RewardFunction], prompts: list[Any], responses: list[str],
-          rows: list[dict[str, Any]]) -> tuple[list[float], dict[str, list[float]]]:
-    """Every response's weighted total and each function's own rewards. A function that raises, returns the
-    wrong number of rewards or a non-finite one is a ValueError naming it (and, per sample, the prompt)."""
+def score(functions: list[RewardFunction], prompts: list[Any], responses: list[str], rows: list[dict[str, Any]],
+          environments: list[Any] | None = None) -> tuple[list[float], dict[str, list[float]]]:
+    """Every response's weighted total and each function's own rewards (``environments``: each sample's episode,
+    for the functions that ask for it). A function that raises, returns the wrong number of rewards or a
+    non-finite one is a ValueError naming it (and, per sample, the prompt)."""
     parts: dict[str, list[float]] = {}
+    envs = environments if environments is not None else [None] * len(responses)
     for reward in functions:
-        parts[reward.name] = _batched(reward, prompts, responses, rows) if reward.batched else [
-            _one(reward, p, r, row) for p, r, row in zip(prompts, responses, rows, strict=True)]
+        wants = set(inspect.signature(reward.fn).parameters) if _has_signature(reward.fn) else set()
+        if reward.batched:
+            extra = {"environments": environments} if "environments" in wants and environments else {}
+            parts[reward.name] = _batched(reward, prompts, responses, rows, extra)
+        else:
+            parts[reward.name] = [_one(reward, p, r, row, {"env": env} if "env" in wants and env is not None else {})
+                                  for p, r, row, env in zip(prompts, responses, rows, envs, strict=True)]
     totals = [sum(r.weight * parts[r.name][i] for r in functions) for i in range(len(responses))]
     return totals, parts
 
 
 def score_samples(functions: list[RewardFunction], rows: list[dict[str, Any]], responses: list[Any], n: int,
-                  episode_rewards: list[float | None] = ()) -> tuple[list[float], dict[str, list[float]]]:
+                  environments: list[Any] | None = None, episode_rewards: list[float | None] = (),
+                  episode_name: str = "environment") -> tuple[list[float], dict[str, list[float]]]:
     """:func:`score` for a rollout step's samples, ``n`` consecutive ones per row; an episode's own score (its
-    environment's ``reward()``, where it gives one) is one more part, ``environment``, added to the total."""
+    environment's ``reward()``, where it gives one) is one more part, ``episode_name``, added to the total."""
     group_rows = [rows[i // n] for i in range(len(responses))]
-    totals, parts = score(functions, [row["prompt"] for row in group_rows], responses, group_rows)
+    totals, parts = score(functions, [row["prompt"] for row in group_rows], responses, group_rows, environments)
     if any(r is not None for r in episode_rewards):
-        parts["environment"] = [r or 0.0 for r in episode_rewards]
-        totals = [total + r for total, r in zip(totals, parts["environment"], strict=True)]
+        parts[episode_name] = [r or 0.0 for r in episode_rewards]
+        totals = [total + r for total, r in zip(totals, parts[episode_name], strict=True)]
     return totals, parts
 
 
-def _one(reward: RewardFunction, prompt: Any, response: str, row: dict[str, Any]) -> float:
+def _has_signature(fn: Callable[..., Any]) -> bool:
     try:
-        value = float(reward.fn(prompt, response, row))
+        inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one
+        return False
+    return True
+
+
+def _one(reward: RewardFunction, prompt: Any, response: str, row: dict[str, Any], extra: dict[str, Any]) -> float:
+    try:
+        value = float(reward.fn(prompt, response, row, **extra))
     except Exception as exc:  # user code: any exception
         raise ValueError(f"{reward.label}: raised {type(exc).__name__}: {exc} (prompt {prompt!r}, "
                          f"response {response!r})") from exc
@@ -93,9 +112,10 @@ def _one(reward: RewardFunction, prompt: Any, response: str, row: dict[str, Any]
     return value
 
 
-def _batched(reward: RewardFunction, prompts: list[Any], responses: list[str], rows: list[dict[str, Any]]) -> list:
+def _batched(reward: RewardFunction, prompts: list[Any], responses: list[str], rows: list[dict[str, Any]],
+             extra: dict[str, Any]) -> list:
     try:
-        values = [float(v) for v in reward.fn(prompts, responses, rows)]
+        values = [float(v) for v in reward.fn(prompts, responses, rows, **extra)]
     except Exception as exc:  # user code: any exception
         raise ValueError(f"{reward.label} (batched): raised {type(exc).__name__}: {exc}") from exc
     if len(values) != len(responses):

@@ -25,6 +25,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerFast
 
 from ...config import Config, RLConfig, reward_paths
+from .classes import EnvironmentClass
 from .prompts import EncodedPrompts, encode_prompts
 from .scoring import RewardFunction, reward_functions
 from .tools import Tool, load_tools
@@ -82,6 +83,7 @@ class PromptSource:
     # what scores responses: rl.reward_fn's functions, or the task's own reward
     rewards: list[RewardFunction] = field(default_factory=list)
     tools: dict[str, Tool] = field(default_factory=dict)  # rl.tools: what the policy may call (multi-turn)
+    environment: EnvironmentClass | None = None  # rl.environment: each episode's class (multi-turn)
 
     prompt_ids: list[list[int]] | None = None  # each row's prompt as tokens (:meth:`encode`)
     encoded: EncodedPrompts | None = None
@@ -89,11 +91,16 @@ class PromptSource:
     def encode(self, tokenizer, cfg: RLConfig) -> EncodedPrompts:
         """Every prompt as the sampler sees it (chat template, ``rl.max_prompt_length``); rows dropped for
         their length leave the source. A prompt that cannot be used is a ValueError naming its row."""
-        encoded = encode_prompts(self.rows, self.where, self.name, cfg, tokenizer, self.tools)
+        encoded = encode_prompts(self.rows, self.where, self.name, cfg, tokenizer, self.all_tools)
         self.rows = [self.rows[i] for i in encoded.kept]
         self.where = [self.where[i] for i in encoded.kept] if self.where else None
         self.prompt_ids, self.encoded = encoded.ids, encoded
         return encoded
+
+    @property
+    def all_tools(self) -> dict[str, Tool]:
+        """Every tool a prompt may show: ``rl.tools``' and the environment's."""
+        return {**self.tools, **(self.environment.tools if self.environment else {})}
 
     def batch(self, step: int, rank: int, world_size: int, count: int) -> list[dict[str, Any]]:
         """The ``count`` rows rank ``rank`` takes at ``step``: a deterministic, epoch-shuffled walk, so a
@@ -194,14 +201,27 @@ def _prompt_problem(row: Any) -> str | None:
 
 
 def prompt_source(task: str, dataset: str | None, reward_fn: str | list[str] | None,
-                  reward_weights: list[float] = (), tools: list[str] = ()) -> PromptSource:
+                  reward_weights: list[float] = (), tools: list[str] = (), environment: str | None = None
+                  ) -> PromptSource:
     """A built-in task's prompts and reward, or a dataset's with ``rl.reward_fn``'s functions (and
-    ``rl.tools``' functions for the policy to call)."""
+    ``rl.tools``' functions for the policy to call, ``rl.environment``'s class for each episode)."""
     paths = reward_paths(reward_fn)
     if dataset:
         rows, where = load_dataset(dataset)
-        return PromptSource(rows, None, max_new_tokens=DATASET_MAX_NEW_TOKENS, where=where, name=dataset,
-                            rewards=reward_functions(paths, list(reward_weights)), tools=load_tools(list(tools)))
+        source = PromptSource(rows, None, max_new_tokens=DATASET_MAX_NEW_TOKENS, where=where, name=dataset,
+                              rewards=reward_functions(paths, list(reward_weights)), tools=load_tools(list(tools)))
+        if environment:
+            source.environment = EnvironmentClass(environment)
+            clash = sorted(set(source.tools) & set(source.environment.schemas))
+            if clash:
+                raise ValueError(f"rl.environment: {source.environment.name} has tool(s) {', '.join(clash)}, and "
+                                 f"rl.tools defines them too; rename one (a call must name one function)")
+            for row, place in zip(rows, where, strict=True):
+                source.environment.check_rows(set(row), f"{dataset} {place}")
+        return source
+    if environment:
+        raise ValueError("rl.environment: an environment starts its episodes from rows of rl.dataset (reset(**row)); "
+                         "give prompts with rl.dataset")
     if task not in TASKS:
         raise ValueError(f"rl.task: {task!r} is not one of {', '.join(TASKS)}")
     if tools:

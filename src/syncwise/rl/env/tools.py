@@ -48,27 +48,34 @@ class Tool:
     schema: dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
 
 
+def tool_schema(fn: Callable[..., Any], label: str) -> dict[str, Any]:
+    """The JSON schema a chat template shows for ``fn``; a ValueError in one line naming ``label`` where a
+    parameter has no type hint or the docstring does not describe the parameters."""
+    from transformers.utils import get_json_schema
+
+    untyped = [name for name, p in inspect.signature(fn).parameters.items()
+               if name != "self" and p.annotation is p.empty]
+    if untyped:
+        raise ValueError(f"{label}: parameter(s) {', '.join(untyped)} have no type hint; the "
+                         f"model is shown each parameter's type (e.g. 'def {fn.__name__}(x: float) -> str')")
+    try:
+        return get_json_schema(fn)
+    except Exception as exc:  # transformers' DocstringParsingException / TypeHintParsingException
+        raise ValueError(f"{label}: {str(exc).splitlines()[0]} (a Google-style docstring: a "
+                         f"description, then 'Args:' with a line per parameter)") from exc
+
+
 def load_tools(paths: list[str]) -> dict[str, Tool]:
     """``rl.tools``: built-in names (``calculator``) or ``file.py:function`` / ``package.module:function``;
     a ValueError in one line naming the entry: not a function, a parameter without a type, no docstring
     describing the parameters, a name given twice."""
-    from transformers.utils import get_json_schema
-
     tools: dict[str, Tool] = {}
     for path in paths:
         fn = BUILTIN_TOOLS.get(path) or load_function(path, "rl.tools")
         if not inspect.isfunction(fn):
             raise ValueError(f"rl.tools: {path!r} is a {type(fn).__name__}, not a function (a def with typed "
                              f"parameters and a docstring)")
-        untyped = [name for name, p in inspect.signature(fn).parameters.items() if p.annotation is p.empty]
-        if untyped:
-            raise ValueError(f"rl.tools: {path!r}: parameter(s) {', '.join(untyped)} have no type hint; the "
-                             f"model is shown each parameter's type (e.g. 'def {fn.__name__}(x: float) -> str')")
-        try:
-            schema = get_json_schema(fn)
-        except Exception as exc:  # transformers' DocstringParsingException / TypeHintParsingException
-            raise ValueError(f"rl.tools: {path!r}: {str(exc).splitlines()[0]} (a Google-style docstring: a "
-                             f"description, then 'Args:' with a line per parameter)") from exc
+        schema = tool_schema(fn, f"rl.tools: {path!r}")
         name = schema["function"]["name"]
         if name in tools:
             raise ValueError(f"rl.tools: two tools are named {name!r}")

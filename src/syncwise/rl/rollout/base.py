@@ -79,6 +79,7 @@ class Trajectory:
     after the prompt), whether the last turn ended by itself, and what happened on the way (``counts``)."""
 
     prompt: list[int] = field(default_factory=list)  # the prompt's tokens it follows
+    opening: str | None = None  # what its episode said first, appended to the prompt's last user message
     tokens: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
     full_log_probs: list[float] = field(default_factory=list)

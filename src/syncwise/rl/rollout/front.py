@@ -16,10 +16,12 @@ one unit at a time (one unit's memory, not the whole model's), then samples with
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +32,8 @@ from ...config.rollout_engines import ROLLOUT_ENGINES
 from ...engine import Engine
 from ...memory.accounting import resolve_budget
 from ...runtime.distributed import local_tensor
-from ..env.base import FunctionTools
+from ..env.base import Environment, FunctionTools
+from ..env.classes import ClassEpisode
 from ..env.tasks import PromptSource
 from .base import RolloutEngine, RolloutSetup, Trajectory, sample_seed
 from .turns import TurnLoop, counts_tensor
@@ -46,6 +49,17 @@ def make_rollout_engine(setup: RolloutSetup) -> RolloutEngine:
     """``rl.rollout_engine``'s engine for this rank, from its table entry (built alike on every rank)."""
     module, _, name = ROLLOUT_ENGINES[setup.rl.rollout_engine].loader.partition(":")
     return getattr(importlib.import_module(module), name)(setup)
+
+
+def episodes_of(source: PromptSource) -> Callable[[dict[str, Any]], Environment] | None:
+    """Each conversation's environment from its row: an instance of ``rl.environment``'s class (``rl.tools``'
+    functions beside its methods), or the functions alone; None without either (single-turn)."""
+    if source.environment is not None:
+        return lambda row: ClassEpisode(source.environment, source.tools)
+    if source.tools:
+        functions = FunctionTools(source.tools)
+        return lambda row: functions
+    return None
 
 
 def least_training_bytes(engine: Engine, beside_bytes: int, tokens: int) -> int:
@@ -68,6 +82,19 @@ class RolloutResult:
     kept_mass: torch.Tensor  # per sampled token, the mass its truncation kept (empty where the engine does not say)
     tool_s: float  # spent in the tools, between the turns
     tool_counts: torch.Tensor | None  # with tools: TOOL_COUNTS summed over the samples
+    episodes: list[Environment] = field(default_factory=list)  # with tools, each sample's: open until closed
+
+    def close_episodes(self) -> None:
+        """Every episode is over (scored, or failed): each closed, all of them even where one raises."""
+        errors = []
+        for episode in self.episodes:
+            try:
+                episode.close()
+            except Exception as exc:  # noqa: BLE001 - the user's close(): the others still close
+                errors.append(exc)
+        self.episodes = []
+        if errors:
+            raise RuntimeError(f"rl.environment: close() raised {type(errors[0]).__name__}: {errors[0]}") from errors[0]
 
     @property
     def responses(self) -> list[Any]:
@@ -102,9 +129,8 @@ class Rollout:
             hf_config, device, self.cfg, tokenizer, self.end_ids, self.max_new_tokens, config.train.seed,
             resolve_budget(config.sync.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
             least_training_bytes(engine, beside_bytes, longest)))
-        tools = FunctionTools(source.tools) if source.tools else None
-        self.turns = TurnLoop(self.cfg, tokenizer, self.end_ids, (lambda row: tools) if tools else None,
-                              list(source.tools))
+        self.turns = TurnLoop(self.cfg, tokenizer, self.end_ids, episodes_of(source), list(source.all_tools),
+                              source.environment.name if source.environment else None)
 
     @property
     def held_bytes(self) -> int:
@@ -130,9 +156,24 @@ class Rollout:
         n, info = self.cfg.samples_per_prompt, self.engine.info
         seeds = [sample_seed(self.config.train.seed, step, info.rank, info.world_size, turn, self.turns.max_turns,
                              len(prompt_ids) * n) for turn in range(self.turns.max_turns)]
-        trajectories, tool_s = self.turns.run(self.sampler, rows, prompt_ids, tool_schemas or [None] * len(rows),
-                                              n, self.max_new_tokens, seeds)
-        self.sampler.release()  # every turn sampled: the engine may free what the update does not need
+        trajectories, tool_s, episodes = self.turns.run(self.sampler, rows, prompt_ids,
+                                                        tool_schemas or [None] * len(rows), n, self.max_new_tokens,
+                                                        seeds)
+        result = RolloutResult({}, trajectories, torch.zeros(0), torch.zeros(0), tool_s,
+                               counts_tensor(trajectories) if self.turns.multi_turn else None, episodes)
+        try:
+            self.sampler.release()  # every turn sampled: the engine may free what the update does not need
+            self._batch(result)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                result.close_episodes()
+            raise
+        return result
+
+    def _batch(self, result: RolloutResult) -> None:
+        """The training batch of the result's samples, the sampler's log-probs aligned with its targets, and
+        what truncation kept."""
+        trajectories = result.trajectories
         sampled = [torch.tensor(t.sampled, dtype=torch.long) for t in trajectories]
         full = [torch.tensor(t.full_log_probs, dtype=torch.float32) for t in trajectories]
         drawn_known = all(t.drawn_log_probs is not None for t in trajectories)
@@ -149,10 +190,9 @@ class Rollout:
             # Per target (position j predicts token j + 1): the response tokens' sampler log-probs.
             sampler.append(torch.cat([log_probs.new_zeros(len(prompt) - 1), log_probs * mask]))
         batch = response_batch(sequences, response_masks, self.tokenizer.pad_token_id)
-        return RolloutResult(
-            {k: v.cpu() for k, v in batch.items()}, trajectories,
-            right_pad(sampler, batch["input_ids"].shape[1] - 1, 0.0).cpu(), kept_mass.double(), tool_s,
-            counts_tensor(trajectories) if self.turns.multi_turn else None)
+        result.batch = {k: v.cpu() for k, v in batch.items()}
+        result.log_probs = right_pad(sampler, batch["input_ids"].shape[1] - 1, 0.0).cpu()
+        result.kept_mass = kept_mass.double()
 
 
 def response_batch(sequences: list[torch.Tensor], response_masks: list[torch.Tensor], pad_id: int) -> dict:

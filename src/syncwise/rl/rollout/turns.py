@@ -22,6 +22,7 @@ PPO ratio see the same positions as the loss.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +49,10 @@ class TurnLoop:
     row (None: single-turn, no tools)."""
 
     def __init__(self, cfg: RLConfig, tokenizer, end_ids: list[int] | None = None,
-                 episode: Callable[[dict[str, Any]], Environment] | None = None, tool_names: list[str] = ()):
+                 episode: Callable[[dict[str, Any]], Environment] | None = None, tool_names: list[str] = (),
+                 environment: str | None = None):
         self.cfg, self.tokenizer, self.episode, self.tool_names = cfg, tokenizer, episode, list(tool_names)
+        self.environment = environment  # the environment class's name, for the first line
         # the tokens that end a turn, left out of the text the calls are parsed from (special tokens kept: a
         # tokenizer may register the call's tags as special tokens)
         self.end_ids = set(end_ids or []) | {tokenizer.eos_token_id}
@@ -65,42 +68,46 @@ class TurnLoop:
         if self.runner is None:
             return ""
         limits = self.runner.limits
-        return (f"multi-turn with tools {', '.join(self.tool_names)} ({self.parser} calls, up to "
+        where = f"environment {self.environment}: " if self.environment else ""
+        return (f"multi-turn with {where}tools {', '.join(self.tool_names)} ({self.parser} calls, up to "
                 f"{self.cfg.max_turns} turns, {limits.timeout_s:g} s per call, {limits.step_timeout_s:g} s per step, "
                 f"{limits.workers} at a time)")
 
     def run(self, engine: RolloutEngine, rows: list[dict[str, Any]], prompt_ids: list[list[int]],
             schemas: list[list[dict[str, Any]] | None], n: int, max_new_tokens: int, seeds: list[int]
-            ) -> tuple[list[Trajectory], float]:
-        """``n`` samples per prompt (consecutive) and the seconds spent in the tools (running them and putting
-        their answers into the conversations); ``seeds``: each turn's first sampling seed."""
+            ) -> tuple[list[Trajectory], float, list[Environment]]:
+        """``n`` samples per prompt (consecutive), the seconds spent in the tools (running them and putting
+        their answers into the conversations) and each sample's episode, still open (the trainer closes them
+        once it has scored them; here only when something fails); ``seeds``: each turn's first sampling seed."""
         trajectories = [Trajectory(prompt=prompt_ids[i // n]) for i in range(len(prompt_ids) * n)]
         if not self.multi_turn:
             samples = engine.sample(prompt_ids, n, max_new_tokens, seeds[0])
             for k, trajectory in enumerate(trajectories):
                 self._take(trajectory, samples, k, max_new_tokens, last=True)
-            return trajectories, 0.0
-        episodes = [self.episode(rows[i // n]) for i in range(len(trajectories))]
+            return trajectories, 0.0, []
+        episodes: list[Environment] = []
         try:
-            return self._conversations(engine, episodes, trajectories, rows, prompt_ids, schemas, n, max_new_tokens,
-                                       seeds)
-        finally:
+            episodes += [self.episode(rows[i // n]) for i in range(len(trajectories))]
+            return (*self._conversations(engine, episodes, trajectories, rows, prompt_ids, schemas, n,
+                                         max_new_tokens, seeds), episodes)
+        except BaseException:
             for episode in episodes:
-                episode.close()
+                with contextlib.suppress(Exception):
+                    episode.close()
+            raise
 
     def _conversations(self, engine: RolloutEngine, episodes: list[Environment], trajectories: list[Trajectory],
                        rows, prompt_ids, schemas, n: int, max_new_tokens: int, seeds: list[int]
                        ) -> tuple[list[Trajectory], float]:
         self.runner.new_step()
         started = time.perf_counter()
-        # an episode that opens with an observation has a prompt of its own (the observation as a user turn)
+        # an episode that opens with text has a prompt of its own: the text appended to its last user message
         openings = [episode.start(rows[i // n]) for i, episode in enumerate(episodes)]
         for i, opening in enumerate(openings):
             if opening is not None:
-                trajectories[i].messages.append({"role": "user", "content": opening})
-                trajectories[i].prompt = encode_prompt(prompt_messages(rows[i // n]["prompt"]) +
-                                                       trajectories[i].messages, self.cfg, self.tokenizer,
-                                                       schemas[i // n])
+                trajectories[i].opening = opening
+                trajectories[i].prompt = encode_prompt(opened(rows[i // n]["prompt"], opening), self.cfg,
+                                                       self.tokenizer, schemas[i // n])
         tool_seconds = time.perf_counter() - started
         for turn in range(self.max_turns):
             active = [i for i, t in enumerate(trajectories) if not t.done]
@@ -161,7 +168,7 @@ class TurnLoop:
         for error in parsed.errors:  # a call that did not parse: the model reads why
             results.append({"role": "tool", "name": "", "content": f"error: {error}"})
             _count(trajectory, ToolResult("", "bad_json", 0.0))
-        prompt = prompt_messages(row["prompt"])
+        prompt = opened(row["prompt"], trajectory.opening)
         end_text = self.tokenizer.decode(trajectory.tokens[-1:])
         try:
             between = self._between(prompt + trajectory.messages, assistant, results, schemas, end_text)
@@ -195,6 +202,20 @@ class TurnLoop:
         return self.tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
 
+
+
+def opened(prompt: Any, opening: str | None) -> list[dict[str, Any]]:
+    """The prompt's messages, ``opening`` (what an episode's ``start`` said) appended to its last user message,
+    as TRL does with what ``reset`` returns."""
+    messages = prompt_messages(prompt)
+    if opening is None:
+        return messages
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        return [*messages, {"role": "user", "content": opening}]
+    last = users[-1]
+    return [*messages[:last], {**messages[last], "content": messages[last]["content"] + opening},
+            *messages[last + 1:]]
 
 
 def _count(trajectory: Trajectory, result: ToolResult) -> None:

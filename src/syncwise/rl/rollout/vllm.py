@@ -15,9 +15,9 @@ group.
 - **Sampling**: one request per prompt with ``n = rl.samples_per_prompt`` and its own seed (from the job's
   seed, the step, the rank, the turn and the prompt's index; no two samples of a job share one, and a resumed
   job samples the same responses); every end token as ``stop_token_ids``, ``rl.stop`` as stop strings kept in
-  the response. Log-probs: of the distribution
-  sampled from (``processed_logprobs``: the temperature-scaled one, the trainer's); with top-k/p or min-p
-  (at temperature 1, the config's check) of the untruncated one (``raw_logprobs``).
+  the response. Log-probs: of the distribution sampled from (``processed_logprobs``: the temperature-scaled
+  one, the trainer's); with top-k/p or min-p (at temperature 1, the config's check) of the untruncated one
+  (``raw_logprobs``).
 - **Sleep mode** (CUDA; ``rl.vllm_sleep_level``, :func:`sleep_plan`): after each rollout vLLM sleeps (level 2
   drops its weights and KV cache, level 1 offloads the weights to host memory), and the next refresh wakes
   the weights, reloads them, then wakes the KV cache (the reload's buffers never beside the cache). ``auto``
