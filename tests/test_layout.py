@@ -62,3 +62,22 @@ def test_the_engine_class_keeps_its_shape():
     assert engine.end_lineno - engine.lineno + 1 <= 300
     for decision in ("packs_correctly", "choose_kernel", "fused_head_unsupported", "LoraMerge", "peft_model_of"):
         assert decision not in source, decision
+
+
+def test_every_relative_import_names_a_module_that_exists():
+    """Function-level imports run only on their path (a bench workload, an error branch): after modules move,
+    one left at the old depth fails there and nowhere else (issue 50: the rl bench's lazy imports)."""
+    import ast
+
+    missing = []
+    for path in sorted(SRC.rglob("*.py")):
+        parts = ["syncwise", *path.relative_to(SRC).with_suffix("").parts]
+        package = parts if path.name == "__init__.py" else parts[:-1]
+        package = package[:-1] if package[-1] == "__init__" else package
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                target = package[: len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+                where = SRC.parent.joinpath(*target)
+                if not (where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()):
+                    missing.append(f"{path.relative_to(SRC)}:{node.lineno} {'.'.join(target)}")
+    assert not missing, missing
