@@ -1,6 +1,7 @@
-"""Built-in tools for multi-turn rollouts (``rl.tools=[calculator]``, or ``syncwise.tools:calculator``), in
-the form every tool takes: a function with typed parameters and a Google-style docstring, from which the
-chat template is shown its JSON schema (transformers' ``get_json_schema``)."""
+"""Built-in tools for multi-turn rollouts (``rl.tools=[calculator]``, ``rl.tools=[python]`` -- the policy's
+code in a sandbox, :mod:`syncwise.sandbox` -- or ``syncwise.tools:calculator``), in the form every tool takes:
+a function with typed parameters and a Google-style docstring, from which the chat template is shown its JSON
+schema (transformers' ``get_json_schema``)."""
 
 from __future__ import annotations
 
@@ -87,4 +88,15 @@ def _checked(value: Fraction) -> Fraction:
     return value
 
 
-BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator}
+def python(code: str) -> str:
+    """Run a Python program and return what it prints.
+
+    Args:
+        code: The program; what it prints (stdout, and stderr where it writes any) is the answer.
+    """
+    from .sandbox import run_python
+
+    return run_python(code)
+
+
+BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator, "python": python}

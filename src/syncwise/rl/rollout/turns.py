@@ -31,6 +31,7 @@ import torch
 
 from ...config import RLConfig
 from ...data.chat import refusal
+from ...sandbox import describe as sandbox_words
 from ..env.base import Environment
 from ..env.prompts import encode_prompt, prompt_messages
 from ..env.tool_calls import ParsedTurn, choose_parser, parse_turn
@@ -69,9 +70,10 @@ class TurnLoop:
             return ""
         limits = self.runner.limits
         where = f"environment {self.environment}: " if self.environment else ""
+        sandbox = f"; python runs as {sandbox_words()}" if "python" in self.tool_names else ""
         return (f"multi-turn with {where}tools {', '.join(self.tool_names)} ({self.parser} calls, up to "
                 f"{self.cfg.max_turns} turns, {limits.timeout_s:g} s per call, {limits.step_timeout_s:g} s per step, "
-                f"{limits.workers} at a time)")
+                f"{limits.workers} at a time{sandbox})")
 
     def run(self, engine: RolloutEngine, rows: list[dict[str, Any]], prompt_ids: list[list[int]],
             schemas: list[list[dict[str, Any]] | None], n: int, max_new_tokens: int, seeds: list[int]

@@ -1,0 +1,159 @@
+"""Running a policy's Python code in a separate process, as the built-in ``python`` tool does
+(``rl.tools=[python]``). What the model writes is hostile input: a loop that never ends, a fork bomb, a memory
+hog, a 100 MB print, a look at the trainer's secrets, a write outside its folder, a kill of its parent.
+
+Always: a separate process (``python -I``: no user site, no ``PYTHON*`` variables, not the job's folder on
+the path) in a fresh temporary folder it may write, with a clean environment (no inherited variables: no
+tokens, no keys), no stdin, a wall-clock limit, CPU-time, memory (address space), file-size, open-file and
+core limits (``prlimit``), its output read from files no larger than the file-size limit and cut to
+``output_chars``; the whole process group killed at the end. Where the job runs as root: the code runs as an
+unprivileged user of its own (a uid per call, ``setpriv``): it cannot write the job's files, signal or trace
+its processes, or read their ``/proc/<pid>/environ``, and a process-count limit holds; with ``unshare``, in a
+PID namespace of its own, whose processes all die with it (a fork bomb, or a child that left the process
+group). :data:`ISOLATION` says which was used. It is not a container: the code sees the machine's file system
+(read-only where its user may not write), its network, and the installed Python packages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    wall_s: float = 5.0  # the call's whole time
+    cpu_s: int = 5  # CPU seconds of its process
+    memory_bytes: int = 1 << 30  # address space of each process
+    file_bytes: int = 16 << 20  # the largest file it writes (its output included)
+    processes: int = 32  # processes of its user at once (where it has a user of its own)
+    output_chars: int = 4000  # of stdout, and of stderr, in the answer
+
+
+class SandboxFailure(Exception):
+    """The code did not run to a normal end (a limit, an error of its own): the message says which, with the
+    output it gave before."""
+
+
+@functools.cache
+def isolation() -> tuple[bool, bool]:
+    """(a user of its own, a PID namespace of its own): what this machine lets the sandbox use (asked once)."""
+    as_root = os.geteuid() == 0 and shutil.which("setpriv") is not None
+    if not as_root or shutil.which("unshare") is None:
+        return as_root, False
+    try:
+        probe = subprocess.run(["unshare", "--pid", "--fork", "--kill-child", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return as_root, False
+    return as_root, probe.returncode == 0
+
+
+def describe() -> str:
+    """Which isolation the sandbox uses here, in words (for the job's first line)."""
+    own_user, own_pids = isolation()
+    return ("a process of its own" + (" as an unprivileged user of its own" if own_user else "")
+            + (" in a PID namespace of its own" if own_pids else "") + ", with rlimits; not a container")
+
+_UIDS = itertools.cycle(range(61000, 62000))  # one per call at a time: a limit or a kill touches only its own
+_UID_LOCK = threading.Lock()
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
+    """``code``'s stdout (and stderr, where it wrote some), each cut to ``limits.output_chars``; a
+    :class:`SandboxFailure` naming the limit or the exit status where it did not end normally."""
+    own_user, own_pids = isolation()
+    with _UID_LOCK:
+        uid = next(_UIDS)
+    with tempfile.TemporaryDirectory(prefix="syncwise-sandbox-") as folder:
+        work, logs = Path(folder) / "work", Path(folder) / "logs"
+        work.mkdir()
+        logs.mkdir(mode=0o700)  # the code's output files, opened here: it cannot read or change them by path
+        if own_user:
+            os.chown(work, uid, uid)
+        command = [sys.executable, "-I", "-c", code]
+        if own_user:
+            command = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", *command]
+        if own_pids:
+            command = ["unshare", "--pid", "--fork", "--kill-child", *command]
+        command = ["prlimit", f"--cpu={limits.cpu_s}", f"--as={limits.memory_bytes}", f"--fsize={limits.file_bytes}",
+                   "--nofile=256", "--core=0", f"--nproc={limits.processes}", "--", *command]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"}
+        with open(logs / "stdout", "wb") as out, open(logs / "stderr", "wb") as err:
+            proc = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    close_fds=True, start_new_session=True)
+            try:
+                status, why = proc.wait(timeout=limits.wall_s), None
+            except subprocess.TimeoutExpired:
+                status, why = None, f"did not finish within {limits.wall_s:g} s"
+            _kill_all(proc, uid, own_user and not own_pids)
+            status = proc.wait() if status is None else status
+        stdout, stderr = (_read(logs / name, limits.output_chars) for name in ("stdout", "stderr"))
+    why = why or _reason(status, limits)
+    shown = stdout + (f"\n[stderr]\n{stderr}" if stderr else "")
+    if why:
+        raise SandboxFailure(f"the code {why}" + (f"; its output before:\n{shown}" if shown else ""))
+    return shown
+
+
+def _kill_all(proc: subprocess.Popen, uid: int, whole_user: bool) -> None:
+    """Everything the call started: its process group (a PID namespace dies with its first process), and
+    ``whole_user``: every process of the call's own user (what left the group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if whole_user:
+        subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "kill", "-9", "-1"],
+                       capture_output=True, timeout=10, check=False)
+    if isolation()[0]:  # the kernel kills a namespace's processes asynchronously: return once they are gone
+        deadline = time.monotonic() + 10
+        while _alive(uid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _alive(uid: int) -> bool:
+    """Whether a process of ``uid`` still runs (a zombie, left for its reaper, does not)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            status = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
+        except OSError:
+            continue
+        if int(status.get("Uid", "-1").split()[0]) == uid and not status.get("State", "").strip().startswith("Z"):
+            return True
+    return False
+
+
+def _read(path: Path, limit: int) -> str:
+    with open(path, "rb") as file:
+        data = file.read(limit * 4 + 4)  # enough bytes for limit characters of UTF-8
+    text = data.decode("utf-8", errors="replace")
+    size = path.stat().st_size
+    if len(text) > limit or size > len(data):
+        return text[:limit] + f"\n[cut: the first {limit} characters of {size} bytes]"
+    return text
+
+
+def _reason(status: int | None, limits: SandboxLimits) -> str | None:
+    """Why the code did not end normally, from its exit status (a signal is negative, or 128 + it through
+    unshare), or None."""
+    if status == 0:
+        return None
+    signum = -status if status < 0 else status - 128 if status > 128 else 0
+    known = {signal.SIGXCPU: f"used its {limits.cpu_s} s of CPU time",
+             signal.SIGXFSZ: f"wrote past the {limits.file_bytes // 2**20} MiB file-size limit (its output included)",
+             signal.SIGKILL: "was killed (a limit: memory, processes, or time)",
+             signal.SIGSEGV: "crashed (segmentation fault)"}
+    if signum in known:
+        return known[signum]
+    return f"exited with status {status}"
