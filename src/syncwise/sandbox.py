@@ -62,8 +62,8 @@ def isolation() -> tuple[bool, bool]:
 def describe() -> str:
     """Which isolation the sandbox uses here, in words (for the job's first line)."""
     own_user, own_pids = isolation()
-    return ("a process of its own" + (" as an unprivileged user of its own" if own_user else "")
-            + (" in a PID namespace of its own" if own_pids else "") + ", with rlimits; not a container")
+    return ("a process of its own" + (", as an unprivileged user of its own" if own_user else ", as the job's user")
+            + (", in a PID namespace of its own" if own_pids else "") + ", with rlimits; not a container")
 
 _UIDS = itertools.cycle(range(61000, 62000))  # one per call at a time: a limit or a kill touches only its own
 _UID_LOCK = threading.Lock()

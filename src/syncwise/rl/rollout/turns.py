@@ -70,7 +70,7 @@ class TurnLoop:
             return ""
         limits = self.runner.limits
         where = f"environment {self.environment}: " if self.environment else ""
-        sandbox = f"; python runs as {sandbox_words()}" if "python" in self.tool_names else ""
+        sandbox = f"; python runs in {sandbox_words()}" if "python" in self.tool_names else ""
         return (f"multi-turn with {where}tools {', '.join(self.tool_names)} ({self.parser} calls, up to "
                 f"{self.cfg.max_turns} turns, {limits.timeout_s:g} s per call, {limits.step_timeout_s:g} s per step, "
                 f"{limits.workers} at a time{sandbox})")
