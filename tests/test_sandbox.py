@@ -66,6 +66,8 @@ def test_what_never_ends_is_cut_at_the_wall_clock_and_nothing_runs_on(name):
                             f"time.sleep(600)"}[name]
     result = _tool(code)
     assert result.error == "exception" and "did not finish within 2 s" in result.content, result.content
+    if name == "setsid_child" and not (OWN_USER or OWN_PIDS):
+        pytest.skip("not root: a child that leaves its process group outlives the call (said in the README)")
     assert _running(marker) == []
 
 
