@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .loader import load_function
@@ -29,6 +29,10 @@ class RewardFunction:
     fn: Callable[..., Any]
     weight: float = 1.0
     batched: bool = False
+    parameters: frozenset = field(init=False)  # its parameters' names: whether it asks for env / environments
+
+    def __post_init__(self) -> None:
+        self.parameters = frozenset(_parameters(self.fn))
 
 
 def load_reward_fn(path: str) -> Callable[..., Any]:
@@ -36,14 +40,19 @@ def load_reward_fn(path: str) -> Callable[..., Any]:
     return load_function(path, "rl.reward_fn")
 
 
+def _parameters(fn: Callable[..., Any]) -> list[str]:
+    """``fn``'s parameters' names, in order (none for a builtin without a signature)."""
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
 def is_batched(fn: Callable[..., Any]) -> bool:
     """Declared batched (``@syncwise.rewards.batched``), or its first parameter is named ``prompts``."""
     if getattr(fn, "syncwise_batched", False):
         return True
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):  # a builtin without a signature: per-sample
-        return False
+    params = _parameters(fn)  # a builtin without a signature: per-sample
     return bool(params) and params[0] == "prompts"
 
 
@@ -68,7 +77,7 @@ def score(functions: list[RewardFunction], prompts: list[Any], responses: list[s
     parts: dict[str, list[float]] = {}
     envs = environments if environments is not None else [None] * len(responses)
     for reward in functions:
-        wants = set(inspect.signature(reward.fn).parameters) if _has_signature(reward.fn) else set()
+        wants = reward.parameters
         if reward.batched:
             extra = {"environments": environments} if "environments" in wants and environments else {}
             parts[reward.name] = _batched(reward, prompts, responses, rows, extra)
@@ -91,13 +100,6 @@ def score_samples(functions: list[RewardFunction], rows: list[dict[str, Any]], r
         totals = [total + r for total, r in zip(totals, parts[episode_name], strict=True)]
     return totals, parts
 
-
-def _has_signature(fn: Callable[..., Any]) -> bool:
-    try:
-        inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin without one
-        return False
-    return True
 
 
 def _one(reward: RewardFunction, prompt: Any, response: str, row: dict[str, Any], extra: dict[str, Any]) -> float:

@@ -251,7 +251,6 @@ class ToolOutput:
 
     def __init__(self, stream):
         self.stream = stream
-        self.line_start: dict[int, bool] = {}
 
     @classmethod
     def install(cls) -> None:
@@ -264,13 +263,12 @@ class ToolOutput:
         name = getattr(self.current, "name", None)
         if name is None:
             return self.stream.write(text)
-        ident = threading.get_ident()
         out = []
         for piece in text.splitlines(keepends=True):
-            if self.line_start.get(ident, True):
+            if getattr(self.current, "line_start", True):  # per thread: each call's own lines
                 out.append(f"[tool {name}] ")
             out.append(piece)
-            self.line_start[ident] = piece.endswith("\n")
+            self.current.line_start = piece.endswith("\n")
         self.stream.write("".join(out))
         return len(text)
 
