@@ -343,3 +343,110 @@ def test_a_non_finite_reward_names_the_reward_function(bad):
     with pytest.raises(ValueError, match=r"rl.reward_fn: returned (nan|inf) \(prompt 'target 3 :', response '7'\); "
                                          r"a reward must be a finite number"):
         score([reward], ["target 3 :"], ["7"], [{"prompt": "target 3 :"}])
+
+
+def _three_policy_case(seed: int = 0):
+    """Random logits, a proximal policy off the current one (the PPO clip acts) and a behaviour policy off the
+    proximal one (some tokens' ratios outside [1/2, 2]), a prompt left out of the loss."""
+    g = torch.Generator().manual_seed(seed)
+    b, t, vocab = 3, 7, 6
+    logits = torch.randn(b, t, vocab, generator=g, dtype=torch.float64) * 2
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    current = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    proximal = current + 0.3 * torch.randn(b, t - 1, generator=g, dtype=torch.float64)
+    behavior = proximal + 0.8 * torch.randn(b, t - 1, generator=g, dtype=torch.float64)
+    loss_mask = torch.ones(b, t, dtype=torch.long)
+    loss_mask[:, :2] = 0
+    loss_mask[2, 5:] = 0
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "old_log_probs": proximal.float(),
+             "rollout_log_probs": behavior.float(), "advantages": torch.randn(b, generator=g)}
+    return logits, batch
+
+
+def _three_policy_reference(logits, batch, mode, level, cap, clip_low=0.2, clip_high=0.28):
+    """AReaL's decoupled PPO and verl's truncated / masked IS, written out in float64 from their definitions."""
+    logits = logits.detach().double().requires_grad_()
+    ids = batch["input_ids"]
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    prox, behav = batch["old_log_probs"].double(), batch["rollout_log_probs"].double()
+    mask = batch["loss_mask"][:, 1:].double()
+    adv = batch["advantages"].double()[:, None]
+    ratio = torch.exp(logp - prox)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high))
+    log_w = (prox - behav) * mask
+    if level == "sequence":
+        log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
+    w = torch.exp(log_w)
+    if mode == "tis":
+        w = w.clamp(max=cap)
+    elif mode == "decoupled":
+        w = torch.where(w > cap, 0.0, w)
+    else:
+        w = torch.where((w > cap) | (w < 1 / cap), 0.0, w)
+    loss = (pg * w * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.item(), logits.grad, ((w.log().abs() > math.log(cap)) * mask).sum().item() / mask.sum().item()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["decoupled", "tis", "mis"])
+def test_the_three_policy_loss_equals_a_float64_reference(mode, level):
+    for seed in range(3):
+        logits, batch = _three_policy_case(seed)
+        cap = 2.0
+        want, want_grad, _ = _three_policy_reference(logits, batch, mode, level, cap)
+        x = logits.float().requires_grad_()
+        mask = batch["loss_mask"][:, 1:]
+        norm = Normalizer(tokens=float(mask.sum()), sequences=3.0, dp_size=1)
+        cfg = PolicyLossConfig(kind="ppo", off_policy=mode, behavior_level=level, behavior_cap=cap, rollout_is="none")
+        result = make_policy_loss(cfg)(SimpleNamespace(logits=x), batch, norm)
+        result.loss.backward()
+        assert result.loss.item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+        torch.testing.assert_close(x.grad.double(), want_grad, rtol=1e-4, atol=1e-6)
+        if level == "token":  # the fraction of tokens whose ratio leaves [1/cap, cap]: some, not all
+            band = ((batch["old_log_probs"] - batch["rollout_log_probs"]).abs() > math.log(cap)).float() * mask
+            fraction = result.metrics["rollout/behavior_out_of_band"].item()
+            assert fraction == pytest.approx(band.sum().item() / mask.sum().item(), rel=1e-6)
+            assert 0 < fraction < 1
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "tis", "mis", "none"])
+def test_with_behaviour_equal_to_proximal_every_three_policy_loss_is_ppo(mode):
+    logits, batch = _three_policy_case(5)
+    batch["rollout_log_probs"] = batch["old_log_probs"].clone()
+    norm = Normalizer(tokens=float(batch["loss_mask"][:, 1:].sum()), sequences=3.0, dp_size=1)
+    results = []
+    for off_policy in ("none", mode):
+        x = logits.float().requires_grad_()
+        cfg = PolicyLossConfig(kind="ppo", off_policy=off_policy, rollout_is="none")
+        out = make_policy_loss(cfg)(SimpleNamespace(logits=x), batch, norm)
+        out.loss.backward()
+        results.append((out, x.grad))
+    (ppo, ppo_grad), (other, other_grad) = results
+    assert other.loss.item() == pytest.approx(ppo.loss.item(), rel=1e-6)
+    torch.testing.assert_close(other_grad, ppo_grad, rtol=1e-6, atol=1e-8)
+    if mode != "none":
+        assert other.metrics["rollout/behavior_weight_mean"].item() == pytest.approx(1.0, rel=1e-6)
+        assert other.metrics["rollout/behavior_out_of_band"].item() == 0.0
+        assert abs(other.metrics["rollout/mismatch_kl"].item()) < 1e-7
+
+
+def test_mismatch_kl_is_k3_of_behaviour_against_proximal():
+    """KL(behaviour || proximal) estimated on the behaviour policy's tokens: with r = proximal / behaviour,
+    k3 = r - 1 - log r per token (>= 0), here for log r = 0.5 and -0.4: (e^0.5 - 1.5 + e^-0.4 - 0.6) / 2."""
+    old = [math.log(0.5), math.log(0.25)]
+    batch, outputs = _is_batch(old, [old[0] - 0.5, old[1] + 0.4])
+    out = make_policy_loss(PolicyLossConfig(off_policy="tis", rollout_is="none"))(
+        outputs, batch, Normalizer(tokens=2.0, sequences=1.0, dp_size=1))
+    want = (math.exp(0.5) - 1.5 + math.exp(-0.4) - 0.6) / 2
+    assert out.metrics["rollout/mismatch_kl"].item() == pytest.approx(want, rel=1e-6)
+    assert out.metrics["rollout/behavior_weight_mean"].item() == pytest.approx((math.exp(0.5) + math.exp(-0.4)) / 2)
+
+
+def test_off_policy_without_the_sampler_log_probs_names_the_key():
+    from syncwise.data.batching import BatchError
+
+    batch, outputs = _is_batch([math.log(0.5)], [math.log(0.5)])
+    del batch["rollout_log_probs"]
+    with pytest.raises(BatchError, match=r"batch\['rollout_log_probs'\]: rl.loss.off_policy=decoupled"):
+        make_policy_loss(PolicyLossConfig(off_policy="decoupled"))(outputs, batch, Normalizer(1.0, 1.0, 1))

@@ -15,6 +15,7 @@ from .rl import (
     AGG_MODES,
     CRITIC_SECTIONS,
     KL_ESTIMATORS,
+    OFF_POLICY_LOSSES,
     POLICY_LOSSES,
     ROLLOUT_IS_LEVELS,
     VLLM_SLEEP_LEVELS,
@@ -40,9 +41,10 @@ from .training import (
 )
 
 __all__ = [
-    "AGG_MODES", "BACKENDS", "CRITIC_SECTIONS", "DTYPES", "KL_ESTIMATORS", "MOVED", "OPTIMIZERS", "POLICY_LOSSES",
-    "PRESET_ONLY_KEYS", "ROLLOUT_ENGINES", "ROLLOUT_IS_LEVELS", "SFT_TASKS", "SFT_TRUNCATION", "SHARDED_STRATEGIES",
-    "STRATEGIES", "VLLM_SLEEP_LEVELS", "Config", "ConfigError", "CriticConfig", "DistConfig", "EngineConfig",
-    "LoraConfig", "ModelConfig", "OptimConfig", "PolicyLossConfig", "RLConfig", "SFTConfig", "SyncConfig",
-    "TrainConfig", "config_to_dict", "load_config", "load_config_dict", "packaged_config", "reward_paths",
+    "AGG_MODES", "BACKENDS", "CRITIC_SECTIONS", "DTYPES", "KL_ESTIMATORS", "MOVED", "OFF_POLICY_LOSSES",
+    "OPTIMIZERS", "POLICY_LOSSES", "PRESET_ONLY_KEYS", "ROLLOUT_ENGINES", "ROLLOUT_IS_LEVELS", "SFT_TASKS",
+    "SFT_TRUNCATION", "SHARDED_STRATEGIES", "STRATEGIES", "VLLM_SLEEP_LEVELS", "Config", "ConfigError",
+    "CriticConfig", "DistConfig", "EngineConfig", "LoraConfig", "ModelConfig", "OptimConfig", "PolicyLossConfig",
+    "RLConfig", "SFTConfig", "SyncConfig", "TrainConfig", "config_to_dict", "load_config", "load_config_dict",
+    "packaged_config", "reward_paths",
 ]

@@ -14,6 +14,8 @@ POLICY_LOSSES = ("ppo", "gspo", "pg", "cispo")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ROLLOUT_IS_LEVELS = ("auto", "none", "token", "sequence")
+OFF_POLICY_LOSSES = ("auto", "none", "decoupled", "tis", "mis")
+BEHAVIOR_LEVELS = ("token", "sequence")
 VLLM_SLEEP_LEVELS = ("auto", 0, 1, 2)
 
 
@@ -37,6 +39,15 @@ class PolicyLossConfig:
     # rl.rollout_dtype other than model.param_dtype), none where it is the same (Config.sampler_differs)
     rollout_is: str = "auto"
     rollout_is_cap: float = 2.0
+    # The three-policy loss for samples drawn by an older policy (rl.off_policy_lag): the PPO ratio is to the
+    # proximal policy (the update's old log-probs), and each token is weighted by w = exp(proximal - behaviour),
+    # behaviour being the sampler's log-prob when it drew the token. decoupled (AReaL): w, tokens with
+    # w > behavior_cap masked; tis: w truncated at behavior_cap; mis: w, masked outside
+    # [1/behavior_cap, behavior_cap]; none: no weight. Per token, or one weight per sequence (its summed
+    # log-ratio). auto: decoupled with rl.off_policy_lag > 0 (unless rl.loss.rollout_is is set), none otherwise
+    off_policy: str = "auto"
+    behavior_cap: float = 2.0
+    behavior_level: str = "token"
 
     @property
     def corrects_rollout(self) -> bool:
@@ -44,12 +55,26 @@ class PolicyLossConfig:
         job's :class:`Config`, which resolves it from the sampler -- does not)."""
         return self.rollout_is not in ("none", "auto")
 
+    @property
+    def corrects_behavior(self) -> bool:
+        """Whether the loss weights tokens by the behaviour ratio (``rl.loss.off_policy``; ``auto`` unresolved
+        does not)."""
+        return self.off_policy not in ("none", "auto")
+
     def validate(self, prefix: str = "rl.loss.") -> PolicyLossConfig:
         choice(f"{prefix}kind", self.kind, POLICY_LOSSES)
         choice(f"{prefix}agg", self.agg, AGG_MODES)
         choice(f"{prefix}kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         choice(f"{prefix}rollout_is", self.rollout_is, ROLLOUT_IS_LEVELS)
         positive(f"{prefix}rollout_is_cap", self.rollout_is_cap)
+        choice(f"{prefix}off_policy", self.off_policy, OFF_POLICY_LOSSES)
+        choice(f"{prefix}behavior_level", self.behavior_level, BEHAVIOR_LEVELS)
+        if not self.behavior_cap > 1:
+            raise ConfigError(f"{prefix}behavior_cap: must be > 1 (the band is [1/cap, cap]), got {self.behavior_cap}")
+        if self.corrects_behavior and self.corrects_rollout:
+            raise ConfigError(f"{prefix}off_policy={self.off_policy} with {prefix}rollout_is={self.rollout_is}: both "
+                              f"weight tokens by the sampler's log-probs; use one ({prefix}off_policy covers a sampler "
+                              f"that differs from the trainer too)")
         if self.dual_clip and self.dual_clip <= 1.0:
             raise ConfigError(f"{prefix}dual_clip: must be > 1 (or 0 to disable), got {self.dual_clip}")
         for name in ("clip_low", "clip_high", "norm_constant", "entropy_coef", "kl_coef", "kl_clamp"):
@@ -148,6 +173,10 @@ class RLConfig:
     # ppo: > 0 subtracts this x per-token KL(old policy || reference) from the token rewards (verl's
     # use_kl_in_reward with kl_penalty "kl"); the reference as for rl.loss.kl_coef
     kl_in_reward: float = 0.0
+    # Off-policy steps with a fixed lag (verl's one-step-off-policy, prime-rl's async level): step t trains on
+    # samples drawn by the policy of step t - k (the first k steps on the initial policy's). Each rank keeps the
+    # k batches drawn ahead in its checkpoint; rl.loss.off_policy weighs the staleness in. 0: synchronous.
+    off_policy_lag: int = 0
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
     @property
@@ -167,6 +196,7 @@ class RLConfig:
         positive("rl.samples_per_prompt", self.samples_per_prompt)
         non_negative("rl.warm_start_steps", self.warm_start_steps)
         non_negative("rl.balance_min_gain", self.balance_min_gain)
+        non_negative("rl.off_policy_lag", self.off_policy_lag, "0: synchronous")
         if self.warm_start_steps and self.dataset:
             raise ConfigError("rl.warm_start_steps: needs a built-in task's demonstrations, not rl.dataset")
         choice("rl.chat_template", self.chat_template, ("auto", "true", "false"))

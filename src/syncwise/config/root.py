@@ -52,8 +52,11 @@ class Config:
             raise ConfigError(f"rl.tool_step_timeout_s={self.rl.tool_step_timeout_s:g} must be less than "
                               f"dist.timeout_s={self.dist.timeout_s:g}: the other ranks wait for this one's tools at "
                               f"the next collective, which gives up after dist.timeout_s")
-        if self.rl.loss.rollout_is == "auto":  # resolved here: what runs is what config.yaml records
-            self.rl.loss.rollout_is = "token" if self.sampler_differs else "none"
+        loss = self.rl.loss  # the autos resolved here: what runs is what config.yaml records
+        if loss.off_policy == "auto":
+            loss.off_policy = "decoupled" if self.rl.off_policy_lag and not loss.corrects_rollout else "none"
+        if loss.rollout_is == "auto":  # off_policy's weight covers the sampler's mismatch too
+            loss.rollout_is = "token" if self.sampler_differs and not loss.corrects_behavior else "none"
         return self
 
     def _validate_training(self) -> Config:

@@ -188,7 +188,7 @@ class RLTrainer:
                                                                 self.info, self.tokenizer.pad_token_id,
                                                                 self.config.dist.timeout_s)
         sampler_log_probs = batch["rollout_log_probs"]
-        if not rl.loss.corrects_rollout:
+        if not (rl.loss.corrects_rollout or rl.loss.corrects_behavior):
             del batch["rollout_log_probs"]
         temperature = rl.temperature
         if self.uses_reference:

@@ -8,7 +8,9 @@ micro-batch's share of the full-batch loss (see :mod:`syncwise.losses`). Batch k
 - ``old_log_probs``: log-probs of the policy that sampled (missing: on-policy, the current ones detached)
 - ``advantages``: [B] (one per sequence) or [B, T-1]
 - ``ref_log_probs``: for the KL penalty
-- ``rollout_log_probs``: the sampler's log-probs, for the rollout importance correction (``rl.loss.rollout_is``)
+- ``rollout_log_probs``: the sampler's log-probs (the behaviour policy's), for the rollout importance correction
+  (``rl.loss.rollout_is``) or the three-policy loss (``rl.loss.off_policy``): the ratio is then to the proximal
+  policy (``old_log_probs``, the policy at the start of the update), each token weighted by proximal / behaviour
 - value loss: ``returns`` and ``values`` (old values); the critic's ``outputs.logits[..., 0]`` are values
 """
 
@@ -39,7 +41,7 @@ from ...losses import (
 )
 
 __all__ = ["PolicyLossConfig", "ValueLossConfig", "kl_penalty", "make_policy_loss", "make_value_loss",
-           "policy_token_losses", "rollout_is_weights"]
+           "policy_token_losses", "rollout_is_weights", "behavior_log_ratio", "behavior_weights"]
 
 # verl's bounds (core_algos): a log-ratio beyond ±20 is treated as ±20 before any exponential; GSPO's
 # sequence log-ratio is capped at 10.
@@ -68,6 +70,37 @@ def kl_penalty(
     raise ValueError(f"kl estimator {estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
 
 
+def behavior_log_ratio(
+    proximal_log_probs: torch.Tensor, behavior_log_probs: torch.Tensor, mask: torch.Tensor, level: str,
+    sequences: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log(proximal / behaviour) per token (``token``), or each sequence's sum on every token of it
+    (``sequence``: the log of the product of its tokens' ratios); 0 outside ``mask``; detached."""
+    log_ratio = (proximal_log_probs - behavior_log_probs).detach() * mask
+    if level == "sequence":
+        sums, _ = sequence_sums(log_ratio, mask, sequences)
+        return per_position(sums, log_ratio, sequences)
+    if level != "token":
+        raise ValueError(f"level: {level!r} is not one of token, sequence")
+    return log_ratio
+
+
+def behavior_weights(log_ratio: torch.Tensor, mode: str, cap: float) -> torch.Tensor:
+    """The weight w = exp(``log_ratio``) of each token's policy loss, as ``mode`` bounds it: ``tis`` truncates it
+    at ``cap`` (verl's truncated IS); ``mis`` zeroes it outside [1/cap, cap] (verl's masked IS); ``decoupled``
+    zeroes it above ``cap`` (AReaL's decoupled PPO). The log-weight is bounded before the exponential, so
+    nothing overflows."""
+    log_cap = math.log(cap)
+    weights = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, log_cap))
+    if mode == "tis":
+        return weights
+    if mode == "decoupled":
+        return torch.where(log_ratio > log_cap, torch.zeros_like(weights), weights)
+    if mode == "mis":
+        return torch.where(log_ratio.abs() > log_cap, torch.zeros_like(weights), weights)
+    raise ValueError(f"off_policy: {mode!r} is not one of decoupled, tis, mis")
+
+
 def rollout_is_weights(
     old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, level: str, cap: float,
     sequences: torch.Tensor | None = None,
@@ -75,15 +108,9 @@ def rollout_is_weights(
     """(per-token importance weights, per-token capped indicator) correcting for a sampler that differs from
     the trainer (verl's rollout correction, TRL's vLLM importance sampling): exp(old - sampler) per token
     (``token``) or exp(Σ_seq (old - sampler)) for every token of a sequence (``sequence``), truncated at
-    ``cap``; detached. The log-weight is bounded at log(cap) before the exponential, so nothing overflows."""
-    log_ratio = (old_log_probs - rollout_log_probs).detach() * mask
-    if level == "sequence":
-        sums, _ = sequence_sums(log_ratio, mask, sequences)
-        log_ratio = per_position(sums, log_ratio, sequences)
-    elif level != "token":
-        raise ValueError(f"rollout_is: {level!r} is not one of token, sequence")
-    log_cap = math.log(cap)
-    return torch.exp(log_ratio.clamp(max=log_cap)), (log_ratio > log_cap).float()
+    ``cap``; detached."""
+    log_ratio = behavior_log_ratio(old_log_probs, rollout_log_probs, mask, level, sequences)
+    return behavior_weights(log_ratio, "tis", cap), (log_ratio > math.log(cap)).float()
 
 
 def _per_token(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -125,6 +152,34 @@ def policy_token_losses(
     return loss, is_clipped
 
 
+def _sampler_weights(
+    proximal: torch.Tensor, micro_batch: dict[str, torch.Tensor], mask: torch.Tensor,
+    sequences: torch.Tensor | None, cfg: PolicyLossConfig, norm: Normalizer, metrics: dict[str, torch.Tensor],
+) -> torch.Tensor:
+    """Each token's weight against the sampler's log-probs (``rollout_log_probs``: the behaviour policy's),
+    by ``rl.loss.rollout_is`` or ``rl.loss.off_policy``, with its metrics."""
+    key = f"rl.loss.rollout_is={cfg.rollout_is}" if cfg.corrects_rollout else f"rl.loss.off_policy={cfg.off_policy}"
+    sampler = micro_batch.get("rollout_log_probs")
+    if sampler is None:
+        raise BatchError(f"batch['rollout_log_probs']: {key} needs the sampler's per-target log-probs [B, T-1]")
+    sampler = sampler.float()
+    if cfg.corrects_rollout:
+        weights, capped = rollout_is_weights(proximal, sampler, mask, cfg.rollout_is, cfg.rollout_is_cap, sequences)
+        metrics["rollout/is_weight_mean"] = aggregate(weights, mask, "token-mean", norm)
+        metrics["rollout/is_weight_max"] = (weights * mask).max() if mask.numel() else mask.new_zeros(())
+        metrics["rollout/is_capped_fraction"] = aggregate(capped, mask, "token-mean", norm)
+        return weights
+    log_ratio = behavior_log_ratio(proximal, sampler, mask, cfg.behavior_level, sequences)
+    weights = behavior_weights(log_ratio, cfg.off_policy, cfg.behavior_cap)
+    out_of_band = (log_ratio.abs() > math.log(cfg.behavior_cap)).float()
+    metrics["rollout/behavior_weight_mean"] = aggregate(weights, mask, "token-mean", norm)
+    metrics["rollout/behavior_out_of_band"] = aggregate(out_of_band, mask, "token-mean", norm)
+    # k3 of KL(behaviour || proximal) per token, on the tokens the behaviour policy drew
+    metrics["rollout/mismatch_kl"] = aggregate(kl_penalty(sampler, proximal.detach(), "k3", 0.0), mask,
+                                               "token-mean", norm)
+    return weights
+
+
 def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1.0) -> LossFn:
     """The actor's loss: policy gradient (``cfg.kind``), minus an entropy bonus, plus a KL penalty.
 
@@ -135,7 +190,13 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
 
     Metrics: the importance ratio's mean and max, the clipped fraction, ``actor/approx_kl`` (k2: mean of
     ½ (new - old)² over response tokens), ``actor/ppo_kl`` (k1: mean of old - new, what verl reports under
-    that name), and with the correction ``rollout/is_weight_mean``, ``_max``, ``rollout/is_capped_fraction``."""
+    that name), and with the correction ``rollout/is_weight_mean``, ``_max``, ``rollout/is_capped_fraction``.
+
+    With ``cfg.off_policy`` (samples drawn by an older policy) the loss is the three-policy one: the ratio to the
+    proximal policy (``old_log_probs``; on-policy the update's own), each token weighted by
+    :func:`behavior_weights` of proximal / behaviour (``rollout_log_probs``); metrics
+    ``rollout/behavior_weight_mean``, ``rollout/behavior_out_of_band`` (the fraction of tokens whose ratio leaves
+    [1/cap, cap]) and ``rollout/mismatch_kl`` (k3 of KL(behaviour || proximal))."""
     cfg = (cfg or PolicyLossConfig()).validate()
 
     def loss_fn(outputs: Any, micro_batch: dict[str, torch.Tensor], norm: Normalizer) -> LossOutput:
@@ -151,18 +212,8 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
         sequences = target_sequences(micro_batch)
         token_loss, is_clipped = policy_token_losses(log_probs, old, advantages, mask, cfg, sequences)
         metrics: dict[str, torch.Tensor] = {}
-        if cfg.corrects_rollout:
-            sampler = micro_batch.get("rollout_log_probs")
-            if sampler is None:
-                raise BatchError(f"batch['rollout_log_probs']: rl.loss.rollout_is={cfg.rollout_is} needs the "
-                                 f"sampler's per-target log-probs [B, T-1]")
-            weights, capped = rollout_is_weights(old, sampler.float(), mask, cfg.rollout_is, cfg.rollout_is_cap,
-                                                 sequences)
-            token_loss = token_loss * weights
-            metrics["rollout/is_weight_mean"] = aggregate(weights, mask, "token-mean", norm)
-            metrics["rollout/is_weight_max"] = (weights * mask).max() if mask.numel() else mask.new_zeros(())
-            metrics["rollout/is_capped_fraction"] = aggregate(capped, mask, "token-mean", norm)
-
+        if cfg.corrects_rollout or cfg.corrects_behavior:
+            token_loss = token_loss * _sampler_weights(old, micro_batch, mask, sequences, cfg, norm, metrics)
         def agg(values: torch.Tensor) -> torch.Tensor:
             return aggregate(values, mask, cfg.agg, norm, cfg.norm_constant, sequences)
 
@@ -195,6 +246,8 @@ def make_policy_loss(cfg: PolicyLossConfig | None = None, temperature: float = 1
         keys["ref_log_probs"] = BatchKey(("target",), why=f"the KL penalty (rl.loss.kl_coef={cfg.kl_coef})")
     if cfg.corrects_rollout:
         keys["rollout_log_probs"] = BatchKey(("target",), why=f"rl.loss.rollout_is={cfg.rollout_is}")
+    elif cfg.corrects_behavior:
+        keys["rollout_log_probs"] = BatchKey(("target",), why=f"rl.loss.off_policy={cfg.off_policy}")
     return fused_head_ready(reads(loss_fn, **keys))
 
 
