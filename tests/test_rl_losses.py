@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -450,3 +451,32 @@ def test_off_policy_without_the_sampler_log_probs_names_the_key():
     del batch["rollout_log_probs"]
     with pytest.raises(BatchError, match=r"batch\['rollout_log_probs'\]: rl.loss.off_policy=decoupled"):
         make_policy_loss(PolicyLossConfig(off_policy="decoupled"))(outputs, batch, Normalizer(1.0, 1.0, 1))
+
+
+@pytest.mark.parametrize(("overrides", "off_policy", "rollout_is"), [
+    ([], "none", "none"),  # synchronous: today's loss
+    (["rl.off_policy_lag=1"], "decoupled", "none"),
+    (["rl.off_policy_lag=1", "rl.rollout_engine=vllm"], "decoupled", "none"),  # its weight covers the sampler's
+    (["rl.rollout_engine=vllm"], "none", "token"),
+    (["rl.off_policy_lag=1", "rl.loss.rollout_is=token"], "none", "token"),  # set by hand: kept
+    (["rl.loss.off_policy=mis"], "mis", "none"),
+])
+def test_off_policy_auto_is_decoupled_for_a_lagged_job(overrides, off_policy, rollout_is):
+    from syncwise.config import load_config
+
+    loss = load_config(None, overrides).rl.loss
+    assert (loss.off_policy, loss.rollout_is) == (off_policy, rollout_is)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rl.loss.off_policy=tis", "rl.loss.rollout_is=token"],
+     "rl.loss.off_policy=tis with rl.loss.rollout_is=token: both weight tokens by the sampler's log-probs; use one"),
+    (["rl.loss.behavior_cap=1"], "rl.loss.behavior_cap: must be > 1 (the band is [1/cap, cap]), got 1"),
+    (["rl.loss.off_policy=areal"], "rl.loss.off_policy: 'areal' is not one of auto, none, decoupled, tis, mis"),
+    (["rl.off_policy_lag=-1"], "rl.off_policy_lag"),
+])
+def test_bad_off_policy_settings_name_the_key(overrides, message):
+    from syncwise.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)

@@ -121,9 +121,11 @@ class CheckpointManager:
         self.root = Path(root)
 
     def save(self, step: int, engine: Engine, trainer_state: dict[str, Any],
-             others: dict[str, Engine] | None = None) -> Path:
+             others: dict[str, Engine] | None = None, rank_state: dict[str, Any] | None = None) -> Path:
         """Collective: every rank calls it. Returns the final directory. ``others``: more engines saved beside
         ``engine`` under their names (PPO's ``critic``: its model and optimizer in the same DCP checkpoint).
+        ``rank_state``: what this rank alone holds (tensors, numbers, strings, lists and dicts of them: an
+        off-policy job's rollouts drawn ahead), beside its RNG states (:meth:`rank_state`).
 
         Atomic at every point: the new checkpoint is written and synced to disk under ``.tmp-<name>``;
         then (rank 0) a previous checkpoint of the same name is renamed aside to ``.old-<name>``, the new
@@ -140,7 +142,7 @@ class CheckpointManager:
         _barrier()
         dcp.save(_state_of(engine, others), checkpoint_id=str(tmp / "dcp"))  # DCP syncs its files
         with open(tmp / f"rank{rank}.pt", "wb") as file:
-            torch.save(rng_state(), file)
+            torch.save({**rng_state(), **({"rank_state": rank_state} if rank_state is not None else {})}, file)
             _sync(file)
         if rank == 0:
             state = {"trainer": trainer_state, "engine": engine.engine_state(), "world_size": world,
@@ -207,6 +209,19 @@ class CheckpointManager:
         if missing:
             raise CheckpointError(f"{path}: holds no {' or '.join(missing)} (written by a run without one); "
                                   f"start a new train.out_dir or resume without it")
+
+    @staticmethod
+    def rank_state(path: Path) -> dict[str, Any] | None:
+        """What :meth:`save` kept for this rank alone, if anything; None where the checkpoint was written on
+        another world size (its ranks' states are not this job's)."""
+        rank, world = rank_and_world()
+        rank_file = path / f"rank{rank}.pt"
+        try:
+            saved = json.loads((path / "trainer.json").read_text())
+            state = torch.load(rank_file, weights_only=True) if rank_file.is_file() else {}
+        except (OSError, json.JSONDecodeError, RuntimeError, pickle.UnpicklingError) as exc:
+            raise CheckpointError(f"{rank_file}: unreadable ({exc})") from exc
+        return state.get("rank_state") if saved["world_size"] == world else None
 
     def load(self, path: Path, engine: Engine, others: dict[str, Engine] | None = None) -> dict[str, Any]:
         """Collective. Restores model, optimizer and engine state (and ``others``' as :meth:`save` wrote them);

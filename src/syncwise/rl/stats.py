@@ -15,13 +15,12 @@ import torch
 from ..losses import is_maximum
 from ..runtime.distributed import DistInfo, agree
 from .env.tools import ANSWER_KINDS, ERROR_KINDS
-from .rollout.front import RolloutResult
+from .rollout.queue import ScoredBatch
 from .rollout.turns import TOOL_COUNTS
 
 
 def rollout_stats(
-    result: RolloutResult, rewards: torch.Tensor, reward_parts: dict[str, torch.Tensor],
-    trainer_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, response_mask: torch.Tensor,
+    result: ScoredBatch, trainer_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, response_mask: torch.Tensor,
     counts: tuple[int, int, int], info: DistInfo, timeout_s: float,
 ) -> dict[str, float]:
     """Over every rank (one small all-reduce): rewards, response lengths, the groups without signal and the
@@ -30,9 +29,9 @@ def rollout_stats(
     that train, both of the untruncated distribution -- any mismatch between the two copies of the policy
     (dtype, temperature, padding, stale weights) biases the gradient -- and the probability mass the
     sampler's truncation kept."""
-    rewards, lengths = rewards.double(), result.response_lengths.double()
+    rewards, lengths = result.rewards.double(), result.response_lengths.double()
     diff = (sampler_log_probs - trainer_log_probs.cpu()).abs() * response_mask
-    parts = sorted(reward_parts.items())
+    parts = sorted(result.reward_parts.items())
     kept = result.kept_mass.double()
     tool_counts = result.tool_counts if result.tool_counts is not None else torch.zeros(0, dtype=torch.float64)
     sums = [rewards.sum(), (rewards**2).sum(), len(rewards), lengths.sum(), (rewards >= 1).sum(), diff.sum(),
@@ -61,6 +60,14 @@ def rollout_stats(
         "rollout/uniform_group_fraction": uniform_groups / groups,
         "rollout/trained_samples": trained,  # over every rank (rl.skip_uniform_groups leaves some out)
     }
+
+
+def staleness_metrics(scored: ScoredBatch, step: int) -> dict[str, float]:
+    """How many policy versions behind the training step the batch's tokens were drawn (every rank's batch of
+    a step is drawn by the same version, so no collective), and the samples left out for age (none with a
+    fixed lag)."""
+    staleness = float(step - scored.version)
+    return {"rollout/staleness_mean": staleness, "rollout/staleness_max": staleness, "rollout/dropped_stale": 0.0}
 
 
 def tool_metrics(sums: list[float], samples: float) -> dict[str, float]:

@@ -45,7 +45,17 @@ from .algorithm.ppo import Critic, ppo_advantages
 from .env.scoring import score_samples
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
 from .rollout.front import Rollout, RolloutResult
-from .stats import PHASES, PhaseClock, combine_updates, env_metrics, progress_line, rollout_stats, throughput
+from .rollout.queue import RolloutQueue, ScoredBatch
+from .stats import (
+    PHASES,
+    PhaseClock,
+    combine_updates,
+    env_metrics,
+    progress_line,
+    rollout_stats,
+    staleness_metrics,
+    throughput,
+)
 from .warm_start import keep_changed_bases, start_from_policy, warm_start_step
 
 
@@ -99,11 +109,26 @@ class RLTrainer:
         self.resumed_from = self.checkpoints.resolve(train.resume)
         self.start = (int(self.checkpoints.load(self.resumed_from, self.engine, self._others)["step"])
                       if self.resumed_from else 0)
+        self.queue = RolloutQueue(rl.off_policy_lag, train.steps)
+        self.queue_note = self._resume_queue() if self.resumed_from and rl.off_policy_lag else ""
         self.history: list[dict[str, Any]] = []
         self.loggers: list[Any] = []
         self.bar = None
         if info.is_main:
             self._open_logs()
+
+    def _resume_queue(self) -> str:
+        """The rollouts the checkpoint's job had drawn ahead, this rank's, trained on as they would have been;
+        where it holds none (a synchronous job's, or one saved on another number of ranks) the steps ahead are
+        drawn again by the resumed policy. Returns what the first line says."""
+        state = self.checkpoints.rank_state(self.resumed_from) or {}
+        if "rollout_queue" not in state:
+            first, last = self.start + 1, min(self.start + self.config.rl.off_policy_lag, self.config.train.steps)
+            steps = f"steps {first}-{last}" if last > first else f"step {first}"
+            return (f"; the checkpoint holds no rollouts drawn ahead for {self.info.world_size} rank(s): {steps} "
+                    f"drawn by the resumed policy")
+        self.queue.load_state_dict(state["rollout_queue"])
+        return ""
 
     @property
     def uses_reference(self) -> bool:
@@ -152,7 +177,8 @@ class RLTrainer:
             f"{rl.samples_per_prompt} samples per rank, responses up to {self.rollout.max_new_tokens} "
             f"tokens, sync.mode={config.sync.mode}; {self.rollout.describe()}, {_rollout_is_line(config)}"
             + (f"; {self.critic.describe()}" if self.critic is not None else "")
-            + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else "") + log_note,
+            + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else "")
+            + self.queue_note + log_note,
             flush=True,
         )
         if train.progress:
@@ -168,21 +194,14 @@ class RLTrainer:
         started = time.perf_counter()
         clock = PhaseClock()
         rl = self.config.rl
-        indices = self.source.batch_indices(step, self.info.rank, self.info.world_size, rl.prompts_per_rank)
-        rows, prompt_ids = [self.source.rows[i] for i in indices], [self.source.prompt_ids[i] for i in indices]
-        with clock("weight_sync"):
-            self.rollout.sync_weights()
-        with clock("rollout"):
-            result = self.rollout.generate(rows, prompt_ids, step, [self.source.encoded.tools[i] for i in indices])
-        clock.move("rollout", "tools", result.tool_s)  # run between the turns
-        with clock("reward"):
-            rewards, reward_parts, episode_metrics = self._reward(result, rows)
-        batch = dict(result.batch)
+        scored = self._scored_batch(step, clock)
+        rewards = scored.rewards
+        batch = dict(scored.batch)
         if self.critic is None:
             batch["advantages"] = advantages_for(rewards, self.config)
         else:
             batch["rewards"] = rewards.float()  # moves with its sample; GAE reads it after balancing
-        batch["rollout_log_probs"] = result.log_probs  # moves with its sample; the loss reads it if asked
+        batch["rollout_log_probs"] = scored.log_probs  # moves with its sample; the loss reads it if asked
         with clock("balance"):
             batch, balance_metrics, counts = samples_that_train(batch, rewards, self.config.rl,
                                                                 self.info, self.tokenizer.pad_token_id,
@@ -229,10 +248,11 @@ class RLTrainer:
             metrics["stop/signal"] = max(metrics["stop/signal"], critic_metrics["critic/stop/signal"])
         metrics.update(balance_metrics)
         if self.source.environment is not None:
-            metrics.update(env_metrics(episode_metrics, self.info, self.config.dist.timeout_s))
-        metrics.update(rollout_stats(result, rewards, reward_parts, before_update, sampler_log_probs,
-                                     batch["loss_mask"][:, 1:].double(), counts, self.info,
-                                     self.config.dist.timeout_s))
+            metrics.update(env_metrics(scored.episode_metrics, self.info, self.config.dist.timeout_s))
+        metrics.update(rollout_stats(scored, before_update, sampler_log_probs, batch["loss_mask"][:, 1:].double(),
+                                     counts, self.info, self.config.dist.timeout_s))
+        if rl.off_policy_lag:
+            metrics.update(staleness_metrics(scored, step))
         metrics["train/step"] = step + 1
         metrics.update(clock.metrics())
         metrics.update(throughput(metrics["rollout/response_tokens"], clock, updates))
@@ -240,6 +260,30 @@ class RLTrainer:
         if self.info.is_main:
             self._log(metrics)
         return metrics
+
+    def _scored_batch(self, step: int, clock: PhaseClock) -> ScoredBatch:
+        """Step ``step``'s batch: drawn now by the current policy (synchronous), or ``rl.off_policy_lag`` steps
+        ago (the queue draws the batches due ahead first, all by the current policy, after one refresh)."""
+        due = self.queue.to_draw(step)
+        if due:
+            with clock("weight_sync"):
+                self.rollout.sync_weights()
+        for drawn in due:
+            self.queue.add(self._draw(drawn, step, clock))
+        return self.queue.take(step)
+
+    def _draw(self, step: int, version: int, clock: PhaseClock) -> ScoredBatch:
+        """Step ``step``'s prompts (deterministic: a resumed or lagged run sees the same), sampled by the policy
+        of version ``version`` and scored."""
+        rl = self.config.rl
+        indices = self.source.batch_indices(step, self.info.rank, self.info.world_size, rl.prompts_per_rank)
+        rows, prompt_ids = [self.source.rows[i] for i in indices], [self.source.prompt_ids[i] for i in indices]
+        with clock("rollout"):
+            result = self.rollout.generate(rows, prompt_ids, step, [self.source.encoded.tools[i] for i in indices])
+        clock.move("rollout", "tools", result.tool_s)  # run between the turns
+        with clock("reward"):
+            rewards, reward_parts, episode_metrics = self._reward(result, rows)
+        return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics)
 
     def _reward(self, result: RolloutResult, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, dict, list]:
         """Every sample's reward (the weighted total), each source's, and what each episode says about itself;
@@ -304,7 +348,8 @@ class RLTrainer:
 
     def save(self, done: int) -> Path:
         """Collective: a checkpoint of the state after ``done`` steps (PPO: the critic's beside the actor's)."""
-        return self.checkpoints.save(done, self.engine, {"step": done}, self._others)
+        ahead = {"rollout_queue": self.queue.state_dict()} if self.config.rl.off_policy_lag else None
+        return self.checkpoints.save(done, self.engine, {"step": done}, self._others, ahead)
 
     def close_logs(self) -> None:
         if self.bar is not None:
@@ -362,13 +407,23 @@ def run_rl(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]]
 
 
 def _rollout_is_line(config: Config) -> str:
-    """What rl.loss.rollout_is does, for the first line (auto resolved in the config, from the sampler)."""
-    level = config.rl.loss.rollout_is
+    """What weighs the sampler's log-probs into the loss, for the first line (the autos resolved in the config,
+    from the sampler and rl.off_policy_lag)."""
+    lag, loss = config.rl.off_policy_lag, config.rl.loss
+    lagged = (f"off-policy: step t trains on samples drawn by the policy of step t - {lag} (rl.off_policy_lag), "
+              if lag else "")
+    if loss.corrects_behavior:
+        how = {"decoupled": f"masked above {loss.behavior_cap:g}", "tis": f"truncated at {loss.behavior_cap:g}",
+               "mis": f"masked outside [1/{loss.behavior_cap:g}, {loss.behavior_cap:g}]"}[loss.off_policy]
+        return (f"{lagged}rl.loss.off_policy={loss.off_policy}: the ratio to the proximal policy, each "
+                f"{loss.behavior_level}'s loss weighted by proximal / behaviour, {how}")
+    level = loss.rollout_is
     if level == "none":
-        return "rl.loss.rollout_is=none (the sampler computes the trainer's network)" if not config.sampler_differs \
-            else "rl.loss.rollout_is=none (no correction, though the sampler differs from the trainer)"
-    return (f"rl.loss.rollout_is={level}: each token's loss weighted by exp(old - sampler log-prob), capped at "
-            f"{config.rl.loss.rollout_is_cap:g}")
+        return lagged + ("rl.loss.rollout_is=none (the sampler computes the trainer's network)"
+                         if not config.sampler_differs
+                         else "rl.loss.rollout_is=none (no correction, though the sampler differs from the trainer)")
+    return (f"{lagged}rl.loss.rollout_is={level}: each token's loss weighted by exp(old - sampler log-prob), "
+            f"capped at {loss.rollout_is_cap:g}")
 
 
 def _print_summary(history: list[dict[str, Any]], out_dir: Path) -> None:
