@@ -55,3 +55,43 @@ def test_task_config_keys():
         load_config(None, ["rl.warm_start_steps=2", "rl.dataset=x.jsonl", "rl.reward_fn=m:f"])
     with pytest.raises(ConfigError, match="rl.max_new_tokens: must be >= 0"):
         load_config(None, ["rl.max_new_tokens=-3"])
+
+
+def test_guess_number_answers_the_range_left_and_scores_fewer_guesses_higher():
+    from syncwise.environments import GuessNumber
+
+    game = GuessNumber()
+    game.reset(low=10, high=20, secret=17, prompt="ignored: every column reaches reset")
+    assert [game.guess(15), game.guess(18), game.guess(17), game.guess(3)] == [
+        "higher: 16 to 20", "lower: 16 to 17", "correct", "already found"]
+    assert game.get_reward() == pytest.approx(0.8) and game.get_metrics() == {"solved": 1.0, "guesses": 3.0}
+    lost = GuessNumber()
+    lost.reset(1, 8, 5)
+    lost.guess(1)
+    assert lost.get_reward() == 0.0 and lost.get_metrics() == {"solved": 0.0, "guesses": 1.0}
+
+
+def test_guess_number_demonstrations_are_games_the_environment_plays_without_binary_search():
+    """Each SFT chat replays through GuessNumber answer for answer and finds the number within 4 guesses; the
+    guesses are anywhere in the range left (many are not its midpoint: that is for GRPO to find)."""
+    import json
+
+    from syncwise.environments import GuessNumber
+    from syncwise.sft.tasks import guess_number_rows
+
+    rows = guess_number_rows(200, seed=3)
+    off_middle = guesses = 0
+    for row in rows:
+        game = GuessNumber()
+        game.reset(**row)
+        calls = [m for m in row["messages"] if m.get("tool_calls")]
+        answers = [m["content"] for m in row["messages"] if m["role"] == "tool"]
+        for call, answer in zip(calls, answers, strict=True):
+            low, high = game.low, game.high
+            number = call["tool_calls"][0]["function"]["arguments"]["number"]
+            off_middle += number != (low + high) // 2
+            guesses += 1
+            assert game.guess(number) == answer
+        assert game.solved and len(calls) <= 4 and row["messages"][-1]["content"] == f"Found it: {row['secret']}."
+        assert json.loads(json.dumps(row)) == row  # as the JSONL holds it
+    assert off_middle > guesses / 2

@@ -270,6 +270,23 @@ def test_bad_tool_input_is_found_before_any_rank_starts(folder, override, said, 
     assert said in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
+def test_an_environment_may_stand_in_for_the_reward_function_only_if_it_scores(folder, monkeypatch):
+    """rl.dataset with rl.environment and no rl.reward_fn: the class's get_reward() scores the episodes (the
+    built-in GuessNumber's recipe runs so); a class without one is one line before the ranks."""
+    from syncwise.config import load_config
+    from syncwise.jobs.preflight import PreflightError, preflight
+
+    (folder / "bad_envs.py").write_text(BAD_ENVS)
+    (folder / "seeded.jsonl").write_text(json.dumps({"prompt": "Hi", "seed": 1}) + "\n")
+    monkeypatch.chdir(folder)
+    common = [*JOB, f"model.path={folder / 'qwen2-tools'}", "rl.reward_fn=null", "rl.tools=[]"]
+    preflight(load_config(None, [*common, "rl.environment=adder_env.py:AdderEnv"]), "train")
+    with pytest.raises(PreflightError, match=r"rl.environment: NeedsSeed has no get_reward\(\), and rl.reward_fn is "
+                                             r"not set: nothing scores the episodes"):
+        preflight(load_config(None, [*common, "rl.environment=bad_envs.py:NeedsSeed", "rl.dataset=seeded.jsonl"]),
+                  "train")
+
+
 @pytest.mark.parametrize(("override", "said"), [
     ("chatml", "rl.tools: the tokenizer's chat template does not render tools"),
     ("rl.tools=[broken.py:add]", "rl.tools: cannot import 'broken.py:add': RuntimeError: no API key"),

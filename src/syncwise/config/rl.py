@@ -190,7 +190,7 @@ class RLConfig:
         self._validate_rollout()
         self._validate_tools()
         self.loss.validate()
-        if self.dataset and not self.reward_fn:
+        if self.dataset and not self.reward_fn and not self.environment:  # the environment's get_reward may score
             raise ConfigError("rl.dataset needs rl.reward_fn (package.module:function): a prompt file brings no reward")
         positive("rl.prompts_per_rank", self.prompts_per_rank)
         positive("rl.samples_per_prompt", self.samples_per_prompt)

@@ -16,6 +16,9 @@
   JSON, tool results as ``<tool_response>``, generation markers), an assistant turn that calls
   ``calculator``, the tool's answer, and a last turn ending in ``#### <number>``. Beside them the same
   problems answered without the tool (``train_no_tools.jsonl``), the baseline.
+- ``guess_number`` (``--task guess_number``): games of the built-in environment
+  :class:`syncwise.environments.GuessNumber` -- several calls of ``guess`` on one episode's state, each answer
+  the range left -- played by guessing anywhere in that range, for the warm-up before GRPO finds a better way.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 
 TASKS = ("progression", "arith_chat")
-EXAMPLE_TASKS = ("arith_chat", "arith_tools")  # what --write-example-data writes
+EXAMPLE_TASKS = ("arith_chat", "arith_tools", "guess_number")  # what --write-example-data writes
 ALPHABET = 64  # progressions live in token ids 1..64
 PAD_ID = 0
 
@@ -83,6 +86,8 @@ TOOLS_TEMPLATE = (
 TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # added, not special (Qwen2.5)
 TOOLS_SYSTEM_PROMPT = "Solve the problem. Use the calculator for the arithmetic, then end with '#### <answer>'."
 NO_TOOLS_SYSTEM_PROMPT = "Solve the problem. End with '#### <answer>'."
+GUESS_SYSTEM_PROMPT = ("Find the hidden number with the guess tool. Each answer says higher or lower and the range "
+                       "left; stop when it says correct.")
 CHAT_SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 CHAT_VOCAB = 1024
 
@@ -229,6 +234,36 @@ def arith_tools_rows(count: int, seed: int, tools: bool = True) -> list[dict[str
     return rows
 
 
+def guess_number_rows(count: int, seed: int, max_guesses: int = 4) -> list[dict[str, Any]]:
+    """``count`` games of :class:`syncwise.environments.GuessNumber` (``messages``, ``tools``, and the row's
+    ``low``, ``high``, ``secret``), played by guessing anywhere in the range left -- no binary search, which
+    is what GRPO is to find -- and kept where found within ``max_guesses`` (the demonstrations a warm-up sees)."""
+    from transformers.utils import get_json_schema
+
+    from ..environments import GuessNumber
+
+    schema = [get_json_schema(GuessNumber.guess)]
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < count:
+        low, size = rng.randint(1, 40), rng.randint(8, 15)
+        high = low + size - 1
+        secret = rng.randint(low, high)
+        game = GuessNumber()
+        game.reset(low, high, secret)
+        messages = [{"role": "system", "content": GUESS_SYSTEM_PROMPT},
+                    {"role": "user", "content": f"The hidden number is between {low} and {high}."}]
+        while not game.solved and game.guesses < max_guesses:
+            number = rng.randint(game.low, game.high)
+            call = {"type": "function", "function": {"name": "guess", "arguments": {"number": number}}}
+            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "name": "guess", "content": game.guess(number)}]
+        if game.solved:
+            messages.append({"role": "assistant", "content": f"Found it: {secret}."})
+            rows.append({"messages": messages, "tools": schema, "low": low, "high": high, "secret": secret})
+    return rows
+
+
 def tools_tokenizer(rows: list[dict[str, Any]]):
     """The arith_tools tokenizer: BPE trained on the rendered conversations (the tools' schema and the call
     syntax included), one token per digit, with :data:`TOOLS_TEMPLATE`."""
@@ -245,9 +280,10 @@ def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: i
     """A built-in task as a user brings data: ``train.jsonl`` and ``eval.jsonl`` (``messages`` rows, for SFT),
     ``prompts.jsonl`` (new problems for GRPO: ``prompt``, the system and user messages, and ``answer``) and
     ``model/`` (an untrained ``preset`` model saved with ``save_pretrained``, and the trained tokenizer with
-    its chat template). ``task``: ``arith_chat``, or ``arith_tools`` (tool-use chats with a ``tools`` column,
+    its chat template). ``task``: ``arith_chat``, ``arith_tools`` (tool-use chats with a ``tools`` column,
     and ``train_no_tools.jsonl`` / ``eval_no_tools.jsonl`` / ``prompts_no_tools.jsonl``: the same problems
-    answered without the tool). Each
+    answered without the tool), or ``guess_number`` (games of ``syncwise.environments:GuessNumber``, the
+    prompts with each game's ``low``, ``high`` and ``secret`` for its ``reset``). Each
     file is renamed into place when complete, ``model/`` last; a folder that has one already is kept."""
     from transformers.utils import logging as hf_logging
 
@@ -260,7 +296,12 @@ def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: i
         return out
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, list[dict[str, Any]]] = {}
-    if task == "arith_tools":
+    if task == "guess_number":
+        rows = guess_number_rows(train_rows + eval_rows, seed)
+        tokenizer = tools_tokenizer(rows)
+        prompts = [{"prompt": r["messages"][:2], **{k: r[k] for k in ("low", "high", "secret")}}
+                   for r in guess_number_rows(prompt_rows, seed + 1)]  # the tools: the environment's
+    elif task == "arith_tools":
         rows = arith_tools_rows(train_rows + eval_rows, seed)
         plain = arith_tools_rows(train_rows + eval_rows, seed, tools=False)  # the same problems, in that order
         tokenizer = tools_tokenizer(rows + plain)

@@ -43,6 +43,11 @@ class EnvironmentClass:
                             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
     @property
+    def scores(self) -> bool:
+        """Whether the class scores its episodes (``get_reward``)."""
+        return callable(getattr(self.cls, "get_reward", None))
+
+    @property
     def tools(self) -> dict[str, Tool]:
         """The tools as the prompts show them (their functions unbound: an episode binds its own)."""
         return {name: Tool(name, getattr(self.cls, name), schema) for name, schema in self.schemas.items()}
@@ -53,7 +58,6 @@ class EnvironmentClass:
         if missing:
             raise ValueError(f"rl.environment: {self.name}.reset needs {', '.join(missing)}, which {name} does not "
                              f"have (its columns: {', '.join(sorted(columns))})")
-
 
 
 class ClassEpisode:
