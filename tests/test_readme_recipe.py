@@ -74,9 +74,10 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
 
 def test_the_tools_recipe_runs_as_written(tmp_path):
     """README's "From SFT to GRPO with tools" block (issue 40): the arith_tools data, SFT, GRPO with the
-    calculator, and the baseline without it; then the environment recipe (issue 49): the guess_number games,
-    SFT, GRPO in the built-in environment; each shortened."""
+    calculator, and the baseline without it; then (issue 49) the same with the python tool, and the environment
+    recipe: the guess_number games, SFT, GRPO in the built-in environment; each shortened."""
     script = _shortened(_block("**From SFT to GRPO with tools**"))
+    script += _shortened(_block("**The same recipe with the `python` tool**"))
     script += _shortened(_block("**A stateful task to learn, from SFT to GRPO**"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script)], cwd=tmp_path, env=env,
@@ -87,6 +88,8 @@ def test_the_tools_recipe_runs_as_written(tmp_path):
     for run in ("grpo_tools", "grpo_no_tools"):
         rows = (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()
         assert len(rows) == 2 and ("rollout/turns_mean" in rows[0]) == (run == "grpo_tools")
+    assert "multi-turn with tools python (hermes calls" in proc.stdout
+    assert len((tmp_path / "runs" / "grpo_python" / "metrics.jsonl").read_text().splitlines()) == 2
     assert "multi-turn with environment GuessNumber: tools guess" in proc.stdout
     rows = [json.loads(line) for line in (tmp_path / "runs" / "grpo_guess" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all("env/guesses" in r and "env/solved" in r for r in rows)

@@ -95,3 +95,15 @@ def test_guess_number_demonstrations_are_games_the_environment_plays_without_bin
         assert game.solved and len(calls) <= 4 and row["messages"][-1]["content"] == f"Found it: {row['secret']}."
         assert json.loads(json.dumps(row)) == row  # as the JSONL holds it
     assert off_middle > guesses / 2
+
+
+def test_arith_python_demonstrations_show_what_the_python_tool_prints():
+    """The SFT chats' tool turns hold exactly what the built-in python tool answers to their programs (run in
+    its sandbox), and that is the answer the last turn gives."""
+    from syncwise.sft.tasks import arith_tools_rows
+    from syncwise.tools import python
+
+    for row in arith_tools_rows(8, seed=5, tool="python"):
+        call, result = row["messages"][2]["tool_calls"][0]["function"], row["messages"][3]["content"]
+        assert call["name"] == "python" and python(**call["arguments"]) == result == f"{row['answer']}\n"
+        assert row["messages"][-1]["content"].endswith(f"#### {row['answer']}")

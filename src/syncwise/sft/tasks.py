@@ -15,7 +15,8 @@
   solved with the built-in calculator: a Qwen2.5-style template (tools in the system prompt, ``<tool_call>``
   JSON, tool results as ``<tool_response>``, generation markers), an assistant turn that calls
   ``calculator``, the tool's answer, and a last turn ending in ``#### <number>``. Beside them the same
-  problems answered without the tool (``train_no_tools.jsonl``), the baseline.
+  problems answered without the tool (``train_no_tools.jsonl``), the baseline. ``arith_python``: the same
+  problems, the assistant calling the built-in ``python`` tool with a program that prints the answer.
 - ``guess_number`` (``--task guess_number``): games of the built-in environment
   :class:`syncwise.environments.GuessNumber` -- several calls of ``guess`` on one episode's state, each answer
   the range left -- played by guessing anywhere in that range, for the warm-up before GRPO finds a better way.
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 
 TASKS = ("progression", "arith_chat")
-EXAMPLE_TASKS = ("arith_chat", "arith_tools", "guess_number")  # what --write-example-data writes
+EXAMPLE_TASKS = ("arith_chat", "arith_tools", "arith_python", "guess_number")  # what --write-example-data writes
 ALPHABET = 64  # progressions live in token ids 1..64
 PAD_ID = 0
 
@@ -85,6 +86,7 @@ TOOLS_TEMPLATE = (
 )
 TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # added, not special (Qwen2.5)
 TOOLS_SYSTEM_PROMPT = "Solve the problem. Use the calculator for the arithmetic, then end with '#### <answer>'."
+PYTHON_SYSTEM_PROMPT = "Solve the problem. Use Python for the arithmetic, then end with '#### <answer>'."
 NO_TOOLS_SYSTEM_PROMPT = "Solve the problem. End with '#### <answer>'."
 GUESS_SYSTEM_PROMPT = ("Find the hidden number with the guess tool. Each answer says higher or lower and the range "
                        "left; stop when it says correct.")
@@ -207,24 +209,29 @@ def _tool_problem(rng: random.Random) -> tuple[str, str, int]:
     return question, expression, int(calculator(expression))
 
 
-def arith_tools_rows(count: int, seed: int, tools: bool = True) -> list[dict[str, Any]]:
-    """``count`` conversations (``messages``, ``tools``, ``answer``): with ``tools``, the assistant calls the
-    calculator with the problem's expression, reads its result and answers; without, it answers at once."""
+def arith_tools_rows(count: int, seed: int, tools: bool = True, tool: str = "calculator") -> list[dict[str, Any]]:
+    """``count`` conversations (``messages``, ``tools``, ``answer``): with ``tools``, the assistant calls
+    ``tool`` -- the calculator with the problem's expression, or the python tool with a program printing it
+    (exact: integer division) -- reads its answer and answers; without, it answers at once."""
     from transformers.utils import get_json_schema
 
-    from ..tools import calculator
+    from ..tools import BUILTIN_TOOLS
 
-    schema = [get_json_schema(calculator)]
+    schema = [get_json_schema(BUILTIN_TOOLS[tool])]
+    system = PYTHON_SYSTEM_PROMPT if tool == "python" else TOOLS_SYSTEM_PROMPT
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
         question, expression, value = _tool_problem(rng)
         answer = f"The answer is {value}.\n#### {value}"
         if tools:
-            call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
-            messages = [{"role": "system", "content": TOOLS_SYSTEM_PROMPT}, {"role": "user", "content": question},
+            arguments, result = {"expression": expression}, str(value)
+            if tool == "python":  # what the program prints, as the tool returns it
+                arguments, result = {"code": f"print({expression.replace(' / ', ' // ')})"}, f"{value}\n"
+            call = {"type": "function", "function": {"name": tool, "arguments": arguments}}
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": question},
                         {"role": "assistant", "content": "", "tool_calls": [call]},
-                        {"role": "tool", "name": "calculator", "content": str(value)},
+                        {"role": "tool", "name": tool, "content": result},
                         {"role": "assistant", "content": answer}]
             rows.append({"messages": messages, "tools": schema, "answer": str(value)})
         else:
@@ -282,7 +289,8 @@ def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: i
     ``model/`` (an untrained ``preset`` model saved with ``save_pretrained``, and the trained tokenizer with
     its chat template). ``task``: ``arith_chat``, ``arith_tools`` (tool-use chats with a ``tools`` column,
     and ``train_no_tools.jsonl`` / ``eval_no_tools.jsonl`` / ``prompts_no_tools.jsonl``: the same problems
-    answered without the tool), or ``guess_number`` (games of ``syncwise.environments:GuessNumber``, the
+    answered without the tool), ``arith_python`` (the same problems solved with the built-in python tool), or
+    ``guess_number`` (games of ``syncwise.environments:GuessNumber``, the
     prompts with each game's ``low``, ``high`` and ``secret`` for its ``reset``). Each
     file is renamed into place when complete, ``model/`` last; a folder that has one already is kept."""
     from transformers.utils import logging as hf_logging
@@ -301,6 +309,11 @@ def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: i
         tokenizer = tools_tokenizer(rows)
         prompts = [{"prompt": r["messages"][:2], **{k: r[k] for k in ("low", "high", "secret")}}
                    for r in guess_number_rows(prompt_rows, seed + 1)]  # the tools: the environment's
+    elif task == "arith_python":
+        rows = arith_tools_rows(train_rows + eval_rows, seed, tool="python")
+        tokenizer = tools_tokenizer(rows)
+        prompts = [{"prompt": r["messages"][:2], "answer": r["answer"]}
+                   for r in arith_tools_rows(prompt_rows, seed + 1, tool="python")]  # the tool: rl.tools
     elif task == "arith_tools":
         rows = arith_tools_rows(train_rows + eval_rows, seed)
         plain = arith_tools_rows(train_rows + eval_rows, seed, tools=False)  # the same problems, in that order
