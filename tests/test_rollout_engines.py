@@ -215,7 +215,7 @@ def test_sleep_mode_wakes_the_weights_reloads_them_then_wakes_the_kv_cache(level
 # tied with biases and Qwen2.5's template; untied; Conv1D, learned positions; tied to the embedding with
 # soft-capping (vLLM's Gemma-2 has no lm_head); sliding window in its config
 ARCHS = ("qwen2", "llama", "gpt2", "gemma2", "mistral")
-STEPS = 8
+STEPS = 4
 JOB = ["train.progress=false", "rl.rollout_engine=vllm", "rl.prompts_per_rank=2", "rl.samples_per_prompt=4",
        "rl.max_new_tokens=12", "optim.lr=1e-3", "train.export=false"]
 
@@ -245,9 +245,12 @@ def _train(out, *overrides: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vllm_jobs(user_dirs, tmp_path_factory):
-    """A GRPO job of STEPS steps on 2 gloo ranks sampling with vLLM, per model; the policy changes each step."""
+    """A GRPO job of STEPS steps on 2 gloo ranks sampling with vLLM, per model; the policy changes each step.
+    Each keeps its step-2 checkpoint (a resumed job starts there)."""
     root = tmp_path_factory.mktemp("jobs")
-    return {arch: _train(root / arch, *_user_job(path), f"train.steps={STEPS}") for arch, path in user_dirs.items()}
+    jobs = {arch: _train(root / arch, *_user_job(path), f"train.steps={STEPS}", "train.checkpoint_every=2")
+            for arch, path in user_dirs.items()}
+    return {"root": root, **jobs}
 
 
 def _user_job(model: Path) -> list[str]:
@@ -268,16 +271,15 @@ def test_grpo_on_vllm_matches_the_trainer_every_step(vllm_jobs, arch):
 
 @NEEDS_VLLM
 def test_a_resumed_vllm_job_samples_what_one_that_ran_through_did(vllm_jobs, user_dirs, tmp_path):
-    """Seeds per (job seed, step, rank, prompt) and the RNG vLLM reseeds restored: stop after 2 steps and resume,
-    and every step's rewards, response lengths and loss are those of the job that ran through."""
-    model = _user_job(user_dirs["qwen2"])
-    _train(tmp_path, *model, "train.steps=2", "train.checkpoint_every=2")
-    resumed = _train(tmp_path, *model, "train.steps=4", "train.resume=auto")
+    """Seeds per (job seed, step, rank, prompt) and the RNG vLLM reseeds restored: resumed from the step-2
+    checkpoint of the job that ran through, every later step's rewards, response lengths and loss are its."""
+    checkpoint = vllm_jobs["root"] / "qwen2" / "checkpoints" / "step_000002"
+    resumed = _train(tmp_path, *_user_job(user_dirs["qwen2"]), f"train.steps={STEPS}", f"train.resume={checkpoint}")
 
     def steps(rows):
         return [(r["train/step"], r["reward/mean"], r["response/length_mean"]) for r in rows]
 
-    through = vllm_jobs["qwen2"][:4]
+    through = vllm_jobs["qwen2"][2:]
     assert steps(resumed) == steps(through)
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in through], rel=1e-5, abs=1e-7)
 
