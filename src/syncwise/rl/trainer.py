@@ -269,17 +269,18 @@ class RLTrainer:
             with clock("weight_sync"):
                 self.rollout.sync_weights()
         for drawn in due:
-            self.queue.add(self._draw(drawn, step, clock))
+            self.queue.add(self._draw(drawn, step, clock, last=drawn == due[-1]))
         return self.queue.take(step)
 
-    def _draw(self, step: int, version: int, clock: PhaseClock) -> ScoredBatch:
+    def _draw(self, step: int, version: int, clock: PhaseClock, last: bool = True) -> ScoredBatch:
         """Step ``step``'s prompts (deterministic: a resumed or lagged run sees the same), sampled by the policy
-        of version ``version`` and scored."""
+        of version ``version`` and scored; ``last``: the last draw before the update (the engine may sleep)."""
         rl = self.config.rl
         indices = self.source.batch_indices(step, self.info.rank, self.info.world_size, rl.prompts_per_rank)
         rows, prompt_ids = [self.source.rows[i] for i in indices], [self.source.prompt_ids[i] for i in indices]
         with clock("rollout"):
-            result = self.rollout.generate(rows, prompt_ids, step, [self.source.encoded.tools[i] for i in indices])
+            result = self.rollout.generate(rows, prompt_ids, step, [self.source.encoded.tools[i] for i in indices],
+                                           release=last)
         clock.move("rollout", "tools", result.tool_s)  # run between the turns
         with clock("reward"):
             rewards, reward_parts, episode_metrics = self._reward(result, rows)

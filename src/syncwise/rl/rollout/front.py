@@ -149,10 +149,11 @@ class Rollout:
 
     @torch.no_grad()
     def generate(self, rows: list[dict[str, Any]], prompt_ids: list[list[int]], step: int = 0,
-                 tool_schemas: list | None = None) -> RolloutResult:
+                 tool_schemas: list | None = None, release: bool = True) -> RolloutResult:
         """``samples_per_prompt`` samples per row (its prompt already encoded: ``prompt_ids``; with tools,
         conversations, the rows' tools shown as ``tool_schemas``) at ``step``. Samples of one prompt are
-        consecutive (the GRPO group)."""
+        consecutive (the GRPO group). ``release``: the last rollout before the update (an off-policy job draws
+        several on one refresh), after which the engine may free what the update does not need."""
         n, info = self.cfg.samples_per_prompt, self.engine.info
         seeds = [sample_seed(self.config.train.seed, step, info.rank, info.world_size, turn, self.turns.max_turns,
                              len(prompt_ids) * n) for turn in range(self.turns.max_turns)]
@@ -162,7 +163,8 @@ class Rollout:
         result = RolloutResult({}, trajectories, torch.zeros(0), torch.zeros(0), tool_s,
                                counts_tensor(trajectories) if self.turns.multi_turn else None, episodes)
         try:
-            self.sampler.release()  # every turn sampled: the engine may free what the update does not need
+            if release:  # every turn sampled: the engine may free what the update does not need
+                self.sampler.release()
             self._batch(result)
         except BaseException:
             with contextlib.suppress(Exception):
