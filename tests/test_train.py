@@ -316,6 +316,8 @@ def test_repeat_task_with_a_warm_start_runs_long_tailed_responses(tmp_path):
     rows = read_jsonl(tmp_path / "repeat" / "metrics.jsonl")
     assert [r["train/step"] for r in rows] == [1, 2]
     assert all(r["response/length_mean"] > 3 for r in rows)  # the target task's are 2 at most
+    # a decode batch run to each rank's longest response is mostly idle at the tail
+    assert all(0.05 < r["rollout/decode_fill"] < 0.9 for r in rows), [r["rollout/decode_fill"] for r in rows]
     assert all(r["batch/rank_token_imbalance_after"] <= r["batch/rank_token_imbalance_before"] for r in rows)
 
 

@@ -36,16 +36,17 @@ def rollout_stats(
     tool_counts = result.tool_counts if result.tool_counts is not None else torch.zeros(0, dtype=torch.float64)
     sums = [rewards.sum(), (rewards**2).sum(), len(rewards), lengths.sum(), (rewards >= 1).sum(), diff.sum(),
             response_mask.sum(), *counts, result.clipped.sum(), kept.sum(), kept.numel(),
+            len(lengths) * (lengths.max() if len(lengths) else 0.0),
             *(values.double().sum() for _, values in parts), *tool_counts]
     totals, per_rank = agree([float(x) for x in sums], [float(diff.max()) if diff.numel() else 0.0],
                              "the rollout statistics all-reduce", info.device, timeout_s)
     (total, squares, count, length, solved, diff_sum, tokens, uniform_groups, groups, trained, clipped, kept_sum,
-     kept_count) = totals[:13].tolist()
+     kept_count, lockstep) = totals[:14].tolist()
     mean = total / count
     by_function = {f"reward/{name}": float(value) / count
-                   for (name, _), value in zip(parts, totals[13:13 + len(parts)], strict=True)}
+                   for (name, _), value in zip(parts, totals[14:14 + len(parts)], strict=True)}
     return {
-        **(tool_metrics(totals[13 + len(parts):].tolist(), count) if len(tool_counts) else {}),
+        **(tool_metrics(totals[14 + len(parts):].tolist(), count) if len(tool_counts) else {}),
         **(by_function if len(parts) > 1 else {}),
         "response/clipped_fraction": clipped / count,  # cut by rl.max_new_tokens
         "reward/mean": mean,
@@ -53,6 +54,8 @@ def rollout_stats(
         "reward/solved_fraction": solved / count,
         "response/length_mean": length / count,
         "rollout/response_tokens": length,  # over every rank
+        # how full a decode batch that runs until each rank's longest response stays: the long tail's cost
+        "rollout/decode_fill": length / max(lockstep, 1.0),
         "rollout/log_prob_diff": diff_sum / max(tokens, 1.0),
         "rollout/log_prob_diff_max": float(per_rank.max()),
         # what rl.top_k/top_p/min_p kept, per token (absent where the engine does not report it: vLLM's)
