@@ -442,9 +442,8 @@ def test_a_lagged_step_refreshes_once_draws_ahead_and_lets_the_engine_sleep_afte
     the last -- a sleeping engine cannot sample; later steps draw one batch each; the last steps none."""
     from types import SimpleNamespace
 
-    from syncwise.rl.rollout.queue import RolloutQueue
+    from syncwise.rl.batches import ScoredBatches
     from syncwise.rl.stats import PhaseClock
-    from syncwise.rl.trainer import RLTrainer
 
     calls = []
 
@@ -453,15 +452,13 @@ def test_a_lagged_step_refreshes_once_draws_ahead_and_lets_the_engine_sleep_afte
         return SimpleNamespace(batch={}, log_probs=None, response_lengths=None, clipped=None, kept_mass=None,
                                tool_counts=None, tool_s=0.0)
 
-    trainer = RLTrainer.__new__(RLTrainer)
-    trainer.config = SimpleNamespace(rl=SimpleNamespace(prompts_per_rank=1))
-    trainer.info = SimpleNamespace(rank=0, world_size=1)
-    trainer.source = SimpleNamespace(batch_indices=lambda step, rank, world, count: [step], rows=list(range(9)),
-                                     prompt_ids=list(range(9)), encoded=SimpleNamespace(tools=[None] * 9))
-    trainer.rollout = SimpleNamespace(sync_weights=lambda: calls.append("refresh"), generate=generate)
-    trainer._reward = lambda result, rows: (torch.zeros(1), {}, [])
-    trainer.queue = RolloutQueue(lag=2, steps=5)
-    versions = [trainer._scored_batch(step, PhaseClock()).version for step in range(5)]
+    config = SimpleNamespace(rl=SimpleNamespace(prompts_per_rank=1, off_policy_lag=2), train=SimpleNamespace(steps=5))
+    source = SimpleNamespace(batch_indices=lambda step, rank, world, count: [step], rows=list(range(9)),
+                             prompt_ids=list(range(9)), encoded=SimpleNamespace(tools=[None] * 9))
+    rollout = SimpleNamespace(sync_weights=lambda: calls.append("refresh"), generate=generate)
+    batches = ScoredBatches(config, SimpleNamespace(rank=0, world_size=1), rollout, source)
+    batches.score = lambda result, rows: (torch.zeros(1), {}, [])
+    versions = [batches.take(step, PhaseClock()).version for step in range(5)]
     assert versions == [0, 0, 0, 1, 2]  # step t's batch drawn by the policy of step max(t - 2, 0)
     assert calls == ["refresh", ("generate", 0, False), ("generate", 1, False), ("generate", 2, True),
                      "refresh", ("generate", 3, True), "refresh", ("generate", 4, True)]

@@ -92,10 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "DIR/prompts.jsonl, DIR/model with its tokenizer and chat template) and exit")
     sft.add_argument("--task", choices=("arith_chat", "arith_tools", "arith_python", "guess_number"),
                      default="arith_chat",
-                     help="with --write-example-data: arith_chat (word problems), arith_tools (tool-use chats "
-                          "with the calculator, and the same problems without it), arith_python (the same problems "
-                          "with the python tool) or guess_number (games of the built-in environment "
-                          "syncwise.environments:GuessNumber)")
+                     help="with --write-example-data: arith_chat (word problems), arith_tools (the calculator, "
+                          "and the same problems without it), arith_python (the python tool) or guess_number "
+                          "(games of the built-in environment syncwise.environments:GuessNumber)")
     bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
     bench.add_argument("--workload", choices=tuple(WORKLOADS), default="modes",
                        help="; ".join(f"{name}: {workload.summary}" for name, workload in WORKLOADS.items()))

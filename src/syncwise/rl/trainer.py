@@ -42,10 +42,9 @@ from .algorithm.advantages import grpo_advantages, rloo_advantages
 from .algorithm.balance import samples_that_train
 from .algorithm.losses import make_policy_loss
 from .algorithm.ppo import Critic, ppo_advantages
-from .env.scoring import score_samples
+from .batches import ScoredBatches
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
-from .rollout.front import Rollout, RolloutResult
-from .rollout.queue import RolloutQueue, ScoredBatch
+from .rollout.front import Rollout
 from .stats import (
     PHASES,
     PhaseClock,
@@ -109,26 +108,14 @@ class RLTrainer:
         self.resumed_from = self.checkpoints.resolve(train.resume)
         self.start = (int(self.checkpoints.load(self.resumed_from, self.engine, self._others)["step"])
                       if self.resumed_from else 0)
-        self.queue = RolloutQueue(rl.off_policy_lag, train.steps)
-        self.queue_note = self._resume_queue() if self.resumed_from and rl.off_policy_lag else ""
+        self.batches = ScoredBatches(config, info, self.rollout, self.source)
+        self.queue_note = (self.batches.resume(self.checkpoints.rank_state(self.resumed_from), self.start)
+                           if self.resumed_from and rl.off_policy_lag else "")
         self.history: list[dict[str, Any]] = []
         self.loggers: list[Any] = []
         self.bar = None
         if info.is_main:
             self._open_logs()
-
-    def _resume_queue(self) -> str:
-        """The rollouts the checkpoint's job had drawn ahead, this rank's, trained on as they would have been;
-        where it holds none (a synchronous job's, or one saved on another number of ranks) the steps ahead are
-        drawn again by the resumed policy. Returns what the first line says."""
-        state = self.checkpoints.rank_state(self.resumed_from) or {}
-        if "rollout_queue" not in state:
-            first, last = self.start + 1, min(self.start + self.config.rl.off_policy_lag, self.config.train.steps)
-            steps = f"steps {first}-{last}" if last > first else f"step {first}"
-            return (f"; the checkpoint holds no rollouts drawn ahead for {self.info.world_size} rank(s): {steps} "
-                    f"drawn by the resumed policy")
-        self.queue.load_state_dict(state["rollout_queue"])
-        return ""
 
     @property
     def uses_reference(self) -> bool:
@@ -194,7 +181,7 @@ class RLTrainer:
         started = time.perf_counter()
         clock = PhaseClock()
         rl = self.config.rl
-        scored = self._scored_batch(step, clock)
+        scored = self.batches.take(step, clock)
         rewards = scored.rewards
         batch = dict(scored.batch)
         if self.critic is None:
@@ -261,45 +248,6 @@ class RLTrainer:
             self._log(metrics)
         return metrics
 
-    def _scored_batch(self, step: int, clock: PhaseClock) -> ScoredBatch:
-        """Step ``step``'s batch: drawn now by the current policy (synchronous), or ``rl.off_policy_lag`` steps
-        ago (the queue draws the batches due ahead first, all by the current policy, after one refresh)."""
-        due = self.queue.to_draw(step)
-        if due:
-            with clock("weight_sync"):
-                self.rollout.sync_weights()
-        for drawn in due:
-            self.queue.add(self._draw(drawn, step, clock, last=drawn == due[-1]))
-        return self.queue.take(step)
-
-    def _draw(self, step: int, version: int, clock: PhaseClock, last: bool = True) -> ScoredBatch:
-        """Step ``step``'s prompts (deterministic: a resumed or lagged run sees the same), sampled by the policy
-        of version ``version`` and scored; ``last``: the last draw before the update (the engine may sleep)."""
-        rl = self.config.rl
-        indices = self.source.batch_indices(step, self.info.rank, self.info.world_size, rl.prompts_per_rank)
-        rows, prompt_ids = [self.source.rows[i] for i in indices], [self.source.prompt_ids[i] for i in indices]
-        with clock("rollout"):
-            result = self.rollout.generate(rows, prompt_ids, step, [self.source.encoded.tools[i] for i in indices],
-                                           release=last)
-        clock.move("rollout", "tools", result.tool_s)  # run between the turns
-        with clock("reward"):
-            rewards, reward_parts, episode_metrics = self._reward(result, rows)
-        return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics)
-
-    def _reward(self, result: RolloutResult, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, dict, list]:
-        """Every sample's reward (the weighted total), each source's, and what each episode says about itself;
-        the episodes are closed after, also when scoring fails."""
-        env = self.source.environment
-        try:
-            totals, parts = score_samples(self.source.rewards, rows, result.responses,
-                                          self.config.rl.samples_per_prompt, result.episodes or None,
-                                          [t.env_reward for t in result.trajectories],
-                                          env.name if env is not None else "environment")
-            episode_metrics = [episode.metrics() for episode in result.episodes]
-        finally:
-            result.close_episodes()
-        return torch.tensor(totals), {name: torch.tensor(v) for name, v in parts.items()}, episode_metrics
-
     def warm_start(self) -> None:
         """``rl.warm_start_steps`` supervised steps on the task's correct responses through the same engine,
         then the reference (and a critic of the policy's weights) start from the warm-started policy
@@ -349,7 +297,7 @@ class RLTrainer:
 
     def save(self, done: int) -> Path:
         """Collective: a checkpoint of the state after ``done`` steps (PPO: the critic's beside the actor's)."""
-        ahead = {"rollout_queue": self.queue.state_dict()} if self.config.rl.off_policy_lag else None
+        ahead = self.batches.state_dict() if self.config.rl.off_policy_lag else None
         return self.checkpoints.save(done, self.engine, {"step": done}, self._others, ahead)
 
     def close_logs(self) -> None:

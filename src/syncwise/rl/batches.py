@@ -1,0 +1,82 @@
+"""What each RL step trains on: its prompts sampled by the rollout and scored (the trainer's ``rollout`` and
+``reward`` phases), now -- the synchronous job -- or ``rl.off_policy_lag`` steps ahead, kept in this rank's
+:class:`~syncwise.rl.rollout.queue.RolloutQueue` and in its checkpoint file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import Config
+from ..runtime.distributed import DistInfo
+from .env.scoring import score_samples
+from .env.tasks import PromptSource
+from .rollout.front import Rollout, RolloutResult
+from .rollout.queue import RolloutQueue, ScoredBatch
+from .stats import PhaseClock
+
+
+class ScoredBatches:
+    """This rank's scored batches, one per step, drawn by the policy of the step or of ``rl.off_policy_lag``
+    steps before it."""
+
+    def __init__(self, config: Config, info: DistInfo, rollout: Rollout, source: PromptSource):
+        self.config, self.info, self.rollout, self.source = config, info, rollout, source
+        self.queue = RolloutQueue(config.rl.off_policy_lag, config.train.steps)
+
+    def take(self, step: int, clock: PhaseClock) -> ScoredBatch:
+        """Step ``step``'s batch: drawn now by the current policy (synchronous), or ``rl.off_policy_lag`` steps
+        ago (the queue draws the batches due ahead first, all by the current policy, after one refresh; the
+        engine may sleep only after the last -- a sleeping vLLM cannot sample)."""
+        due = self.queue.to_draw(step)
+        if due:
+            with clock("weight_sync"):
+                self.rollout.sync_weights()
+        for drawn in due:
+            self.queue.add(self.draw(drawn, step, clock, last=drawn == due[-1]))
+        return self.queue.take(step)
+
+    def draw(self, step: int, version: int, clock: PhaseClock, last: bool = True) -> ScoredBatch:
+        """Step ``step``'s prompts (deterministic: a resumed or lagged run sees the same), sampled by the policy
+        of version ``version`` and scored; ``last``: the last draw before the update."""
+        rl, source = self.config.rl, self.source
+        indices = source.batch_indices(step, self.info.rank, self.info.world_size, rl.prompts_per_rank)
+        rows, prompt_ids = [source.rows[i] for i in indices], [source.prompt_ids[i] for i in indices]
+        with clock("rollout"):
+            result = self.rollout.generate(rows, prompt_ids, step, [source.encoded.tools[i] for i in indices],
+                                           release=last)
+        clock.move("rollout", "tools", result.tool_s)  # run between the turns
+        with clock("reward"):
+            rewards, reward_parts, episode_metrics = self.score(result, rows)
+        return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics)
+
+    def score(self, result: RolloutResult, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, dict, list]:
+        """Every sample's reward (the weighted total), each source's, and what each episode says about itself;
+        the episodes are closed after, also when scoring fails."""
+        env = self.source.environment
+        try:
+            totals, parts = score_samples(self.source.rewards, rows, result.responses,
+                                          self.config.rl.samples_per_prompt, result.episodes or None,
+                                          [t.env_reward for t in result.trajectories],
+                                          env.name if env is not None else "environment")
+            episode_metrics = [episode.metrics() for episode in result.episodes]
+        finally:
+            result.close_episodes()
+        return torch.tensor(totals), {name: torch.tensor(v) for name, v in parts.items()}, episode_metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this rank's checkpoint file keeps: the batches drawn ahead."""
+        return {"rollout_queue": self.queue.state_dict()}
+
+    def resume(self, rank_state: dict[str, Any] | None, start: int) -> str:
+        """The batches a checkpoint's job had drawn ahead on this rank (``rank_state``), trained on as they would
+        have been; where it holds none (a synchronous job's, or one saved on another number of ranks) the steps
+        ahead are drawn again by the resumed policy. Returns what the job's first line says."""
+        if "rollout_queue" not in (rank_state or {}):
+            first, last = start + 1, min(start + self.config.rl.off_policy_lag, self.config.train.steps)
+            steps = f"steps {first}-{last}" if last > first else f"step {first}"
+            return (f"; the checkpoint holds no rollouts drawn ahead for {self.info.world_size} rank(s): {steps} "
+                    f"drawn by the resumed policy")
+        self.queue.load_state_dict(rank_state["rollout_queue"])
+        return ""
