@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from cli_harness import run_cli
 from syncwise.metrics import read_jsonl
 from syncwise.sft.tasks import write_example_data
 
@@ -67,8 +68,8 @@ def test_a_model_without_the_attention_kernel_is_named_before_any_rank(data, tmp
                                    bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                                    pad_token_id=tokenizer.pad_token_id)).save_pretrained(tmp_path / "gptneo")
     tokenizer.save_pretrained(tmp_path / "gptneo")
-    proc = _run("sft", f"model.path={tmp_path / 'gptneo'}", f"sft.dataset={data / 'train.jsonl'}", "sft.steps=1",
-                f"sft.out_dir={tmp_path / 'out'}")
+    proc = run_cli(["sft", f"model.path={tmp_path / 'gptneo'}", f"sft.dataset={data / 'train.jsonl'}", "sft.steps=1",
+                    f"sft.out_dir={tmp_path / 'out'}"])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "syncwise: error: model.attn_implementation=sdpa: GPTNeoForCausalLM has no such kernel in transformers; use "

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from cli_harness import run_cli
 from syncwise.metrics import read_jsonl
 from syncwise.sft.tasks import write_example_data
 
@@ -94,8 +95,9 @@ def test_first_on_policy_ratio_is_exactly_one_with_lora_dropout(gpt2, tmp_path):
 def test_a_bad_prompt_is_one_line_and_exit_2(gpt2, tmp_path, rows, overrides, message):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = _train(tmp_path, f"model.path={gpt2}", f"rl.dataset={data}", "rl.reward_fn=syncwise.rewards:final_number",
-                  f"train.out_dir={tmp_path / 'out'}", *overrides)
+    proc = run_cli(["train", *QUICK, f"model.path={gpt2}", f"rl.dataset={data}",
+                    "rl.reward_fn=syncwise.rewards:final_number", f"train.out_dir={tmp_path / 'out'}", *overrides],
+                   cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [f"syncwise: error: rl.dataset: {data} {message}"]
     assert not (tmp_path / "out").exists()
@@ -114,8 +116,8 @@ def test_a_prompt_the_chat_template_refuses_is_one_line_and_exit_2(tmp_path):
             {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}],
              "answer": "4"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = _train(tmp_path, f"model.path={model}", f"rl.dataset={data}", "rl.reward_fn=syncwise.rewards:final_number",
-                  f"train.out_dir={tmp_path / 'out'}")
+    proc = run_cli(["train", *QUICK, f"model.path={model}", f"rl.dataset={data}",
+                    "rl.reward_fn=syncwise.rewards:final_number", f"train.out_dir={tmp_path / 'out'}"], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         f"syncwise: error: rl.dataset: {data} line 2: the prompt was refused by the chat template: System role not "

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from cli_harness import run_cli
 from syncwise.memory.plan import PlanInput, load_hf_config, make_plan
 from syncwise.models import preset_config
 
@@ -96,8 +97,7 @@ def test_plan_command(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "qwen3-4b: 4.022B parameters in 37 FSDP units" in ok.stdout
     assert "auto would choose:" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "syncwise", "plan", "gpt-17"], capture_output=True, text=True,
-                         timeout=300)
+    bad = run_cli(["plan", "gpt-17"])
     assert bad.returncode == 2 and "not a built-in shape" in bad.stderr
 
 
@@ -121,9 +121,8 @@ def test_predicted_peak_within_10_percent_of_the_engines_measured_peak(world_siz
 
 def test_plan_picks_partial_when_full_deferral_does_not_fit():
     """The worked example of docs/perf_tuning.md: Qwen3-4B on 8 devices of 16 GB, 4096 tokens, checkpointed."""
-    proc = subprocess.run([sys.executable, "-m", "syncwise", "plan", "qwen3-4b", "--world-size", "8",
-                           "--device-memory-gib", "16", "--seq-len", "4096", "--micro-batch-size", "1",
-                           "--activation-checkpointing"], capture_output=True, text=True, timeout=300)
+    proc = run_cli(["plan", "qwen3-4b", "--world-size", "8", "--device-memory-gib", "16", "--seq-len", "4096",
+                    "--micro-batch-size", "1", "--activation-checkpointing"])
     assert proc.returncode == 0, proc.stderr
     choice = proc.stdout.split("auto would choose: ")[1].split(",")[0]  # then the LM head's path
     assert choice.startswith("partial("), proc.stdout
@@ -148,8 +147,7 @@ def test_partial_rows_reduce_scatter_k_plus_the_rest_every_microbatch(config_dir
     (["--fused-lm-head", "maybe"], "--fused-lm-head: 'maybe' is not one of auto, true, false"),
 ])
 def test_plan_flags_out_of_range_are_one_line(flag, message):
-    proc = subprocess.run([sys.executable, "-m", "syncwise", "plan", "qwen3-4b", *flag], capture_output=True,
-                          text=True, timeout=300)
+    proc = run_cli(["plan", "qwen3-4b", *flag])
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
@@ -214,8 +212,7 @@ def test_ppo_plan_predicts_both_models_peaks_within_10_percent():
 
 
 def test_plan_command_with_a_critic_shows_both_models_and_auto_pair():
-    proc = subprocess.run([sys.executable, "-m", "syncwise", "plan", "qwen2.5-0.5b", "--critic", "--seq-len", "1024",
-                           "--device-memory-gib", "24"], capture_output=True, text=True, timeout=300)
+    proc = run_cli(["plan", "qwen2.5-0.5b", "--critic", "--seq-len", "1024", "--device-memory-gib", "24"])
     assert proc.returncode == 0, proc.stderr
     assert "critic (the same decoder with a one-output value head)" in proc.stdout
     assert "auto would choose: actor " in proc.stdout and ", critic " in proc.stdout
@@ -234,8 +231,7 @@ def test_plan_chooses_the_head_and_cap_with_the_mode_as_the_engine_does():
     assert ample.auto_predicted_peak <= ample.budget_bytes
     assert small.auto_choice.startswith("partial(") and "fused head" in small.auto_choice
     assert small.auto_predicted_peak <= small.budget_bytes < ample.auto_predicted_peak
-    proc = subprocess.run([sys.executable, "-m", "syncwise", "plan", "qwen3-4b", "--seq-len", "2048",
-                           "--micro-batch-size", "2", "--auto-cap"], capture_output=True, text=True, timeout=300)
+    proc = run_cli(["plan", "qwen3-4b", "--seq-len", "2048", "--micro-batch-size", "2", "--auto-cap"])
     assert proc.returncode == 0, proc.stderr
     assert f"auto would choose: {ample.auto_choice} (predicted peak" in proc.stdout
     assert f"runner-up: {ample.auto_runner_up}" in proc.stdout

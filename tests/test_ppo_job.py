@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cli_harness import run_cli
 from syncwise.metrics import read_jsonl
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -188,7 +189,7 @@ def test_ppo_on_user_model_directories(model_dirs, tmp_path, name):
     (["critic.sync.mode=sometimes"], "critic.sync.mode: 'sometimes' is not one of"),
 ])
 def test_ppo_mistakes_are_one_line_before_any_rank_starts(tmp_path, overrides, message):
-    proc = _train(tmp_path, *overrides, check=False)
+    proc = run_cli(["train", f"train.out_dir={tmp_path}", *PPO, *overrides])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "PPO on" not in proc.stdout  # no rank started

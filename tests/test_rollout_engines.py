@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_harness import run_cli
 from syncwise.config import ConfigError, load_config
 from syncwise.config.rollout_engines import ROLLOUT_ENGINES, VLLM_CPU_HEAD_SIZES, VLLM_INSTALL
 from syncwise.memory.rollout import footprint_of
@@ -107,9 +108,7 @@ def test_a_head_size_vllm_cpu_lacks_is_one_line_before_any_rank_starts(tmp_path)
     from user_models import save_model_dir
 
     model = save_model_dir(tmp_path, "llama")  # 64 wide, 4 heads: head size 16
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "syncwise", "train", "rl.rollout_engine=vllm", f"model.path={model}",
-                           f"train.out_dir={tmp_path / 'out'}"], capture_output=True, text=True, env=env, timeout=300)
+    proc = run_cli(["train", "rl.rollout_engine=vllm", f"model.path={model}", f"train.out_dir={tmp_path / 'out'}"])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         "syncwise: error: rl.rollout_engine=vllm: vLLM's CPU attention takes head sizes [32, 64, 80, 96, 112, 128, "
@@ -130,10 +129,7 @@ def test_without_vllm_the_error_names_the_install(monkeypatch):
 
 
 def test_a_kv_cache_too_small_is_one_line_before_any_rank_starts(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "syncwise", "train", "rl.rollout_engine=vllm",
-                           "rl.vllm_kv_cache_bytes=1000", f"train.out_dir={tmp_path}"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = run_cli(["train", "rl.rollout_engine=vllm", "rl.vllm_kv_cache_bytes=1000", f"train.out_dir={tmp_path}"])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         "syncwise: error: rl.vllm_kv_cache_bytes=1000 (1000 B) cannot hold one sequence of rl.max_prompt_length + "

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cli_harness import run_cli
 from dist_harness import run_distributed
 from numerics import FP32_RTOL, assert_close
 from scenarios_sft import sft_suite
@@ -118,7 +119,8 @@ def test_a_bad_row_stops_the_job_before_any_rank_trains(user, tmp_path):
     bad = tmp_path / "bad.jsonl"
     lines = (user["data"] / "train.jsonl").read_text().splitlines()[:3]
     bad.write_text("\n".join([lines[0], lines[1], '{"messages": [{"role": "user", "content": "hi"}]}', lines[2]]))
-    proc = _sft(tmp_path / "run", f"model.path={user['data'] / 'model'}", f"sft.dataset={bad}")
+    proc = run_cli(["sft", f"sft.out_dir={tmp_path / 'run'}", f"model.path={user['data'] / 'model'}",
+                    f"sft.dataset={bad}"])
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         f"syncwise: error: sft.dataset: {bad} line 3: 'messages' has no assistant turn: nothing to train on "

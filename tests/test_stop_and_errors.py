@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_harness import run_cli
 from dist_harness import child_pids
 from syncwise.metrics import read_jsonl
 
@@ -306,9 +307,10 @@ MISTAKES = {
 
 @pytest.mark.parametrize("case", list(MISTAKES))
 def test_mistakes_are_one_line_before_any_rank_starts(files, case):
+    """In this process (cli_harness), but the first case, which runs as a user runs it: a process of its own."""
     args, expected = MISTAKES[case]
-    proc = _run(["train", *(a.format(root=files) for a in args), f"train.out_dir={files / 'out'}"], cwd=files,
-                path=files)
+    args = ["train", *(a.format(root=files) for a in args), f"train.out_dir={files / 'out'}"]
+    proc = _run(args, cwd=files, path=files) if case == next(iter(MISTAKES)) else run_cli(args, cwd=files, path=files)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], "one line"
     assert proc.stderr.startswith(expected.format(root=files)), proc.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_harness import run_cli
 from syncwise.config.rollout_engines import ROLLOUT_ENGINES
 
 ADD_TOOL = '''
@@ -297,7 +298,8 @@ def test_bad_tool_input_is_one_line_and_exit_2(folder, tmp_path, override, said)
     if override == "chatml":
         override = f"model.path={save_model_dir(tmp_path, 'llama')}"  # the built-in ChatML template: no tools in it
     (folder / "broken.py").write_text("raise RuntimeError('no API key')\n")
-    proc = _train(folder, "bad", "train.steps=1", override)
+    proc = run_cli(["train", *JOB, f"model.path={folder / 'qwen2-tools'}", f"train.out_dir={folder / 'bad'}",
+                    "train.steps=1", override], cwd=folder)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [f"syncwise: error: {said}"] or said in proc.stderr.splitlines()[-1]
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cli_harness import run_cli
 from syncwise.config import load_config, packaged_config
 from syncwise.metrics import read_jsonl
 from syncwise.runtime.launcher import free_port
@@ -427,12 +428,8 @@ def test_user_model_dataset_and_reward_function(tmp_path, fmt):
 
 
 def test_bad_reward_function_is_a_clear_error(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "syncwise", "train", "rl.reward_fn=no_such_module:f", f"train.out_dir={tmp_path}",
-         "train.steps=1", *SHORT],
-        env=ENV, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode != 0
+    proc = run_cli(["train", "rl.reward_fn=no_such_module:f", f"train.out_dir={tmp_path}", "train.steps=1", *SHORT])
+    assert proc.returncode == 2
     assert "rl.reward_fn: cannot import 'no_such_module:f'" in proc.stderr
 
 

@@ -18,13 +18,12 @@ from .rl import (
     OFF_POLICY_LOSSES,
     POLICY_LOSSES,
     ROLLOUT_IS_LEVELS,
-    VLLM_SLEEP_LEVELS,
     CriticConfig,
     PolicyLossConfig,
     RLConfig,
     reward_paths,
 )
-from .rollout_engines import ROLLOUT_ENGINES
+from .rollout_engines import ROLLOUT_ENGINES, VLLM_SLEEP_LEVELS
 from .root import Config
 from .training import (
     BACKENDS,

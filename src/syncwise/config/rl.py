@@ -16,7 +16,6 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 ROLLOUT_IS_LEVELS = ("auto", "none", "token", "sequence")
 OFF_POLICY_LOSSES = ("auto", "none", "decoupled", "tis", "mis")
 BEHAVIOR_LEVELS = ("token", "sequence")
-VLLM_SLEEP_LEVELS = ("auto", 0, 1, 2)
 
 
 @dataclass
@@ -235,8 +234,9 @@ class RLConfig:
     def _validate_rollout(self) -> None:
         """The rollout engine (and its own checks, from its table entry) and how it samples."""
         choice("rl.rollout_engine", self.rollout_engine, tuple(ROLLOUT_ENGINES))
-        non_negative("rl.vllm_kv_cache_bytes", self.vllm_kv_cache_bytes, "0: sized from the batch")
-        choice("rl.vllm_sleep_level", self.vllm_sleep_level, VLLM_SLEEP_LEVELS)
+        for spec in ROLLOUT_ENGINES.values():  # each engine's own keys, whichever engine is chosen
+            if spec.check_keys is not None:
+                spec.check_keys(self)
         choice("rl.rollout_dtype", self.rollout_dtype, DTYPES)
         non_negative("rl.max_new_tokens", self.max_new_tokens, "0: the task's")
         positive("rl.temperature", self.temperature)

