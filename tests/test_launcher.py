@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import tempfile
 import time
 from multiprocessing.context import SpawnProcess
@@ -14,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from dist_harness import _rank_main
-from syncwise.runtime.launcher import launch_local
+from syncwise.runtime.launcher import _host_store, launch_local
 from syncwise.runtime.signals import StopRequest, stopped
 
 
@@ -63,3 +64,13 @@ def test_a_signal_while_the_launcher_starts_its_ranks_stops_every_rank(monkeypat
     job = launch_local(_run_until_asked_to_stop, 2)
     assert job.exit_code == 143, job.lines
     assert [p.exitcode for p in started] == [143, 143]
+
+
+def test_the_rendezvous_port_is_the_launchers_from_before_any_rank_starts():
+    """The launcher hosts the job's store (as torchrun's agent does) on a port it holds: another job starting at
+    the same moment cannot take it between choosing it and a rank binding it."""
+    store = _host_store()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", store.port))
+    store.set("k", "v")
+    assert store.get("k") == b"v"

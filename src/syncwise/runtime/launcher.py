@@ -177,13 +177,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _host_store():
+    """The job's rendezvous store, hosted here as torchrun's agent hosts it: bound to a port the kernel picks
+    and held, so another job starting on this machine at the same moment cannot take it (a port chosen free
+    and then bound by rank 0 can be taken in between)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
     # The launcher started this rank with SIGINT / SIGTERM blocked, so that a Ctrl-C while it was still
     # importing could not end it with a KeyboardInterrupt traceback; rank_main makes them stop requests,
     # unblocks them, and adopts one the launcher received before it could forward it here.
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
     )
     leave(rank_main(fn, *args))
 
@@ -286,13 +295,13 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> JobResult:
     Prints the root cause of a failure (at most three lines) to stderr and returns how the job ended.
     ``fn`` must be picklable (a module-level function).
     """
-    port = free_port()
+    store = _host_store()  # lives until the ranks have ended
     # Each rank gets its share of the cores; oversubscribing threads slows CPU runs several-fold.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     folder = Path(tempfile.mkdtemp(prefix="syncwise-reports-"))
     os.environ[REPORT_DIR_ENV] = str(folder)
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_local_entry, args=(r, nproc, port, fn, args)) for r in range(nproc)]
+    processes = [context.Process(target=_local_entry, args=(r, nproc, store.port, fn, args)) for r in range(nproc)]
     try:
         with _Supervisor(processes, folder) as supervisor:
             supervisor.start()

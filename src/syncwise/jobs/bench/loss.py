@@ -38,7 +38,8 @@ class LossBenchSpec:
 
     @classmethod
     def quick(cls, out_dir: str = "runs/bench_loss") -> LossBenchSpec:
-        return cls(tokens=1024, temperatures=[1.0], repeats=3, out_dir=out_dir)
+        # a smoke run: every row, at a size where a chunk is still a part of the sequence
+        return cls(tokens=256, chunk=128, temperatures=[1.0], repeats=3, out_dir=out_dir)
 
 
 def _cases(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, temperature: float, chunk: int,
