@@ -32,11 +32,13 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests
 	$(BIN)/lint-imports
 
-# Two workers, a module whole on one (tests/conftest.py hands out the slowest first); one thread each, so that
-# two workers on two cores do not oversubscribe them (the ranks a test starts get their share anyway).
+# Two workers, a module whole on one, in tests/conftest.py's order (slowest first; xdist's own reorder, by
+# number of tests, would leave the two README recipes for last, alone); one thread each, so that two workers
+# on two cores do not oversubscribe them (the ranks a test starts get their share anyway).
 TEST_WORKERS ?= 2
 test: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=25
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
