@@ -124,7 +124,8 @@ def test_bench_loss_workload(tmp_path):
 
 def test_bench_grpo_workload_quick(tmp_path):
     """`syncwise bench --workload grpo --quick`: whole `syncwise train` jobs on the repeat task per
-    configuration, each step's phases within its time, the imbalance balanced, the table and the plot."""
+    configuration (partial rollouts among them), each step's phases within its time, the imbalance balanced, the
+    table and the plot."""
     out = tmp_path / "bench_grpo"
     proc = subprocess.run(
         [sys.executable, "-m", "syncwise", "bench", "--workload", "grpo", "--quick", "--out", str(out)],
@@ -145,9 +146,12 @@ def test_bench_grpo_workload_quick(tmp_path):
     assert results[QUICK_CONFIGS[0]]["speedup"] == 1.0
     # like with like (issue 28.5): the compact configurations did the very same work, response for response;
     # the headline is end-to-end tokens/s, so a configuration that samples shorter responses gains nothing
-    first, *others = QUICK_CONFIGS[1:]
+    first, *others, partial = QUICK_CONFIGS[1:]
     assert all(results[name]["same_responses_as"] == first for name in others)
     assert results[first]["response_tokens"] == results[others[0]]["response_tokens"]
+    # partial rollouts sample other groups at other times (the long tail carried): other work, its own fill
+    assert results[partial]["same_responses_as"] is None
+    assert all(0 < r["decode_fill"] <= 1 for r in results.values())
     for r in results.values():
         assert r["speedup"] == pytest.approx(r["end_to_end_tokens_per_s"]
                                              / results[QUICK_CONFIGS[0]]["end_to_end_tokens_per_s"])

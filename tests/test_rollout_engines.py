@@ -230,12 +230,12 @@ def user_dirs(tmp_path_factory):
 LENGTH_REWARD = "def length(prompt, response, row):\n    return len(set(response)) / 20\n"
 
 
-def _train(out, *overrides: str) -> list[dict]:
+def _train(out, *overrides: str, correction: str = "rl.loss.rollout_is=token") -> list[dict]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "syncwise", "train", *JOB, f"train.out_dir={out}", *overrides],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "rollouts by vLLM (float32, KV cache" in proc.stdout and "rl.loss.rollout_is=token" in proc.stdout
+    assert "rollouts by vLLM (float32, KV cache" in proc.stdout and correction in proc.stdout
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -278,6 +278,22 @@ def test_a_resumed_vllm_job_samples_what_one_that_ran_through_did(vllm_jobs, use
     through = vllm_jobs["qwen2"][2:]
     assert steps(resumed) == steps(through)
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in through], rel=1e-5, abs=1e-7)
+
+
+@NEEDS_VLLM
+def test_partial_rollouts_on_vllm_continue_responses_across_refreshes(user_dirs, tmp_path):
+    """Issue 48: rl.max_staleness=1 on vLLM, rounds of 3 of the 12 tokens: the responses still sampling when a step
+    has its groups are resubmitted (prompt and tokens so far) after the refresh. Step 0 trains only tokens the
+    current policy drew over several rounds -- the trainer agrees with vLLM's log-probs as on a synchronous
+    step, so a continued response is the same sequence to both; later steps train carried groups (staleness 1,
+    never more) under the decoupled loss, and sample beyond what trains."""
+    rows = _train(tmp_path, *_user_job(user_dirs["qwen2"]), f"train.steps={STEPS}", "rl.max_staleness=1",
+                  "rl.partial_chunk_tokens=3", correction="rl.loss.off_policy=decoupled")
+    assert [r["train/step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[0]["rollout/staleness_max"] == 0 and rows[0]["rollout/log_prob_diff"] <= 2e-4, rows[0]
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows) and max(r["rollout/staleness_max"] for r in rows) == 1
+    assert sum(r["response/length_mean"] for r in rows) / len(rows) > 4
+    assert all(r["rollout/drawn_tokens"] > 0 and 0 < r["rollout/decode_fill"] <= 1 for r in rows)
 
 
 @NEEDS_VLLM

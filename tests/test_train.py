@@ -283,6 +283,31 @@ def test_an_off_policy_job_learns_from_lagged_samples_and_resumes_exactly(learne
         assert _deterministic(got) == _deterministic(want), want["train/step"]
 
 
+def test_partial_rollouts_learn_within_their_staleness_and_resume_exactly(learned, tmp_path):
+    """Issue 48: rl.max_staleness=2 -- each step samples rounds until its groups have finished, the rest carried
+    under the next policy (the default task's responses are two tokens: rounds of one). Every trained sample
+    started at most two versions before its step, some are stale, none is older; the reward rises as the
+    synchronous job's does; a job resumed from step 24's checkpoint -- which holds each rank's groups in flight
+    -- gives the uninterrupted job's steps 25-30 metric for metric."""
+    partial = tmp_path / "partial"
+    proc = _train(partial, "train.checkpoint_every=24", "rl.max_staleness=2", *LEARN)
+    assert "partial rollouts carried across steps, each group started at most 2 version(s)" in proc.stdout
+    assert "rl.loss.off_policy=decoupled" in proc.stdout
+    rows = read_jsonl(partial / "metrics.jsonl")
+    assert all(0 <= r["rollout/staleness_max"] <= 2 for r in rows)
+    assert rows[0]["rollout/staleness_max"] == 0 and max(r["rollout/staleness_mean"] for r in rows) > 0
+    assert all(r["rollout/drawn_tokens"] > 0 for r in rows)
+    first, last = _mean_rise(rows)
+    assert last > first + 0.2, (first, last)
+    resumed = tmp_path / "resumed"
+    _train(resumed, "train.checkpoint_every=0", f"train.resume={partial / 'checkpoints' / 'step_000024'}",
+           "rl.max_staleness=2", *LEARN)
+    again = read_jsonl(resumed / "metrics.jsonl")
+    assert [r["train/step"] for r in again] == list(range(25, 31))
+    for want, got in zip(rows[24:], again, strict=True):
+        assert _deterministic(got) == _deterministic(want), want["train/step"]
+
+
 def test_a_synchronous_checkpoint_goes_on_off_policy(tmp_path):
     """A synchronous job's checkpoint (no rollouts drawn ahead) resumed with rl.off_policy_lag=1: the first line
     says the step ahead is drawn by the resumed policy; staleness 0, then 1."""
@@ -310,16 +335,23 @@ def test_skipping_uniform_groups_counts_them_and_still_learns(tmp_path):
 
 def test_repeat_task_with_a_warm_start_runs_long_tailed_responses(tmp_path):
     """rl.task=repeat: the job runs its supervised warm start, then samples responses of many lengths
-    (up to the task's 100 new tokens), balanced over the ranks."""
-    proc = _train(tmp_path / "repeat", "rl.task=repeat", "rl.warm_start_steps=3", "train.steps=2",
-                  "train.checkpoint_every=0", "train.export=false")
+    (up to the task's 100 new tokens), balanced over the ranks; with partial rollouts the decode batch stays
+    fuller."""
+    job = ["rl.task=repeat", "rl.warm_start_steps=3", "train.steps=3", "train.checkpoint_every=0",
+           "train.export=false"]
+    proc = _train(tmp_path / "repeat", *job)
     assert "warm start: 3 supervised steps on the task's answers" in proc.stdout
     rows = read_jsonl(tmp_path / "repeat" / "metrics.jsonl")
-    assert [r["train/step"] for r in rows] == [1, 2]
+    assert [r["train/step"] for r in rows] == [1, 2, 3]
     assert all(r["response/length_mean"] > 3 for r in rows)  # the target task's are 2 at most
     # a decode batch run to each rank's longest response is mostly idle at the tail
-    assert all(0.05 < r["rollout/decode_fill"] < 0.9 for r in rows), [r["rollout/decode_fill"] for r in rows]
+    fills = [r["rollout/decode_fill"] for r in rows]
+    assert all(0.05 < fill < 0.9 for fill in fills), fills
     assert all(r["batch/rank_token_imbalance_after"] <= r["batch/rank_token_imbalance_before"] for r in rows)
+    # partial rollouts (issue 48): the tail is carried to the next step in rounds, new prompts join -- fuller
+    _train(tmp_path / "partial", *job, "rl.max_staleness=1")
+    partial = [r["rollout/decode_fill"] for r in read_jsonl(tmp_path / "partial" / "metrics.jsonl")]
+    assert sum(partial) / 3 > sum(fills) / 3 + 0.1, (partial, fills)
 
 
 def test_bf16_rollout_copy_differs_from_the_trainer_and_the_correction_sees_it(tmp_path):
@@ -444,12 +476,13 @@ def test_a_lagged_step_refreshes_once_draws_ahead_and_lets_the_engine_sleep_afte
 
     calls = []
 
-    def generate(rows, prompt_ids, step, tools, release=True):
+    def generate(rows, prompt_ids, step, tools, release=True, version=None):
         calls.append(("generate", step, release))
         return SimpleNamespace(batch={}, log_probs=None, response_lengths=None, clipped=None, kept_mass=None,
-                               tool_counts=None, tool_s=0.0)
+                               tool_counts=None, tool_s=0.0, trajectories=[], decode=None)
 
-    config = SimpleNamespace(rl=SimpleNamespace(prompts_per_rank=1, off_policy_lag=2), train=SimpleNamespace(steps=5))
+    config = SimpleNamespace(rl=SimpleNamespace(prompts_per_rank=1, off_policy_lag=2, max_staleness=0),
+                             train=SimpleNamespace(steps=5))
     source = SimpleNamespace(batch_indices=lambda step, rank, world, count: [step], rows=list(range(9)),
                              prompt_ids=list(range(9)), encoded=SimpleNamespace(tools=[None] * 9))
     rollout = SimpleNamespace(sync_weights=lambda: calls.append("refresh"), generate=generate)

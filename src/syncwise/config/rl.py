@@ -38,12 +38,14 @@ class PolicyLossConfig:
     # rl.rollout_dtype other than model.param_dtype), none where it is the same (Config.sampler_differs)
     rollout_is: str = "auto"
     rollout_is_cap: float = 2.0
-    # The three-policy loss for samples drawn by an older policy (rl.off_policy_lag): the PPO ratio is to the
-    # proximal policy (the update's old log-probs), and each token is weighted by w = exp(proximal - behaviour),
+    # The three-policy loss for samples drawn by an older policy (rl.off_policy_lag, rl.max_staleness): the PPO
+    # ratio is to the proximal policy (the update's old log-probs), each token weighted by w = exp(proximal -
+    # behaviour),
     # behaviour being the sampler's log-prob when it drew the token. decoupled (AReaL): w, tokens with
     # w > behavior_cap masked; tis: w truncated at behavior_cap; mis: w, masked outside
     # [1/behavior_cap, behavior_cap]; none: no weight. Per token, or one weight per sequence (its summed
-    # log-ratio). auto: decoupled with rl.off_policy_lag > 0 (unless rl.loss.rollout_is is set), none otherwise
+    # log-ratio). auto: decoupled with rl.off_policy_lag or rl.max_staleness > 0 (unless rl.loss.rollout_is is
+    # set), none otherwise
     off_policy: str = "auto"
     behavior_cap: float = 2.0
     behavior_level: str = "token"
@@ -176,6 +178,14 @@ class RLConfig:
     # samples drawn by the policy of step t - k (the first k steps on the initial policy's). Each rank keeps the
     # k batches drawn ahead in its checkpoint; rl.loss.off_policy weighs the staleness in. 0: synchronous.
     off_policy_lag: int = 0
+    # Partial rollouts carried across steps (AReaL's bounded staleness, colocated): each step samples in rounds
+    # of rl.partial_chunk_tokens tokens until rl.prompts_per_rank groups have finished; the groups still
+    # sampling continue after the refresh under the new weights (each token keeps the version that drew it),
+    # new prompts are admitted while at most (max_staleness + 1) x rl.prompts_per_rank groups are in flight,
+    # and a group started more than max_staleness versions before the step that would train it is dropped
+    # (rollout/dropped_stale). Single-turn. 0: synchronous.
+    max_staleness: int = 0
+    partial_chunk_tokens: int = 0  # tokens per round of a partial rollout; 0: a quarter of the response limit
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
     @property
@@ -196,6 +206,7 @@ class RLConfig:
         non_negative("rl.warm_start_steps", self.warm_start_steps)
         non_negative("rl.balance_min_gain", self.balance_min_gain)
         non_negative("rl.off_policy_lag", self.off_policy_lag, "0: synchronous")
+        self._validate_partial()
         if self.warm_start_steps and self.dataset:
             raise ConfigError("rl.warm_start_steps: needs a built-in task's demonstrations, not rl.dataset")
         choice("rl.chat_template", self.chat_template, ("auto", "true", "false"))
@@ -250,6 +261,33 @@ class RLConfig:
         check = ROLLOUT_ENGINES[self.rollout_engine].check_config
         if check is not None:
             check(self)
+
+    def _validate_partial(self) -> None:
+        non_negative("rl.max_staleness", self.max_staleness, "0: synchronous")
+        non_negative("rl.partial_chunk_tokens", self.partial_chunk_tokens, "0: a quarter of the response limit")
+        if not self.max_staleness:
+            return
+        if self.off_policy_lag:
+            raise ConfigError("rl.max_staleness and rl.off_policy_lag: choose one -- partial rollouts with bounded "
+                              "staleness, or whole batches drawn a fixed number of steps ahead")
+        if self.tools or self.environment:
+            key = "rl.tools" if self.tools else "rl.environment"
+            raise ConfigError(f"rl.max_staleness with {key}: partial rollouts carry single-turn samples; a "
+                              f"multi-turn job goes off-policy with rl.off_policy_lag")
+        if self.stop:
+            raise ConfigError("rl.max_staleness with rl.stop: a stop string split between two rounds of a partial "
+                              "rollout would go unseen; end responses with the end token, or use rl.off_policy_lag")
+
+    @property
+    def sequences_in_flight(self) -> int:
+        """Sequences a rank's rollout engine samples at once: a step's, or with partial rollouts the
+        ``max_staleness + 1`` steps' in flight."""
+        return self.prompts_per_rank * self.samples_per_prompt * (self.max_staleness + 1)
+
+    @property
+    def is_off_policy(self) -> bool:
+        """Whether a step may train on samples an older policy drew (a lag, or partial rollouts)."""
+        return bool(self.off_policy_lag or self.max_staleness)
 
     def _validate_tools(self) -> None:
         positive("rl.max_turns", self.max_turns)

@@ -54,7 +54,7 @@ class Config:
                               f"the next collective, which gives up after dist.timeout_s")
         loss = self.rl.loss  # the autos resolved here: what runs is what config.yaml records
         if loss.off_policy == "auto":
-            loss.off_policy = "decoupled" if self.rl.off_policy_lag and not loss.corrects_rollout else "none"
+            loss.off_policy = "decoupled" if self.rl.is_off_policy and not loss.corrects_rollout else "none"
         if loss.rollout_is == "auto":  # off_policy's weight covers the sampler's mismatch too
             loss.rollout_is = "token" if self.sampler_differs and not loss.corrects_behavior else "none"
         return self

@@ -79,9 +79,9 @@ def rollout_footprint(engine: str, hf_config, dtype: str, num_params: int, seque
 
 
 def footprint_of(rl, hf_config, num_params: int, max_new_tokens: int, device_type: str) -> RolloutFootprint:
-    """:func:`rollout_footprint` of a job's ``rl`` section: its engine and dtype, this rank's
-    ``prompts_per_rank x samples_per_prompt`` sequences of ``max_prompt_length + max_new_tokens`` tokens, and a KV
-    cache of ``rl.vllm_kv_cache_bytes`` where it is set."""
+    """:func:`rollout_footprint` of a job's ``rl`` section: its engine and dtype, this rank's sequences in flight
+    (a step's, or partial rollouts' ``max_staleness + 1`` steps') of ``max_prompt_length + max_new_tokens``
+    tokens, and a KV cache of ``rl.vllm_kv_cache_bytes`` where it is set."""
     return rollout_footprint(rl.rollout_engine, hf_config, rl.rollout_dtype, num_params,
-                             rl.prompts_per_rank * rl.samples_per_prompt, rl.max_prompt_length, max_new_tokens,
+                             rl.sequences_in_flight, rl.max_prompt_length, max_new_tokens,
                              device_type, rl.vllm_kv_cache_bytes)

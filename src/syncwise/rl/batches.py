@@ -1,6 +1,8 @@
 """What each RL step trains on: its prompts sampled by the rollout and scored (the trainer's ``rollout`` and
 ``reward`` phases), now -- the synchronous job -- or ``rl.off_policy_lag`` steps ahead, kept in this rank's
-:class:`~syncwise.rl.rollout.queue.RolloutQueue` and in its checkpoint file."""
+:class:`~syncwise.rl.rollout.queue.RolloutQueue`, or with ``rl.max_staleness`` the groups a partial rollout
+finished (:class:`~syncwise.rl.rollout.partial.PartialPool`, carried across steps); what is drawn ahead or in
+flight is in the rank's checkpoint file."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from ..runtime.distributed import DistInfo
 from .env.scoring import score_samples
 from .env.tasks import PromptSource
 from .rollout.front import Rollout, RolloutResult
+from .rollout.partial import PartialPool
 from .rollout.queue import RolloutQueue, ScoredBatch
 from .stats import PhaseClock
 
@@ -24,11 +27,17 @@ class ScoredBatches:
     def __init__(self, config: Config, info: DistInfo, rollout: Rollout, source: PromptSource):
         self.config, self.info, self.rollout, self.source = config, info, rollout, source
         self.queue = RolloutQueue(config.rl.off_policy_lag, config.train.steps)
+        rl = config.rl
+        self.pool = (PartialPool(rl.max_staleness, rl.prompts_per_rank, rl.samples_per_prompt,
+                                 rollout.max_new_tokens, rl.partial_chunk_tokens, rollout.tokenizer)
+                     if rl.max_staleness else None)
 
     def take(self, step: int, clock: PhaseClock) -> ScoredBatch:
         """Step ``step``'s batch: drawn now by the current policy (synchronous), or ``rl.off_policy_lag`` steps
         ago (the queue draws the batches due ahead first, all by the current policy, after one refresh; the
         engine may sleep only after the last -- a sleeping vLLM cannot sample)."""
+        if self.pool is not None:
+            return self.draw_partial(step, clock)
         due = self.queue.to_draw(step)
         if due:
             with clock("weight_sync"):
@@ -45,11 +54,30 @@ class ScoredBatches:
         rows, prompt_ids = [source.rows[i] for i in indices], [source.prompt_ids[i] for i in indices]
         with clock("rollout"):
             result = self.rollout.generate(rows, prompt_ids, step, [source.encoded.tools[i] for i in indices],
-                                           release=last)
+                                           release=last, version=version)
         clock.move("rollout", "tools", result.tool_s)  # run between the turns
         with clock("reward"):
             rewards, reward_parts, episode_metrics = self.score(result, rows)
         return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics)
+
+    def draw_partial(self, step: int, clock: PhaseClock) -> ScoredBatch:
+        """Partial rollouts: after the refresh, the pool's rounds by this step's policy until
+        ``rl.prompts_per_rank`` groups have finished (:mod:`syncwise.rl.rollout.partial`), then scored."""
+        with clock("weight_sync"):
+            self.rollout.sync_weights()
+        with clock("rollout"):
+            result, groups = self.rollout.generate_partial(self.pool, step,
+                                                           lambda k: self.source.prompt_ids[self.stream(k)])
+        with clock("reward"):
+            rewards, reward_parts, episode_metrics = self.score(result, [self.source.rows[self.stream(g.index)]
+                                                                         for g in groups])
+        return ScoredBatch.of(step, step, result, rewards, reward_parts, episode_metrics)
+
+    def stream(self, k: int) -> int:
+        """The row of this rank's k-th prompt: the synchronous job's, in its order (step k // prompts_per_rank)."""
+        per_step = self.config.rl.prompts_per_rank
+        step, position = divmod(k, per_step)
+        return self.source.batch_indices(step, self.info.rank, self.info.world_size, per_step)[position]
 
     def score(self, result: RolloutResult, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, dict, list]:
         """Every sample's reward (the weighted total), each source's, and what each episode says about itself;
@@ -66,13 +94,24 @@ class ScoredBatches:
         return torch.tensor(totals), {name: torch.tensor(v) for name, v in parts.items()}, episode_metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """What this rank's checkpoint file keeps: the batches drawn ahead."""
+        """What this rank's checkpoint file keeps: the batches drawn ahead, or the partial rollouts in flight."""
+        if self.pool is not None:
+            return {"partial_rollouts": self.pool.state_dict()}
         return {"rollout_queue": self.queue.state_dict()}
 
     def resume(self, rank_state: dict[str, Any] | None, start: int) -> str:
         """The batches a checkpoint's job had drawn ahead on this rank (``rank_state``), trained on as they would
         have been; where it holds none (a synchronous job's, or one saved on another number of ranks) the steps
-        ahead are drawn again by the resumed policy. Returns what the job's first line says."""
+        ahead are drawn again by the resumed policy. Partial rollouts: the groups in flight, continued; where
+        the checkpoint holds none, the stream of prompts goes on from the resumed step's. Returns what the job's
+        first line says."""
+        if self.pool is not None:
+            if "partial_rollouts" in (rank_state or {}):
+                self.pool.load_state_dict(rank_state["partial_rollouts"])
+                return ""
+            self.pool.admitted = start * self.config.rl.prompts_per_rank
+            return (f"; the checkpoint holds no partial rollouts for {self.info.world_size} rank(s): the prompts "
+                    f"go on from step {start + 1}'s")
         if "rollout_queue" not in (rank_state or {}):
             first, last = start + 1, min(start + self.config.rl.off_policy_lag, self.config.train.steps)
             steps = f"steps {first}-{last}" if last > first else f"step {first}"

@@ -21,32 +21,38 @@ from .rollout.turns import TOOL_COUNTS
 
 def rollout_stats(
     result: ScoredBatch, trainer_log_probs: torch.Tensor, sampler_log_probs: torch.Tensor, response_mask: torch.Tensor,
-    counts: tuple[int, int, int], info: DistInfo, timeout_s: float,
+    counts: tuple[int, int, int], info: DistInfo, timeout_s: float, step: int | None = None,
 ) -> dict[str, float]:
     """Over every rank (one small all-reduce): rewards, response lengths, the groups without signal and the
     samples that train (``counts``: uniform groups and groups sampled on this rank, samples it trains on),
     how far the trainer's log-probs (before any update) are from the sampler's over the response tokens
     that train, both of the untruncated distribution -- any mismatch between the two copies of the policy
     (dtype, temperature, padding, stale weights) biases the gradient -- and the probability mass the
-    sampler's truncation kept."""
+    sampler's truncation kept. ``step`` (an off-policy job's): how many versions behind it each sample
+    started, and the samples dropped for age."""
     rewards, lengths = result.rewards.double(), result.response_lengths.double()
     diff = (sampler_log_probs - trainer_log_probs.cpu()).abs() * response_mask
     parts = sorted(result.reward_parts.items())
     kept = result.kept_mass.double()
     tool_counts = result.tool_counts if result.tool_counts is not None else torch.zeros(0, dtype=torch.float64)
+    stale = (step - result.start_versions).double() if step is not None else torch.zeros(0, dtype=torch.float64)
+    # the decode batch: rows x longest response per engine call (partial rollouts count theirs; one call here)
+    longest = float(lengths.max()) if len(lengths) else 0.0
+    decode = (result.decode if result.decode is not None
+              else torch.tensor([float(lengths.sum()), len(lengths) * longest, 0.0, longest]))
     sums = [rewards.sum(), (rewards**2).sum(), len(rewards), lengths.sum(), (rewards >= 1).sum(), diff.sum(),
-            response_mask.sum(), *counts, result.clipped.sum(), kept.sum(), kept.numel(),
-            len(lengths) * (lengths.max() if len(lengths) else 0.0),
-            *(values.double().sum() for _, values in parts), *tool_counts]
-    totals, per_rank = agree([float(x) for x in sums], [float(diff.max()) if diff.numel() else 0.0],
-                             "the rollout statistics all-reduce", info.device, timeout_s)
+            response_mask.sum(), *counts, result.clipped.sum(), kept.sum(), kept.numel(), *decode.tolist(),
+            stale.sum(), *(values.double().sum() for _, values in parts), *tool_counts]
+    own = [float(diff.max()) if diff.numel() else 0.0, float(stale.max()) if stale.numel() else 0.0]
+    totals, per_rank = agree([float(x) for x in sums], own, "the rollout statistics all-reduce", info.device,
+                             timeout_s)
     (total, squares, count, length, solved, diff_sum, tokens, uniform_groups, groups, trained, clipped, kept_sum,
-     kept_count, lockstep) = totals[:14].tolist()
+     kept_count, drawn, lockstep, dropped, decode_steps, stale_sum) = totals[:18].tolist()
     mean = total / count
     by_function = {f"reward/{name}": float(value) / count
-                   for (name, _), value in zip(parts, totals[14:14 + len(parts)], strict=True)}
+                   for (name, _), value in zip(parts, totals[18:18 + len(parts)], strict=True)}
     return {
-        **(tool_metrics(totals[14 + len(parts):].tolist(), count) if len(tool_counts) else {}),
+        **(tool_metrics(totals[18 + len(parts):].tolist(), count) if len(tool_counts) else {}),
         **(by_function if len(parts) > 1 else {}),
         "response/clipped_fraction": clipped / count,  # cut by rl.max_new_tokens
         "reward/mean": mean,
@@ -54,23 +60,20 @@ def rollout_stats(
         "reward/solved_fraction": solved / count,
         "response/length_mean": length / count,
         "rollout/response_tokens": length,  # over every rank
-        # how full a decode batch that runs until each rank's longest response stays: the long tail's cost
-        "rollout/decode_fill": length / max(lockstep, 1.0),
+        # how full the engine's decode batch stays, each call run until its longest response: the long tail's cost
+        "rollout/decode_fill": drawn / max(lockstep, 1.0),
+        "rollout/decode_steps": decode_steps / info.world_size,  # per rank: the longest response of each call
         "rollout/log_prob_diff": diff_sum / max(tokens, 1.0),
-        "rollout/log_prob_diff_max": float(per_rank.max()),
+        "rollout/log_prob_diff_max": float(per_rank[:, 0].max()),
         # what rl.top_k/top_p/min_p kept, per token (absent where the engine does not report it: vLLM's)
         **({"rollout/kept_mass": kept_sum / kept_count} if kept_count else {}),
         "rollout/uniform_group_fraction": uniform_groups / groups,
         "rollout/trained_samples": trained,  # over every rank (rl.skip_uniform_groups leaves some out)
+        # partial rollouts: every token sampled this step, also those of groups still in flight
+        **({"rollout/drawn_tokens": drawn} if result.decode is not None else {}),
+        **({"rollout/staleness_mean": stale_sum / count, "rollout/staleness_max": float(per_rank[:, 1].max()),
+            "rollout/dropped_stale": dropped} if step is not None else {}),
     }
-
-
-def staleness_metrics(scored: ScoredBatch, step: int) -> dict[str, float]:
-    """How many policy versions behind the training step the batch's tokens were drawn (every rank's batch of
-    a step is drawn by the same version, so no collective), and the samples left out for age (none with a
-    fixed lag)."""
-    staleness = float(step - scored.version)
-    return {"rollout/staleness_mean": staleness, "rollout/staleness_max": staleness, "rollout/dropped_stale": 0.0}
 
 
 def tool_metrics(sums: list[float], samples: float) -> dict[str, float]:
@@ -129,7 +132,8 @@ def combine_updates(updates: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def throughput(response_tokens: float, clock: PhaseClock, updates: list[dict[str, Any]]) -> dict[str, float]:
-    """The rollout's tokens per second, the update's real tokens per second and useful FLOPs (every rank's)."""
+    """The rollout's tokens per second (``response_tokens``: those it drew), the update's real tokens per second
+    and useful FLOPs (every rank's)."""
     return {
         "perf/rollout_tokens_per_s": response_tokens / max(clock.seconds["rollout"], 1e-9),
         "perf/update_tokens_per_s": sum(u["batch/real_tokens"] for u in updates) / max(clock.seconds["update"], 1e-9),

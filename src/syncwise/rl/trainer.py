@@ -52,7 +52,6 @@ from .stats import (
     env_metrics,
     progress_line,
     rollout_stats,
-    staleness_metrics,
     throughput,
 )
 from .warm_start import keep_changed_bases, start_from_policy, warm_start_step
@@ -110,7 +109,7 @@ class RLTrainer:
                       if self.resumed_from else 0)
         self.batches = ScoredBatches(config, info, self.rollout, self.source)
         self.queue_note = (self.batches.resume(self.checkpoints.rank_state(self.resumed_from), self.start)
-                           if self.resumed_from and rl.off_policy_lag else "")
+                           if self.resumed_from and rl.is_off_policy else "")
         self.history: list[dict[str, Any]] = []
         self.loggers: list[Any] = []
         self.bar = None
@@ -237,12 +236,12 @@ class RLTrainer:
         if self.source.environment is not None:
             metrics.update(env_metrics(scored.episode_metrics, self.info, self.config.dist.timeout_s))
         metrics.update(rollout_stats(scored, before_update, sampler_log_probs, batch["loss_mask"][:, 1:].double(),
-                                     counts, self.info, self.config.dist.timeout_s))
-        if rl.off_policy_lag:
-            metrics.update(staleness_metrics(scored, step))
+                                     counts, self.info, self.config.dist.timeout_s,
+                                     step if rl.is_off_policy else None))
         metrics["train/step"] = step + 1
         metrics.update(clock.metrics())
-        metrics.update(throughput(metrics["rollout/response_tokens"], clock, updates))
+        metrics.update(throughput(metrics.get("rollout/drawn_tokens", metrics["rollout/response_tokens"]), clock,
+                                  updates))
         metrics["time/step_s"] = time.perf_counter() - started
         if self.info.is_main:
             self._log(metrics)
@@ -297,7 +296,7 @@ class RLTrainer:
 
     def save(self, done: int) -> Path:
         """Collective: a checkpoint of the state after ``done`` steps (PPO: the critic's beside the actor's)."""
-        ahead = self.batches.state_dict() if self.config.rl.off_policy_lag else None
+        ahead = self.batches.state_dict() if self.config.rl.is_off_policy else None
         return self.checkpoints.save(done, self.engine, {"step": done}, self._others, ahead)
 
     def close_logs(self) -> None:
@@ -357,10 +356,13 @@ def run_rl(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]]
 
 def _rollout_is_line(config: Config) -> str:
     """What weighs the sampler's log-probs into the loss, for the first line (the autos resolved in the config,
-    from the sampler and rl.off_policy_lag)."""
-    lag, loss = config.rl.off_policy_lag, config.rl.loss
+    from the sampler, rl.off_policy_lag and rl.max_staleness)."""
+    lag, loss, stale = config.rl.off_policy_lag, config.rl.loss, config.rl.max_staleness
     lagged = (f"off-policy: step t trains on samples drawn by the policy of step t - {lag} (rl.off_policy_lag), "
               if lag else "")
+    if stale:
+        lagged = (f"partial rollouts carried across steps, each group started at most {stale} version(s) before "
+                  f"the step that trains it (rl.max_staleness), ")
     if loss.corrects_behavior:
         how = {"decoupled": f"masked above {loss.behavior_cap:g}", "tis": f"truncated at {loss.behavior_cap:g}",
                "mis": f"masked outside [1/{loss.behavior_cap:g}, {loss.behavior_cap:g}]"}[loss.off_policy]

@@ -11,8 +11,9 @@ different streams, so their responses differ in the draw, not in kind. The headl
 shown beside it. The first ``warmup`` steps of each job are left out; rounds are interleaved (A B C, A B C)
 so a machine that slows down in between slows every configuration alike. Per configuration, medians over
 the measured steps of every round: the step time and each phase of it (``time/*`` of ``metrics.jsonl``),
-response tokens per second of sampling and end to end, and the cross-rank token imbalance before and after
-balancing. The first configuration -- Hugging Face ``generate``, no balancing and a forward-only pass for
+response tokens per second of sampling (every token sampled: partial rollouts sample some that train later)
+and end to end (the tokens that trained), the decode batch's fill, and the cross-rank token imbalance before
+and after balancing. The first configuration -- Hugging Face ``generate``, no balancing and a forward-only pass for
 the old log-probs: the path before ``rl.rollout_engine=compact``, ``rl.balance_ranks`` and the on-policy
 shortcut -- is the reference. Writes ``bench_grpo.json``, ``bench_grpo.md`` and ``grpo_phases.png``.
 """
@@ -33,6 +34,7 @@ from ...rl.trainer import train_worker
 from ...runtime.launcher import launch_local
 from .report import write_report
 from .roofline import gemm_rate_worker
+from .time_model import drawn_tokens, fit
 
 # name -> overrides; the first is the reference.
 GRPO_CONFIGS: dict[str, tuple[str, ...]] = {
@@ -50,8 +52,13 @@ GRPO_CONFIGS: dict[str, tuple[str, ...]] = {
                                           "sync.mode=per_microbatch"),
     "compact, balanced, padded": ("rl.rollout_engine=compact", "rl.balance_ranks=true", "engine.packing=false"),
     "vLLM, balanced": ("rl.rollout_engine=vllm", "rl.balance_ranks=true"),
+    # partial rollouts (issue 48): the long tail carried to the next step in rounds, new prompts joining
+    "compact, balanced, partial rollouts": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
+                                            "rl.max_staleness=1"),
+    "vLLM, balanced, partial rollouts": ("rl.rollout_engine=vllm", "rl.balance_ranks=true", "rl.max_staleness=1"),
 }
-QUICK_CONFIGS = ("generate, unbalanced (before)", "compact sampler, balanced", "compact, balanced, skip uniform groups")
+QUICK_CONFIGS = ("generate, unbalanced (before)", "compact sampler, balanced", "compact, balanced, skip uniform groups",
+                 "compact, balanced, partial rollouts")
 
 
 @dataclass
@@ -104,12 +111,16 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     step = sum(r["time/step_s"] for r in rows)
     tokens = sum(r["rollout/response_tokens"] for r in rows)
+    drawn = sum(drawn_tokens(r) for r in rows)  # partial rollouts: also what trains later
     return {
         "steps": len(rows),
         "response_tokens": [r["rollout/response_tokens"] for r in rows],  # per step: which work was done
         "step_s": median("time/step_s"),
         "phases_s": {phase: median(f"time/{phase}_s") for phase in PHASES},
-        "rollout_tokens_per_s": tokens / sum(r["time/rollout_s"] for r in rows),
+        "rollout_tokens_per_s": drawn / sum(r["time/rollout_s"] for r in rows),
+        "decode_fill": statistics.mean(r["rollout/decode_fill"] for r in rows),
+        "decode_steps": statistics.mean(r["rollout/decode_steps"] for r in rows),
+        "rollout_s_mean": statistics.mean(r["time/rollout_s"] for r in rows),
         "end_to_end_tokens_per_s": tokens / step,
         "weight_sync_share": sum(r["time/weight_sync_s"] for r in rows) / step,
         "response_length_mean": statistics.mean(r["response/length_mean"] for r in rows),
@@ -166,6 +177,13 @@ def bench_grpo(spec: GRPOBenchSpec) -> int:
                 return result.exit_code
             measured[name] += read_jsonl(job_dir / "metrics.jsonl")[spec.warmup:]
     results = {name: _summary(rows) for name, rows in measured.items()}
+    # the time model's two decode costs, per rollout engine, fitted to all its configurations' steps at once
+    for name, rows in measured.items():
+        cost = fit([row for other, rows in measured.items() if _sampler_of(other) == _sampler_of(name)
+                    for row in rows], spec.nproc)
+        drawn = statistics.mean(drawn_tokens(r) for r in rows)
+        results[name]["rollout_s_model"] = cost.seconds(results[name]["decode_steps"], drawn / spec.nproc)
+        results[name]["decode_cost"] = {"per_step_s": cost.per_step_s, "per_token_s": cost.per_token_s}
     # the GEMM rate at the model's shapes, on ranks launched as the jobs' were (all timing at once)
     rate_file = out_dir / "jobs" / "gemm_rate.txt"
     dtype = _job_config(spec, spec.configs[0], out_dir, start / "export")["model"]["param_dtype"]
@@ -207,9 +225,9 @@ def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> s
         f"over the first row's",
         "",
         "| configuration | end-to-end tok/s | speed-up | step s | step-time ratio | same responses | "
-        + " | ".join(f"{p} s" for p in PHASES) + " | weight sync share | rollout tok/s | mean response | "
+        + " | ".join(f"{p} s" for p in PHASES) + " | weight sync share | rollout tok/s | decode fill | mean response | "
         "imbalance before -> after | update of GEMM peak |",
-        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|",
+        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         phases = " | ".join(fmt(r["phases_s"][p]) for p in PHASES)
@@ -218,11 +236,18 @@ def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> s
         lines.append(
             f"| {spec.configs.index(name) + 1}. {name} | {r['end_to_end_tokens_per_s']:.0f} | {r['speedup']:.2f}x | "
             f"{fmt(r['step_s'])} | {r['step_time_ratio']:.2f}x | {same} | {phases} | "
-            f"{r['weight_sync_share']:.1%} | {r['rollout_tokens_per_s']:.0f} | "
+            f"{r['weight_sync_share']:.1%} | {r['rollout_tokens_per_s']:.0f} | {r['decode_fill']:.2f} | "
             f"{r['response_length_mean']:.1f} | "
             f"{fmt(r['imbalance_before'])} -> {fmt(r['imbalance_after'])} | {r['update_fraction_of_gemm_peak']:.1%} |"
         )
     if results:
+        lines += ["", "Time model (docs/perf_tuning.md: a decode step's fixed cost + each row's, fitted per rollout "
+                      "engine to all its configurations' steps): rollout seconds per step, measured (mean) / the "
+                      "model's, and the costs -- "
+                      + "; ".join(f"{spec.configs.index(name) + 1}. {r['rollout_s_mean']:.3f} / "
+                                  f"{r['rollout_s_model']:.3f} ({r['decode_cost']['per_step_s'] * 1e3:.2f} ms + "
+                                  f"{r['decode_cost']['per_token_s'] * 1e6:.0f} us/row)"
+                                  for name, r in results.items())]
         rate = next(iter(results.values()))["gemm_flops_per_s"]
         lines += ["", f"Update of GEMM peak: the update's useful FLOPs per second over {rate / 1e9:.1f} GFLOP/s per "
                       "rank (torch.mm at the model's shapes, timed on ranks launched as the jobs', this run)"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import torch
@@ -76,7 +76,8 @@ class Trajectory:
     between turns), which were sampled (1: trained) and which not (0), the sampler's log-prob of each (of the
     untruncated distribution; of the one it drew from, or None where the engine does not say; 0 where
     nothing was sampled), what the reward function sees (``response``: the text, or with tools the messages
-    after the prompt), whether the last turn ended by itself, and what happened on the way (``counts``)."""
+    after the prompt), whether the last turn ended by itself, what happened on the way (``counts``), and which
+    policy version drew each token (a partial rollout's tokens span versions)."""
 
     prompt: list[int] = field(default_factory=list)  # the prompt's tokens it follows
     opening: str | None = None  # what its episode said first, appended to the prompt's last user message
@@ -90,10 +91,12 @@ class Trajectory:
     done: bool = False
     env_reward: float | None = None  # the episode's own score (an environment's reward()), if it gives one
     counts: Counter = field(default_factory=Counter)  # turns, tool calls, answer kinds, each error kind
+    versions: list[int] = field(default_factory=list)  # per token: the policy version that drew it (RL steps taken)
 
     def add(self, tokens: list[int], sampled: bool, full: list[float] | None = None,
-            drawn: list[float] | None = None) -> None:
+            drawn: list[float] | None = None, version: int = 0) -> None:
         self.tokens += tokens
+        self.versions += [version] * len(tokens)
         self.sampled += [int(sampled)] * len(tokens)
         self.full_log_probs += full if full is not None else [0.0] * len(tokens)
         if self.drawn_log_probs is not None:
@@ -101,6 +104,14 @@ class Trajectory:
                 self.drawn_log_probs = None  # the engine does not report the drawn distribution
             else:
                 self.drawn_log_probs += drawn if drawn is not None else [0.0] * len(tokens)
+
+    def state(self) -> dict[str, Any]:
+        """Plain lists, numbers and strings (a checkpoint loads it with ``weights_only``)."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "counts": dict(self.counts)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Trajectory:
+        return cls(**{**state, "counts": Counter(state["counts"])})
 
 
 # vLLM seeds a torch.Generator per request: any value below 2**64 is taken as it is

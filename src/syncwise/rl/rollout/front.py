@@ -36,6 +36,7 @@ from ..env.base import Environment, FunctionTools
 from ..env.classes import ClassEpisode
 from ..env.tasks import PromptSource
 from .base import RolloutEngine, RolloutSetup, Trajectory, sample_seed
+from .partial import Group, PartialPool
 from .turns import TurnLoop, counts_tensor
 
 TRUNCATION_NOTE = (
@@ -83,6 +84,8 @@ class RolloutResult:
     tool_s: float  # spent in the tools, between the turns
     tool_counts: torch.Tensor | None  # with tools: TOOL_COUNTS summed over the samples
     episodes: list[Environment] = field(default_factory=list)  # with tools, each sample's: open until closed
+    # partial rollouts: [tokens drawn this step, rows x longest per call, dropped, longest per call]
+    decode: torch.Tensor | None = None
 
     def close_episodes(self) -> None:
         """Every episode is over (scored, or failed): each closed, all of them even where one raises."""
@@ -149,17 +152,18 @@ class Rollout:
 
     @torch.no_grad()
     def generate(self, rows: list[dict[str, Any]], prompt_ids: list[list[int]], step: int = 0,
-                 tool_schemas: list | None = None, release: bool = True) -> RolloutResult:
+                 tool_schemas: list | None = None, release: bool = True, version: int | None = None) -> RolloutResult:
         """``samples_per_prompt`` samples per row (its prompt already encoded: ``prompt_ids``; with tools,
         conversations, the rows' tools shown as ``tool_schemas``) at ``step``. Samples of one prompt are
         consecutive (the GRPO group). ``release``: the last rollout before the update (an off-policy job draws
-        several on one refresh), after which the engine may free what the update does not need."""
+        several on one refresh), after which the engine may free what the update does not need; ``version``: the
+        policy's (RL steps taken; ``step`` where not given)."""
         n, info = self.cfg.samples_per_prompt, self.engine.info
         seeds = [sample_seed(self.config.train.seed, step, info.rank, info.world_size, turn, self.turns.max_turns,
                              len(prompt_ids) * n) for turn in range(self.turns.max_turns)]
         trajectories, tool_s, episodes = self.turns.run(self.sampler, rows, prompt_ids,
                                                         tool_schemas or [None] * len(rows), n, self.max_new_tokens,
-                                                        seeds)
+                                                        seeds, step if version is None else version)
         result = RolloutResult({}, trajectories, torch.zeros(0), torch.zeros(0), tool_s,
                                counts_tensor(trajectories) if self.turns.multi_turn else None, episodes)
         try:
@@ -171,6 +175,22 @@ class Rollout:
                 result.close_episodes()
             raise
         return result
+
+    @torch.no_grad()
+    def generate_partial(self, pool: PartialPool, step: int, prompt_of: Callable[[int], list[int]]
+                         ) -> tuple[RolloutResult, list[Group]]:
+        """Partial rollouts (``rl.max_staleness``): the pool's rounds by the current policy (version ``step``)
+        until a step's groups have finished; those groups' samples, and the groups (for their rows)."""
+        info = self.engine.info
+        fill = pool.fill(self.sampler, step, prompt_of, lambda round_: sample_seed(
+            self.config.train.seed, step, info.rank, info.world_size, round_, pool.max_rounds, pool.capacity * pool.n))
+        trajectories = [t for group in fill.groups for t in group.trajectories]
+        result = RolloutResult({}, trajectories, torch.zeros(0), torch.zeros(0), 0.0, None,
+                               decode=torch.tensor([fill.drawn_tokens, fill.lockstep, fill.dropped,
+                                                    fill.decode_steps], dtype=torch.float64))
+        self.sampler.release()
+        self._batch(result)
+        return result, fill.groups
 
     def _batch(self, result: RolloutResult) -> None:
         """The training batch of the result's samples, the sampler's log-probs aligned with its targets, and

@@ -36,19 +36,27 @@ class ScoredBatch:
     kept_mass: torch.Tensor  # what truncation kept, per sampled token (empty where the engine does not say)
     tool_counts: torch.Tensor | None  # with tools: TOOL_COUNTS summed over the samples
     tool_s: float
+    started: torch.Tensor | None = None  # [B] per sample, the version that drew its first token (None: version)
+    decode: torch.Tensor | None = None  # partial rollouts: [tokens drawn, rows x longest, dropped, longest] per call
 
     @classmethod
     def of(cls, step: int, version: int, result: RolloutResult, rewards: torch.Tensor,
            reward_parts: dict[str, torch.Tensor], episode_metrics: list[dict[str, Any]]) -> ScoredBatch:
+        started = torch.tensor([min(t.versions, default=version) for t in result.trajectories])
         return cls(step, version, dict(result.batch), result.log_probs, rewards, reward_parts, episode_metrics,
-                   result.response_lengths, result.clipped, result.kept_mass, result.tool_counts, result.tool_s)
+                   result.response_lengths, result.clipped, result.kept_mass, result.tool_counts, result.tool_s,
+                   started, result.decode)
+
+    @property
+    def start_versions(self) -> torch.Tensor:
+        return self.started if self.started is not None else torch.full((len(self.rewards),), self.version)
 
     def state(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> ScoredBatch:
-        return cls(**{f.name: state[f.name] for f in fields(cls)})
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})  # older ones lack the last
 
 
 class RolloutQueue:

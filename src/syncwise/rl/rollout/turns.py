@@ -60,6 +60,7 @@ class TurnLoop:
         self.parser = choose_parser(tokenizer, cfg.tool_parser) if episode is not None else None
         self.runner = ToolRunner(tool_limits(cfg)) if episode is not None else None
         self.max_turns = cfg.max_turns if episode is not None else 1
+        self.version = 0  # the policy's that samples now (RL steps taken)
 
     @property
     def multi_turn(self) -> bool:
@@ -76,11 +77,13 @@ class TurnLoop:
                 f"{limits.workers} at a time{sandbox})")
 
     def run(self, engine: RolloutEngine, rows: list[dict[str, Any]], prompt_ids: list[list[int]],
-            schemas: list[list[dict[str, Any]] | None], n: int, max_new_tokens: int, seeds: list[int]
-            ) -> tuple[list[Trajectory], float, list[Environment]]:
+            schemas: list[list[dict[str, Any]] | None], n: int, max_new_tokens: int, seeds: list[int],
+            version: int = 0) -> tuple[list[Trajectory], float, list[Environment]]:
         """``n`` samples per prompt (consecutive), the seconds spent in the tools (running them and putting
         their answers into the conversations) and each sample's episode, still open (the trainer closes them
-        once it has scored them; here only when something fails); ``seeds``: each turn's first sampling seed."""
+        once it has scored them; here only when something fails); ``seeds``: each turn's first sampling seed;
+        ``version``: the policy's, recorded with every token."""
+        self.version = version
         trajectories = [Trajectory(prompt=prompt_ids[i // n]) for i in range(len(prompt_ids) * n)]
         if not self.multi_turn:
             samples = engine.sample(prompt_ids, n, max_new_tokens, seeds[0])
@@ -145,7 +148,7 @@ class TurnLoop:
         tokens = tokens[:room]
         drawn = samples.log_probs[k][: len(tokens)].float().tolist() if samples.log_probs is not None else None
         full = samples.full_log_probs[k][: len(tokens)].float().tolist()
-        trajectory.add(tokens, sampled=True, full=full, drawn=drawn)
+        trajectory.add(tokens, sampled=True, full=full, drawn=drawn, version=self.version)
         trajectory.counts["turns"] += 1
         if not self.multi_turn:
             trajectory.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -182,7 +185,7 @@ class TurnLoop:
             # no way on, or no room left for an answer: the conversation ends here (cut by the length limit)
             trajectory.done, trajectory.ended = True, between is None
             return
-        trajectory.add(between, sampled=False)
+        trajectory.add(between, sampled=False, version=self.version)
 
     def _between(self, history: list[dict[str, Any]], assistant: dict[str, Any], results: list[dict[str, Any]],
                  schemas: list[dict[str, Any]] | None, end_text: str) -> list[int]:

@@ -129,7 +129,7 @@ class VllmRollout:
         check_vllm(hf_config, device.type)
         ROLLOUT_ENGINES["vllm"].check_model(rl, hf_config, device.type)
         self.rl, self.tokenizer, self.end_ids, self.device = rl, setup.tokenizer, setup.end_ids, device
-        self.sequences = rl.prompts_per_rank * rl.samples_per_prompt
+        self.sequences = rl.sequences_in_flight
         params = sum(p.numel() for p in shape.parameters())
         self.footprint = footprint_of(rl, hf_config, params, setup.max_new_tokens, device.type)
         self.largest_unit_bytes = 0  # the most one refresh held beyond vLLM's weights (one gathered unit)

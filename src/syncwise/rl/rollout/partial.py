@@ -1,0 +1,140 @@
+"""Partial rollouts carried across steps (``rl.max_staleness`` > 0): AReaL's bounded staleness on the colocated
+engine.
+
+A synchronous step waits for its longest response while the engine's batch empties (``rollout/decode_fill``).
+Here each step samples in rounds of ``rl.partial_chunk_tokens`` tokens over every group in flight; a step ends
+as soon as ``rl.prompts_per_rank`` groups have finished (the oldest first train), and the groups still sampling
+are carried: after the refresh they continue under the new weights -- prompt and tokens so far resubmitted, so
+the engine prefills them with the new weights (vLLM's prefix cache was reset with the refresh; the compact
+sampler's state is the sequence itself) -- each token keeping the version that drew it. New prompts, in the
+synchronous job's order, are admitted at a round's start while at most ``(max_staleness + 1) x
+prompts_per_rank`` groups are in flight (AReaL's capacity rule), and a group started more than
+``max_staleness`` versions before the step that would train it is dropped and counted.
+
+The pool is part of the rank's checkpoint (plain lists, loaded with ``weights_only``): a resumed job continues
+the conversations it held, losing no sample and repeating none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .base import RolloutEngine, Trajectory
+
+
+@dataclass
+class Group:
+    """One prompt's ``samples_per_prompt`` samples, finished or not."""
+
+    index: int  # its place in the job's stream of prompts on this rank (admission order)
+    started: int  # the policy version that drew its first tokens
+    trajectories: list[Trajectory]
+
+    @property
+    def done(self) -> bool:
+        return all(t.done for t in self.trajectories)
+
+    def state(self) -> dict[str, Any]:
+        return {"index": self.index, "started": self.started, "trajectories": [t.state() for t in self.trajectories]}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Group:
+        return cls(state["index"], state["started"], [Trajectory.from_state(t) for t in state["trajectories"]])
+
+
+@dataclass
+class Fill:
+    """What one step's rounds did on this rank."""
+
+    groups: list[Group]  # the groups that train, oldest first
+    drawn_tokens: int  # every token sampled this step (also those of groups still in flight)
+    lockstep: int  # over the engine's calls: rows x the call's longest response (the decode batch's capacity)
+    decode_steps: int  # over the engine's calls: the call's longest response (the decode steps it ran)
+    dropped: int  # samples dropped for age
+    rounds: int
+
+
+class PartialPool:
+    """This rank's groups in flight, finished or not, in admission order."""
+
+    def __init__(self, max_staleness: int, groups_per_step: int, n: int, max_new_tokens: int, chunk: int,
+                 tokenizer):
+        self.max_staleness, self.groups_per_step, self.n = max_staleness, groups_per_step, n
+        self.max_new_tokens, self.tokenizer = max_new_tokens, tokenizer
+        self.chunk = min(chunk or max(max_new_tokens // 4, 1), max_new_tokens)
+        self.groups: list[Group] = []
+        self.admitted = 0  # prompts taken from the stream so far
+
+    @property
+    def capacity(self) -> int:
+        """Groups in flight at most: what the next ``max_staleness + 1`` steps can train."""
+        return (self.max_staleness + 1) * self.groups_per_step
+
+    @property
+    def max_rounds(self) -> int:
+        """A step's rounds at most: every group in flight at its first round (the pool full) has finished
+        after these."""
+        return math.ceil(self.max_new_tokens / self.chunk)
+
+    def fill(self, engine: RolloutEngine, version: int, prompt_of: Callable[[int], list[int]],
+             seed_of: Callable[[int], int]) -> Fill:
+        """Sample rounds with the policy of ``version`` -- one at least, more until ``groups_per_step`` groups
+        have finished; those leave the pool, the oldest first. ``prompt_of(k)``: the stream's k-th prompt;
+        ``seed_of(r)``: round r's first seed."""
+        dropped = self._drop_stale(version)
+        drawn = lockstep = decode_steps = rounds = 0
+        # at least one round a step (the groups carried move on), more until enough have finished
+        while rounds == 0 or sum(g.done for g in self.groups) < self.groups_per_step:
+            if rounds == self.max_rounds:
+                raise RuntimeError(f"partial rollout: {rounds} rounds without {self.groups_per_step} finished groups")
+            while len(self.groups) < self.capacity:
+                prompt = prompt_of(self.admitted)
+                self.groups.append(Group(self.admitted, version, [Trajectory(prompt=prompt) for _ in range(self.n)]))
+                self.admitted += 1
+            rounds += 1
+            active = [t for g in self.groups for t in g.trajectories if not t.done]
+            if not active:
+                continue
+            samples = engine.sample([t.prompt + t.tokens for t in active], 1,
+                                    min(self.chunk, max(self.max_new_tokens - len(t.tokens) for t in active)),
+                                    seed_of(rounds - 1))
+            for k, trajectory in enumerate(active):
+                drawn += self._take(trajectory, samples, k, version)
+            longest = max(len(tokens) for tokens in samples.tokens)
+            lockstep, decode_steps = lockstep + len(active) * longest, decode_steps + longest
+        finished = [g for g in self.groups if g.done][: self.groups_per_step]
+        self.groups = [g for g in self.groups if g not in finished]
+        return Fill(finished, drawn, lockstep, decode_steps, dropped, rounds)
+
+    def _drop_stale(self, version: int) -> int:
+        """Drop the groups started by a policy more than ``max_staleness`` versions before ``version``."""
+        kept = [g for g in self.groups if version - g.started <= self.max_staleness]
+        dropped = (len(self.groups) - len(kept)) * self.n
+        self.groups = kept
+        return dropped
+
+    def _take(self, trajectory: Trajectory, samples, k: int, version: int) -> int:
+        """Sample ``k`` appended to the trajectory (cut to its room); done where it ended or filled its room.
+        Returns the tokens taken."""
+        room = self.max_new_tokens - len(trajectory.tokens)
+        tokens = samples.tokens[k].tolist()
+        ended = bool(samples.ended[k]) and len(tokens) <= room
+        tokens = tokens[:room]
+        drawn = samples.log_probs[k][: len(tokens)].float().tolist() if samples.log_probs is not None else None
+        trajectory.add(tokens, sampled=True, full=samples.full_log_probs[k][: len(tokens)].float().tolist(),
+                       drawn=drawn, version=version)
+        if ended or len(trajectory.tokens) >= self.max_new_tokens:
+            trajectory.done, trajectory.ended = True, ended
+            trajectory.counts["turns"] = 1
+            trajectory.text = self.tokenizer.decode(trajectory.tokens, skip_special_tokens=True)
+        return len(tokens)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"admitted": self.admitted, "groups": [g.state() for g in self.groups]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.admitted = int(state["admitted"])
+        self.groups = [Group.from_state(g) for g in state["groups"]]
