@@ -106,7 +106,8 @@ class PartialPool:
             longest = max(len(tokens) for tokens in samples.tokens)
             lockstep, decode_steps = lockstep + len(active) * longest, decode_steps + longest
         finished = [g for g in self.groups if g.done][: self.groups_per_step]
-        self.groups = [g for g in self.groups if g not in finished]
+        taken = {g.index for g in finished}
+        self.groups = [g for g in self.groups if g.index not in taken]
         return Fill(finished, drawn, lockstep, decode_steps, dropped, rounds)
 
     def _drop_stale(self, version: int) -> int:
