@@ -170,13 +170,13 @@ def test_ctrl_c_before_the_ranks_exist_is_one_line_and_130(tmp_path):
 
 
 def test_keyboard_interrupt_while_importing_the_job_is_one_line(monkeypatch, capsys):
-    """The same, pinned where the signal lands most often: while the job's module (torch) is imported."""
+    """The same, pinned where the signal lands most often: while the launcher imports torch to start the job."""
     from syncwise.jobs import cli
 
-    def interrupted(path):
+    def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_worker", interrupted)
+    monkeypatch.setattr(cli, "launch", interrupted)
     assert cli.main(["train", "train.steps=1"]) == 130
     err = capsys.readouterr().err
     assert err == "syncwise: stopped by SIGINT before the job started; nothing was trained or saved\n"

@@ -7,12 +7,11 @@ made (``torchrun --nproc-per-node 2 -m syncwise sft ...``).
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
 from ..config import ROLLOUT_ENGINES, ConfigError, config_to_dict, load_config, packaged_config
-from ..runtime.launcher import DEBUG_ENV, launch
+from ..runtime.launcher import DEBUG_ENV, Worker, launch
 from .bench import WORKLOADS, run_workload
 
 
@@ -25,9 +24,10 @@ def _split_args(values: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _run_job(worker_path: str, args: argparse.Namespace, job: str, default_config: str | None = None) -> int:
-    """Load and check the config, check what the job was given, then run it (``worker_path``,
-    ``module:function``, is imported only then: a config error is answered without torch). Exit status: 0,
-    2 for a mistake found before any rank started, 1 for an error in a rank, 130 / 143 after Ctrl-C / SIGTERM."""
+    """Load and check the config, then run the job (``worker_path``, ``module:function``, is imported by its
+    ranks: a config error is answered without torch), what it was given checked while the ranks import. Exit
+    status: 0, 2 for a mistake found before any rank started, 1 for an error in a rank, 130 / 143 after Ctrl-C /
+    SIGTERM."""
     from .preflight import PreflightError, preflight
 
     path, overrides = _split_args(args.args)
@@ -36,19 +36,13 @@ def _run_job(worker_path: str, args: argparse.Namespace, job: str, default_confi
         path = str(packaged_config(default_config))
     try:
         config = load_config(path, overrides, packaged=packaged)
-        preflight(config, job)
+        return launch(Worker(worker_path), config.dist.nproc, config_to_dict(config),
+                      gate=lambda: preflight(config, job))
     except (ConfigError, PreflightError) as exc:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks; one says it
             kind = "config error" if isinstance(exc, ConfigError) else "error"
             print(f"syncwise: {kind}: {exc}", file=sys.stderr)
         return 2
-    return launch(_worker(worker_path), config.dist.nproc, config_to_dict(config))
-
-
-def _worker(path: str):
-    """The job's rank entry point, ``module:function`` (importing it imports torch)."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,8 @@
   supervises them: Ctrl-C or SIGTERM is passed on (the ranks stop at the next step boundary; a second
   signal kills them), a rank that fails gives the others :data:`FAILURE_GRACE_S` to notice before they are
   killed, and no process is left behind.
+- :class:`Worker` names a job's rank entry (``module:function``) without importing it: the ranks import the
+  job while the launcher runs the job's checks (``gate``), and start only once the checks have passed.
 - :func:`rank_main` is every rank's entry, under the local launcher or torchrun: it turns a clean stop
   into exit status 128 + signal and any error into one short report. Under the local launcher the reports
   go to a folder the launcher reads, and the launcher prints the root cause once; under torchrun each
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -186,7 +189,25 @@ def _host_store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+@dataclass(frozen=True)
+class Worker:
+    """A job's rank entry, ``module:function``, imported where it runs (a rank; torchrun's worker): the
+    launcher hands it to its ranks unimported, so that the job's imports (torch, transformers: seconds) run in
+    the ranks while the launcher checks what the job was given."""
+
+    path: str
+
+    def load(self) -> Callable[..., Any]:
+        module, _, name = self.path.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+GO_KEY = "syncwise/go"  # set in the job's store once the launcher's checks have passed
+GO_TIMEOUT_S = 3600.0  # the checks read the user's files (a prompt file is tokenised whole): never cut short
+
+
+def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any] | Worker, args: tuple,
+                 gated: bool = False) -> None:
     # The launcher started this rank with SIGINT / SIGTERM blocked, so that a Ctrl-C while it was still
     # importing could not end it with a KeyboardInterrupt traceback; rank_main makes them stop requests,
     # unblocks them, and adopts one the launcher received before it could forward it here.
@@ -194,6 +215,15 @@ def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any],
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
     )
+    if isinstance(fn, Worker):
+        fn = fn.load()
+    if gated:  # imported; nothing else happens until the launcher's checks pass (else it kills this rank)
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.TCPStore("127.0.0.1", port, is_master=False,
+                      timeout=datetime.timedelta(seconds=GO_TIMEOUT_S)).get(GO_KEY)
     leave(rank_main(fn, *args))
 
 
@@ -289,11 +319,14 @@ class _Supervisor:
                 self.kill_all()
 
 
-def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> JobResult:
+def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any,
+                 gate: Callable[[], None] | None = None) -> JobResult:
     """Run ``fn(*args)`` on ``nproc`` local ranks (spawned processes with torchrun's environment) and wait.
 
     Prints the root cause of a failure (at most three lines) to stderr and returns how the job ended.
-    ``fn`` must be picklable (a module-level function).
+    ``fn`` must be picklable (a module-level function, or a :class:`Worker`). ``gate``: the job's checks, run
+    here while the ranks import; the ranks start only once it returns, and if it raises they are killed (they
+    have done nothing but import) and its exception goes on to the caller.
     """
     store = _host_store()  # lives until the ranks have ended
     # Each rank gets its share of the cores; oversubscribing threads slows CPU runs several-fold.
@@ -301,10 +334,14 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> JobResult:
     folder = Path(tempfile.mkdtemp(prefix="syncwise-reports-"))
     os.environ[REPORT_DIR_ENV] = str(folder)
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_local_entry, args=(r, nproc, store.port, fn, args)) for r in range(nproc)]
+    processes = [context.Process(target=_local_entry, args=(r, nproc, store.port, fn, args, gate is not None))
+                 for r in range(nproc)]
     try:
         with _Supervisor(processes, folder) as supervisor:
             supervisor.start()
+            if gate is not None:
+                gate()  # a signal meanwhile is the supervisor's: the ranks adopt it at their first step boundary
+                store.set(GO_KEY, "1")
             supervisor.wait()
         reports = [ErrorReport(**json.loads(p.read_text())) for p in sorted(folder.glob("rank*.json"))]
     finally:
@@ -351,11 +388,14 @@ def _outcome(codes: list[int], reports: list[ErrorReport], nproc: int, superviso
     return JobResult(1, reports, lines)
 
 
-def launch(fn: Callable[..., Any], nproc: int, payload: dict) -> int:
-    """Run ``fn(payload)`` as this torchrun rank, or spawn ``nproc`` local ranks; the exit status."""
+def launch(fn: Callable[..., Any] | Worker, nproc: int, payload: dict, gate: Callable[[], None] | None = None) -> int:
+    """Run ``fn(payload)`` as this torchrun rank, or spawn ``nproc`` local ranks; the exit status. ``gate``:
+    the job's checks, which raise before anything starts (locally, run while the ranks import)."""
     from .distributed import launched_by_torchrun  # torch: only once a job really starts
 
     if not launched_by_torchrun():
-        return launch_local(fn, nproc, payload).exit_code
-    leave(rank_main(fn, payload))
+        return launch_local(fn, nproc, payload, gate=gate).exit_code
+    if gate is not None:
+        gate()
+    leave(rank_main(fn.load() if isinstance(fn, Worker) else fn, payload))
     return 0
