@@ -40,8 +40,7 @@ class PolicyLossConfig:
     rollout_is_cap: float = 2.0
     # The three-policy loss for samples drawn by an older policy (rl.off_policy_lag, rl.max_staleness): the PPO
     # ratio is to the proximal policy (the update's old log-probs), each token weighted by w = exp(proximal -
-    # behaviour),
-    # behaviour being the sampler's log-prob when it drew the token. decoupled (AReaL): w, tokens with
+    # behaviour), behaviour being the sampler's log-prob when it drew the token. decoupled (AReaL): w, tokens with
     # w > behavior_cap masked; tis: w truncated at behavior_cap; mis: w, masked outside
     # [1/behavior_cap, behavior_cap]; none: no weight. Per token, or one weight per sequence (its summed
     # log-ratio). auto: decoupled with rl.off_policy_lag or rl.max_staleness > 0 (unless rl.loss.rollout_is is
