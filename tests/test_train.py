@@ -274,9 +274,14 @@ def test_an_off_policy_job_learns_from_lagged_samples_and_resumes_exactly(learne
     assert max(r["rollout/behavior_out_of_band"] for r in rows[2:]) > 0  # stale: the weights act
     first, last = _mean_rise(rows)
     assert last > first + 0.2, (first, last)
-    resumed = tmp_path / "resumed"
-    _train(resumed, "train.checkpoint_every=0", f"train.resume={lagged / 'checkpoints' / 'step_000024'}",
-           "rl.off_policy_lag=2", *LEARN)
+    _assert_resumes_exactly(rows, lagged, tmp_path / "resumed", "rl.off_policy_lag=2")
+
+
+def _assert_resumes_exactly(rows: list[dict], out: Path, resumed: Path, *overrides: str) -> None:
+    """The job of ``out`` (``rows``, 30 steps of LEARN) resumed from its step-24 checkpoint with ``overrides``:
+    steps 25-30 equal the uninterrupted job's, metric for metric."""
+    _train(resumed, "train.checkpoint_every=0", f"train.resume={out / 'checkpoints' / 'step_000024'}", *overrides,
+           *LEARN)
     again = read_jsonl(resumed / "metrics.jsonl")
     assert [r["train/step"] for r in again] == list(range(25, 31))
     for want, got in zip(rows[24:], again, strict=True):
@@ -299,13 +304,7 @@ def test_partial_rollouts_learn_within_their_staleness_and_resume_exactly(learne
     assert all(r["rollout/drawn_tokens"] > 0 for r in rows)
     first, last = _mean_rise(rows)
     assert last > first + 0.2, (first, last)
-    resumed = tmp_path / "resumed"
-    _train(resumed, "train.checkpoint_every=0", f"train.resume={partial / 'checkpoints' / 'step_000024'}",
-           "rl.max_staleness=2", *LEARN)
-    again = read_jsonl(resumed / "metrics.jsonl")
-    assert [r["train/step"] for r in again] == list(range(25, 31))
-    for want, got in zip(rows[24:], again, strict=True):
-        assert _deterministic(got) == _deterministic(want), want["train/step"]
+    _assert_resumes_exactly(rows, partial, tmp_path / "resumed", "rl.max_staleness=2")
 
 
 def test_a_synchronous_checkpoint_goes_on_off_policy(tmp_path):

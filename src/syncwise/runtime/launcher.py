@@ -31,6 +31,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
@@ -218,12 +219,9 @@ def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any] 
     if isinstance(fn, Worker):
         fn = fn.load()
     if gated:  # imported; nothing else happens until the launcher's checks pass (else it kills this rank)
-        import datetime
-
         import torch.distributed as dist
 
-        dist.TCPStore("127.0.0.1", port, is_master=False,
-                      timeout=datetime.timedelta(seconds=GO_TIMEOUT_S)).get(GO_KEY)
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=GO_TIMEOUT_S)).get(GO_KEY)
     leave(rank_main(fn, *args))
 
 
