@@ -76,6 +76,12 @@ def rollout_stats(
     }
 
 
+def drawn_tokens(metrics: dict[str, Any]) -> float:
+    """The tokens a step's rollout sampled over every rank: partial rollouts' ``rollout/drawn_tokens`` (also
+    those that train later), else the responses it trained on."""
+    return metrics["rollout/drawn_tokens"] if "rollout/drawn_tokens" in metrics else metrics["rollout/response_tokens"]
+
+
 def tool_metrics(sums: list[float], samples: float) -> dict[str, float]:
     """Multi-turn rollouts' metrics from the all-reduced :data:`TOOL_COUNTS` (over every rank)."""
     counts = dict(zip(TOOL_COUNTS, sums, strict=True))

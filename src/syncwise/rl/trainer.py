@@ -49,6 +49,7 @@ from .stats import (
     PHASES,
     PhaseClock,
     combine_updates,
+    drawn_tokens,
     env_metrics,
     progress_line,
     rollout_stats,
@@ -240,8 +241,7 @@ class RLTrainer:
                                      step if rl.is_off_policy else None))
         metrics["train/step"] = step + 1
         metrics.update(clock.metrics())
-        metrics.update(throughput(metrics.get("rollout/drawn_tokens", metrics["rollout/response_tokens"]), clock,
-                                  updates))
+        metrics.update(throughput(drawn_tokens(metrics), clock, updates))
         metrics["time/step_s"] = time.perf_counter() - started
         if self.info.is_main:
             self._log(metrics)

@@ -29,12 +29,12 @@ from typing import Any
 from ...config import config_to_dict, load_config, packaged_config
 from ...config.rollout_engines import ROLLOUT_ENGINES
 from ...metrics import plot_phase_bars, read_jsonl
-from ...rl.stats import PHASES
+from ...rl.stats import PHASES, drawn_tokens
 from ...rl.trainer import train_worker
 from ...runtime.launcher import launch_local
 from .report import write_report
 from .roofline import gemm_rate_worker
-from .time_model import drawn_tokens, fit
+from .time_model import fit
 
 # name -> overrides; the first is the reference.
 GRPO_CONFIGS: dict[str, tuple[str, ...]] = {

@@ -24,6 +24,7 @@ import torch
 
 from ...rl.rollout.base import Samples
 from ...rl.rollout.partial import PartialPool
+from ...rl.stats import drawn_tokens
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,6 @@ class RolloutWork:
     prefill: float  # partial rollouts: the carried sequences' tokens, prefilled again after a refresh
     fill: float  # sampled tokens over rows x decode steps
     dropped: float  # the fraction of sampled groups dropped for age
-
-
-def drawn_tokens(row: dict[str, Any]) -> float:
-    """The tokens a step sampled over every rank (partial rollouts: also those that train later)."""
-    return row["rollout/drawn_tokens"] if "rollout/drawn_tokens" in row else row["rollout/response_tokens"]
 
 
 def fit(rows: list[dict[str, Any]], world_size: int) -> DecodeCost:

@@ -105,6 +105,18 @@ class Trajectory:
             else:
                 self.drawn_log_probs += drawn if drawn is not None else [0.0] * len(tokens)
 
+    def take(self, samples: Samples, k: int, max_new_tokens: int, version: int) -> tuple[list[int], bool]:
+        """Sample ``k`` of an engine call appended as drawn by ``version`` (cut to the room ``max_new_tokens``
+        leaves); the tokens taken, and whether the engine ended the sample within that room."""
+        tokens = samples.tokens[k].tolist()
+        room = max_new_tokens - len(self.tokens)
+        ended = bool(samples.ended[k]) and len(tokens) <= room
+        tokens = tokens[:room]
+        drawn = samples.log_probs[k][: len(tokens)].float().tolist() if samples.log_probs is not None else None
+        self.add(tokens, sampled=True, full=samples.full_log_probs[k][: len(tokens)].float().tolist(), drawn=drawn,
+                 version=version)
+        return tokens, ended
+
     def state(self) -> dict[str, Any]:
         """Plain lists, numbers and strings (a checkpoint loads it with ``weights_only``)."""
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "counts": dict(self.counts)}

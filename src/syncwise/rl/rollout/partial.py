@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .base import RolloutEngine, Trajectory
+from .base import RolloutEngine, Samples, Trajectory
 
 
 @dataclass
@@ -117,16 +117,10 @@ class PartialPool:
         self.groups = kept
         return dropped
 
-    def _take(self, trajectory: Trajectory, samples, k: int, version: int) -> int:
+    def _take(self, trajectory: Trajectory, samples: Samples, k: int, version: int) -> int:
         """Sample ``k`` appended to the trajectory (cut to its room); done where it ended or filled its room.
         Returns the tokens taken."""
-        room = self.max_new_tokens - len(trajectory.tokens)
-        tokens = samples.tokens[k].tolist()
-        ended = bool(samples.ended[k]) and len(tokens) <= room
-        tokens = tokens[:room]
-        drawn = samples.log_probs[k][: len(tokens)].float().tolist() if samples.log_probs is not None else None
-        trajectory.add(tokens, sampled=True, full=samples.full_log_probs[k][: len(tokens)].float().tolist(),
-                       drawn=drawn, version=version)
+        tokens, ended = trajectory.take(samples, k, self.max_new_tokens, version)
         if ended or len(trajectory.tokens) >= self.max_new_tokens:
             trajectory.done, trajectory.ended = True, ended
             trajectory.counts["turns"] = 1

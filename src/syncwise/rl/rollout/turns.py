@@ -142,13 +142,7 @@ class TurnLoop:
               last: bool) -> ParsedTurn | None:
         """Take sample ``k`` as the trajectory's next assistant turn; its parsed calls where they are to run,
         else None (the trajectory ends here)."""
-        tokens = samples.tokens[k].tolist()
-        room = max_new_tokens - len(trajectory.tokens)
-        ended = bool(samples.ended[k]) and len(tokens) <= room
-        tokens = tokens[:room]
-        drawn = samples.log_probs[k][: len(tokens)].float().tolist() if samples.log_probs is not None else None
-        full = samples.full_log_probs[k][: len(tokens)].float().tolist()
-        trajectory.add(tokens, sampled=True, full=full, drawn=drawn, version=self.version)
+        tokens, ended = trajectory.take(samples, k, max_new_tokens, self.version)
         trajectory.counts["turns"] += 1
         if not self.multi_turn:
             trajectory.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
