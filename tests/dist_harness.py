@@ -1,4 +1,4 @@
-"""Run a function on N real gloo ranks (spawned processes) and collect what each rank returns."""
+"""Run a function on N real gloo ranks (processes the launcher starts) and collect what each rank returns."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The local launcher's verdict when a rank dies without a word (SIGKILL, OOM killer, segfault): that
-rank is the cause, not the peer that then lost its connection. And a signal that reaches the launcher
-while it is still starting its ranks is never lost."""
+rank is the cause, not the peer that then lost its connection. A signal that reaches the launcher while it is
+still starting its ranks is never lost. And the ranks' fork server, shared by a process's launches, gives each
+job the launcher as it is at the job's start."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import signal
 import socket
 import tempfile
 import time
-from multiprocessing.context import SpawnProcess
+from multiprocessing.context import ForkServerProcess
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from dist_harness import _rank_main
+from dist_harness import _rank_main, run_distributed
 from syncwise.runtime.launcher import _host_store, launch_local
 from syncwise.runtime.signals import StopRequest, stopped
 
@@ -52,7 +54,7 @@ def test_a_signal_while_the_launcher_starts_its_ranks_stops_every_rank(monkeypat
     signals while starting: a thread torch had started then took the signal and dropped it, and the job ran
     to its end. Now every rank stops (143)."""
     started = []
-    start = SpawnProcess.start
+    start = ForkServerProcess.start
 
     def start_then_signal(process):
         start(process)
@@ -60,7 +62,7 @@ def test_a_signal_while_the_launcher_starts_its_ranks_stops_every_rank(monkeypat
         if len(started) == after_rank + 1:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(SpawnProcess, "start", start_then_signal)
+    monkeypatch.setattr(ForkServerProcess, "start", start_then_signal)
     job = launch_local(_run_until_asked_to_stop, 2)
     assert job.exit_code == 143, job.lines
     assert [p.exitcode for p in started] == [143, 143]
@@ -74,3 +76,21 @@ def test_the_rendezvous_port_is_the_launchers_from_before_any_rank_starts():
         other.bind(("127.0.0.1", store.port))
     store.set("k", "v")
     assert store.get("k") == b"v"
+
+
+def _what_the_rank_sees(info, name: str) -> tuple:
+    return os.environ.get(name), os.getcwd(), torch.get_num_threads(), os.getppid()
+
+
+def test_ranks_forked_from_one_server_see_the_launcher_as_it_is_at_their_start(monkeypatch, tmp_path):
+    """The fork server outlives a launch (its imports are paid once per process): a later job's ranks still get
+    the launcher's environment, working folder and thread count of their own start, not the server's."""
+    seen = {}
+    for threads, value in ((1, "first"), (2, "second")):
+        (tmp_path / value).mkdir()
+        monkeypatch.chdir(tmp_path / value)
+        monkeypatch.setenv("SYNCWISE_TEST_VALUE", value)
+        monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+        seen[value] = run_distributed(_what_the_rank_sees, 2, "SYNCWISE_TEST_VALUE")
+        assert [rank[:3] for rank in seen[value]] == [(value, str(tmp_path / value), threads)] * 2
+    assert len({rank[3] for ranks in seen.values() for rank in ranks}) == 1  # one server forked all four

@@ -129,20 +129,25 @@ def test_background_job_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
     _assert_stopped(out, stdout, stderr, "SIGTERM")
 
 
+def _rank_pids(launcher: int) -> set[int]:
+    """The launcher's ranks: the children of its fork server (the launcher's child that runs
+    ``multiprocessing.forkserver``)."""
+    ranks = set()
+    for pid in child_pids(launcher):
+        try:
+            if "multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_text():
+                ranks.update(child_pids(pid))
+        except OSError:
+            continue
+    return ranks
+
+
 def _wait_for_ranks(job: subprocess.Popen, count: int = 2) -> set[int]:
-    """Until the launcher has spawned ``count`` ranks (an event: they are still importing torch then)."""
-    while True:
-        ranks = set()
-        for pid in child_pids(job.pid, descendants=True):
-            try:
-                if "pipe_handle" in Path(f"/proc/{pid}/cmdline").read_text():
-                    ranks.add(pid)
-            except OSError:
-                continue
-        if len(ranks) >= count:
-            return ranks
+    """Until the launcher has started ``count`` ranks (an event: they have not installed their handlers yet)."""
+    while len(ranks := _rank_pids(job.pid)) < count:
         assert job.poll() is None, job.communicate()
         time.sleep(0.01)
+    return ranks
 
 
 def _importing_torch(pid: int) -> bool:

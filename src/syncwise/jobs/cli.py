@@ -11,7 +11,8 @@ import os
 import sys
 
 from ..config import ROLLOUT_ENGINES, ConfigError, config_to_dict, load_config, packaged_config
-from ..runtime.launcher import DEBUG_ENV, Worker, launch
+from ..runtime.launcher import DEBUG_ENV, launch
+from ..runtime.rank_server import Worker
 from .bench import WORKLOADS, run_workload
 
 

@@ -1,11 +1,12 @@
 """Starting a job's ranks and ending them, and what the user sees when one fails or is stopped.
 
-- :func:`launch_local` spawns N ranks on this machine with the environment torchrun would give them and
+- :func:`launch_local` starts N ranks on this machine with the environment torchrun would give them and
   supervises them: Ctrl-C or SIGTERM is passed on (the ranks stop at the next step boundary; a second
   signal kills them), a rank that fails gives the others :data:`FAILURE_GRACE_S` to notice before they are
   killed, and no process is left behind.
-- :class:`Worker` names a job's rank entry (``module:function``) without importing it: the ranks import the
-  job while the launcher runs the job's checks (``gate``), and start only once the checks have passed.
+- A :class:`~.rank_server.Worker` names a job's rank entry (``module:function``) without importing it: the
+  ranks' fork server imports the job while the launcher runs the job's checks (``gate``), and the ranks start
+  their work only once the checks have passed.
 - :func:`rank_main` is every rank's entry, under the local launcher or torchrun: it turns a clean stop
   into exit status 128 + signal and any error into one short report. Under the local launcher the reports
   go to a folder the launcher reads, and the launcher prints the root cause once; under torchrun each
@@ -14,7 +15,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -36,6 +36,7 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
+from .rank_server import Worker, rank_context, rank_environment
 from .signals import STOP_SIGNALS, JobStopped, StopRequest
 
 REPORT_DIR_ENV = "SYNCWISE_REPORT_DIR"
@@ -190,28 +191,16 @@ def _host_store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-@dataclass(frozen=True)
-class Worker:
-    """A job's rank entry, ``module:function``, imported where it runs (a rank; torchrun's worker): the
-    launcher hands it to its ranks unimported, so that the job's imports (torch, transformers: seconds) run in
-    the ranks while the launcher checks what the job was given."""
-
-    path: str
-
-    def load(self) -> Callable[..., Any]:
-        module, _, name = self.path.partition(":")
-        return getattr(importlib.import_module(module), name)
-
-
 GO_KEY = "syncwise/go"  # set in the job's store once the launcher's checks have passed
 GO_TIMEOUT_S = 3600.0  # the checks read the user's files (a prompt file is tokenised whole): never cut short
 
 
 def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any] | Worker, args: tuple,
-                 gated: bool = False) -> None:
-    # The launcher started this rank with SIGINT / SIGTERM blocked, so that a Ctrl-C while it was still
-    # importing could not end it with a KeyboardInterrupt traceback; rank_main makes them stop requests,
-    # unblocks them, and adopts one the launcher received before it could forward it here.
+                 environment: dict[str, str], gated: bool = False) -> None:
+    # Forked with SIGINT / SIGTERM blocked (see rank_preload), so that a Ctrl-C while it was still importing
+    # could not end it with a KeyboardInterrupt traceback; rank_main makes them stop requests, unblocks them,
+    # and adopts one the launcher received before it could forward it here.
+    rank_environment(environment)
     os.environ.update(
         RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
@@ -272,13 +261,13 @@ class _Supervisor:
                 os.kill(process.pid, signum if len(self.signals) == 1 else signal.SIGKILL)
 
     def start(self) -> None:
-        """Start every rank with the stop signals *blocked* (a mask a spawned process keeps across exec): until
-        :func:`rank_main` has installed its handlers and unblocks them, a signal stays pending in the rank --
-        it can neither end it mid-import nor be lost. The launcher's own handlers stay installed throughout,
-        so a signal it receives meanwhile is handled too (never ignored: a disposition is process-wide, and a
-        thread a library started would take a signal and drop it)."""
-        # Started now, so that starting it does not happen inside the masked section: multiprocessing
-        # unblocks SIGINT / SIGTERM after starting its resource tracker, which would unmask the next rank.
+        """Start every rank with the stop signals *blocked* (forked from a server that blocks them, see
+        rank_preload, and is started in this masked section, a mask kept across exec): until :func:`rank_main`
+        has installed its handlers and unblocks them, a signal stays pending in the rank -- it can neither end it
+        mid-import nor be lost. The launcher's own handlers stay installed throughout, so a signal it receives
+        meanwhile is handled too (never ignored: a disposition is process-wide, and a thread a library started
+        would take a signal and drop it). Multiprocessing unblocks SIGINT / SIGTERM after starting its resource
+        tracker, which would unmask the rest of this section: it is started first."""
         resource_tracker.ensure_running()
         previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
@@ -296,7 +285,7 @@ class _Supervisor:
                 self.killed.add(rank)
                 process.kill()
         for process in self.processes:
-            if process.pid is not None:  # one that failed to start (spawn refused) has nothing to join
+            if process.pid is not None:  # one that failed to start (fork refused) has nothing to join
                 process.join()
 
     def _note_ended(self) -> None:
@@ -319,7 +308,8 @@ class _Supervisor:
 
 def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any,
                  gate: Callable[[], None] | None = None) -> JobResult:
-    """Run ``fn(*args)`` on ``nproc`` local ranks (spawned processes with torchrun's environment) and wait.
+    """Run ``fn(*args)`` on ``nproc`` local ranks (processes forked from :mod:`.rank_server`'s server, with
+    torchrun's environment) and wait.
 
     Prints the root cause of a failure (at most three lines) to stderr and returns how the job ended.
     ``fn`` must be picklable (a module-level function, or a :class:`Worker`). ``gate``: the job's checks, run
@@ -331,9 +321,10 @@ def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any,
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     folder = Path(tempfile.mkdtemp(prefix="syncwise-reports-"))
     os.environ[REPORT_DIR_ENV] = str(folder)
-    context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_local_entry, args=(r, nproc, store.port, fn, args, gate is not None))
-                 for r in range(nproc)]
+    context = rank_context(fn.module if isinstance(fn, Worker) else fn.__module__)
+    environment = dict(os.environ)
+    processes = [context.Process(target=_local_entry, args=(r, nproc, store.port, fn, args, environment,
+                                                            gate is not None)) for r in range(nproc)]
     try:
         with _Supervisor(processes, folder) as supervisor:
             supervisor.start()
@@ -387,7 +378,7 @@ def _outcome(codes: list[int], reports: list[ErrorReport], nproc: int, superviso
 
 
 def launch(fn: Callable[..., Any] | Worker, nproc: int, payload: dict, gate: Callable[[], None] | None = None) -> int:
-    """Run ``fn(payload)`` as this torchrun rank, or spawn ``nproc`` local ranks; the exit status. ``gate``:
+    """Run ``fn(payload)`` as this torchrun rank, or start ``nproc`` local ranks; the exit status. ``gate``:
     the job's checks, which raise before anything starts (locally, run while the ranks import)."""
     from .distributed import launched_by_torchrun  # torch: only once a job really starts
 

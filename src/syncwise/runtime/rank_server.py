@@ -1,0 +1,57 @@
+"""The process the local launcher forks its ranks from (multiprocessing's ``forkserver``), and what it imports.
+
+A spawned rank imports torch, transformers and the job's modules afresh: ~4.5 s of CPU per rank, per job, most of
+a short job's cost. The server imports them once, while the launcher runs the job's checks, and each rank is
+forked from it already imported: a launcher's ranks share one import, and a process that launches many jobs (a
+test suite, a notebook) pays it once. What a rank must not share with another job it is given at its start:
+the launcher's environment as it is then (:func:`rank_environment`), its working folder and import path
+(multiprocessing's own preparation data).
+
+The server's preload is :mod:`.rank_preload`, then the job's module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A job's rank entry, ``module:function``, imported where the ranks come from (the local launcher's fork
+    server; torchrun's worker), not by the launcher: the job's imports (torch, transformers: seconds) run there
+    while the launcher checks what the job was given."""
+
+    path: str
+
+    @property
+    def module(self) -> str:
+        return self.path.partition(":")[0]
+
+    def load(self) -> Callable[..., Any]:
+        return getattr(importlib.import_module(self.module), self.path.partition(":")[2])
+
+
+def rank_context(job_module: str | None) -> multiprocessing.context.BaseContext:
+    """The context the launcher starts ranks with: a fork server that has imported :mod:`.rank_preload` and
+    ``job_module`` (the rank entry's module). A process has one server; the first launch's job decides what it
+    preloads, and a later job's module is imported in its ranks as before."""
+    context = multiprocessing.get_context("forkserver")
+    preload = [f"{__package__}.rank_preload"] + ([job_module] if job_module and job_module != "__main__" else [])
+    context.set_forkserver_preload(preload)
+    return context
+
+
+def rank_environment(environment: dict[str, str]) -> None:
+    """In a forked rank: the launcher's environment as it was when it started this rank (the server's is the one
+    it had when the server started), and the intra-op threads torch took from it at import."""
+    os.environ.clear()
+    os.environ.update(environment)
+    threads = environment.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
