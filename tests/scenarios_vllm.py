@@ -72,7 +72,7 @@ def vllm_refresh_suite(info, model_dir: str, kv_cache_bytes: int) -> dict:
     baseline = _resident()  # vLLM not imported yet: its imports are its memory too
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # the peak resident size starts again from here
-    rollout = Rollout(config, engine, tokenizer, source, end_token_ids(model_dir))
+    rollout = Rollout.beside(config, engine, tokenizer, source, end_token_ids(model_dir))
     generator = torch.Generator().manual_seed(0)
     special = set(tokenizer.all_special_ids)
     ids = [t for t in torch.randint(0, len(tokenizer), (PROMPT_TOKENS * 2,), generator=generator).tolist()

@@ -90,12 +90,19 @@ def _assert_stopped(out: Path, stdout: str, stderr: str, signame: str) -> int:
     return step
 
 
-@pytest.mark.parametrize(("signame", "target"), [("SIGINT", "group"), ("SIGTERM", "launcher")])
-def test_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes(tmp_path, signame, target):
+ROLLOUT_RANKS = ("dist.nproc=4", "dist.rollout_ranks=2", "rl.off_policy_lag=1")
+
+
+@pytest.mark.parametrize(("signame", "target", "roles"), [("SIGINT", "group", ()), ("SIGTERM", "launcher", ()),
+                                                          ("SIGINT", "group", ROLLOUT_RANKS)],
+                         ids=["SIGINT-group", "SIGTERM-launcher", "SIGINT-rollout-ranks"])
+def test_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes(tmp_path, signame, target, roles):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM to the launcher
-    alone: exit 130 / 143, the last completed step checkpointed, one line, no process left; resume goes on."""
+    alone: exit 130 / 143, the last completed step checkpointed, one line, no process left; resume goes on.
+    With rollout ranks (issue 48) the trainers stop at the boundary, the rollout ranks serve the batches the
+    checkpoint keeps and end with them."""
     out = tmp_path / "run"
-    job = _start(_train(out))
+    job = _start(_train(out, *roles))
     _wait_for_steps(out, 3, job)
     ranks = set(child_pids(job.pid, descendants=True))
     assert len(ranks) >= 2
@@ -109,7 +116,7 @@ def test_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes(tmp_path,
     step = _assert_stopped(out, stdout, stderr, signame)
     _assert_all_gone(ranks)
 
-    resumed = subprocess.run(_train(out, "train.resume=auto", f"train.steps={step + 2}"), env=ENV,
+    resumed = subprocess.run(_train(out, "train.resume=auto", f"train.steps={step + 2}", *roles), env=ENV,
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {step}" in resumed.stdout
@@ -284,6 +291,8 @@ def files(tmp_path_factory) -> Path:
     (root / "rewards.py").write_text(
         "import os\n\ndef flaky(prompt, response, row):\n"
         "    if os.environ['RANK'] == '1':\n        raise KeyError('target_digit')\n    return 0.0\n"
+        "\ndef fails_on_rank_3(prompt, response, row):\n"
+        "    if os.environ['RANK'] == '3':\n        raise KeyError('target_digit')\n    return 0.0\n"
     )
     return root
 
@@ -335,6 +344,21 @@ def test_error_on_rank_1_is_reported_once_in_two_lines(files):
     debug = _run(["--debug", *args], cwd=files, path=files)
     assert debug.returncode == 1
     assert "Traceback" in debug.stderr and "rewards.py" in debug.stderr and "KeyError" in debug.stderr
+
+
+def test_an_error_on_a_rollout_rank_ends_the_job_in_two_lines_naming_it(files):
+    """Issue 48: with rollout ranks the reward runs where the samples are drawn; it fails on the last one (rank 3
+    of 4, a rollout rank): the job ends -- the trainers waiting for its batch are not left hanging -- with that
+    root cause, the rank named by its role."""
+    args = ["train", "rl.reward_fn=rewards:fails_on_rank_3", f"train.out_dir={files / 'out_rollout'}", *QUICK,
+            *ROLLOUT_RANKS]
+    proc = _run(args, cwd=files, path=files)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0].startswith("syncwise: error: rollout rank 3 (of ranks 2-3): rl.reward_fn: raised KeyError: "
+                               "'target_digit'"), lines
+    assert lines[1:] == ["syncwise: raised on rank 3 of 4; rerun with SYNCWISE_DEBUG=1 (or syncwise --debug) for "
+                         "the traceback"]
 
 
 def test_error_report_names_the_checkpoint_file(tmp_path):

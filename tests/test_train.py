@@ -253,18 +253,24 @@ def _deterministic(row: dict) -> dict:
             and k != "train/step_time_s"}
 
 
-def test_an_off_policy_job_learns_from_lagged_samples_and_resumes_exactly(learned, tmp_path):
+@pytest.fixture(scope="module")
+def lagged(tmp_path_factory):
+    """The default job's reduced budget with rl.off_policy_lag=2, colocated: its first line and metrics."""
+    out = tmp_path_factory.mktemp("lagged")
+    proc = _train(out, "train.checkpoint_every=24", "rl.off_policy_lag=2", *LEARN)
+    return proc.stdout, read_jsonl(out / "metrics.jsonl"), out
+
+
+def test_an_off_policy_job_learns_from_lagged_samples_and_resumes_exactly(learned, lagged, tmp_path):
     """Issue 48: rl.off_policy_lag=2 -- step t trains on its own prompts drawn by the policy of step t - 2
     (the first two steps' by the initial policy's), with the decoupled loss (rl.loss.off_policy=auto). The
     first step is the synchronous job's (nothing is stale yet); staleness is min(t, 2) every step; the reward
     rises as the synchronous job's does (measured 0.31 -> 0.79 when written); a job resumed from step 24's
     checkpoint -- which holds each rank's two batches drawn ahead -- gives the uninterrupted job's steps 25-30
     metric for metric."""
-    lagged = tmp_path / "lagged"
-    proc = _train(lagged, "train.checkpoint_every=24", "rl.off_policy_lag=2", *LEARN)
-    assert "off-policy: step t trains on samples drawn by the policy of step t - 2" in proc.stdout
-    assert "rl.loss.off_policy=decoupled" in proc.stdout
-    rows = read_jsonl(lagged / "metrics.jsonl")
+    stdout, rows, out = lagged
+    assert "off-policy: step t trains on samples drawn by the policy of step t - 2" in stdout
+    assert "rl.loss.off_policy=decoupled" in stdout
     assert [r["rollout/staleness_max"] for r in rows] == [min(t, 2) for t in range(30)]
     assert all(r["rollout/dropped_stale"] == 0 for r in rows)
     for key in ("reward/mean", "response/length_mean", "rollout/response_tokens"):
@@ -401,22 +407,25 @@ def test_lora_grpo_resumes_exactly_with_the_base_model_as_kl_reference(tmp_path)
 
 
 def test_torchrun_two_nodes_on_loopback(tmp_path):
+    """Two torchrun nodes of two processes: three trainers (two on node 0, one on node 1) and a rollout rank of
+    its own on node 1 (dist.rollout_ranks=1, rl.off_policy_lag=1), which serves all three."""
     port = free_port()
     procs = []
     for node in (0, 1):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "-m", "syncwise", "train", f"train.out_dir={tmp_path / 'multi'}", "train.steps=2",
-            "train.checkpoint_every=0", "train.export=false", *SHORT,
+            "-m", "syncwise", "train", f"train.out_dir={tmp_path / 'multi'}", "train.steps=3",
+            "train.checkpoint_every=0", "train.export=false", "dist.rollout_ranks=1", "rl.off_policy_lag=1", *SHORT,
         ]
         procs.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=600) for p in procs]
     for p, (stdout, stderr) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, stdout[-2000:] + stderr[-4000:]
-    assert "fsdp2 on 2 rank(s)" in outputs[0][0]
+    assert "fsdp2 on 3 rank(s)" in outputs[0][0] and "rollouts by 1 rollout rank(s) of their own" in outputs[0][0]
     rows = read_jsonl(tmp_path / "multi" / "metrics.jsonl")
-    assert [r["train/step"] for r in rows] == [1, 2]
+    assert [r["train/step"] for r in rows] == [1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])

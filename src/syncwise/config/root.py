@@ -52,6 +52,11 @@ class Config:
             raise ConfigError(f"rl.tool_step_timeout_s={self.rl.tool_step_timeout_s:g} must be less than "
                               f"dist.timeout_s={self.dist.timeout_s:g}: the other ranks wait for this one's tools at "
                               f"the next collective, which gives up after dist.timeout_s")
+        if self.dist.rollout_ranks and (self.rl.max_staleness or not self.rl.off_policy_lag):
+            raise ConfigError(
+                f"dist.rollout_ranks={self.dist.rollout_ranks} needs rl.off_policy_lag >= 1 (the rollout ranks draw "
+                f"step t + lag's batches while the trainers train step t; partial rollouts, rl.max_staleness, run "
+                f"colocated)")
         loss = self.rl.loss  # the autos resolved here: what runs is what config.yaml records
         if loss.off_policy == "auto":
             loss.off_policy = "decoupled" if self.rl.is_off_policy and not loss.corrects_rollout else "none"

@@ -200,9 +200,16 @@ class DistConfig:
     nproc: int = 2
     backend: str = "auto"
     timeout_s: float = 600.0
+    # syncwise train: the job's last rollout_ranks ranks only sample (and score); the others train, and send them
+    # the weights after each step (needs rl.off_policy_lag >= 1: they draw step t + lag while step t trains)
+    rollout_ranks: int = 0
 
     def validate(self) -> DistConfig:
         positive("dist.nproc", self.nproc)
+        non_negative("dist.rollout_ranks", self.rollout_ranks, "0: every rank trains and samples")
+        if self.rollout_ranks and self.rollout_ranks > self.nproc - self.rollout_ranks:
+            raise ConfigError(f"dist.rollout_ranks={self.rollout_ranks} of dist.nproc={self.nproc}: at least as many "
+                              f"ranks must train (each rollout rank serves one or more trainers)")
         choice("dist.backend", self.backend, BACKENDS)
         positive("dist.timeout_s", self.timeout_s)
         return self

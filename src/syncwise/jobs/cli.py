@@ -64,7 +64,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "plan":
         return _run_plan(args)
     if args.command == "train":
-        return _run_job("syncwise.rl.trainer:train_worker", args, "train", default_config="grpo.yaml")
+        return _run_job("syncwise.rl.job:train_worker", args, "train", default_config="grpo.yaml")
     if args.command == "sft":
         if args.write_example_data:
             return _write_example_data(args.write_example_data, args.task)

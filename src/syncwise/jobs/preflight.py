@@ -267,6 +267,9 @@ def preflight(config: Config, job: str) -> None:
         check_critic(config)
         check_rl(config)
     elif job == "sft":
+        if config.dist.rollout_ranks:
+            raise PreflightError(f"dist.rollout_ranks={config.dist.rollout_ranks} is for syncwise train's rollouts; "
+                                 f"syncwise sft samples nothing (every rank trains)")
         check_sft(config)
 
 

@@ -6,6 +6,7 @@ flight is in the rank's checkpoint file."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from ..config import Config
 from ..runtime.distributed import DistInfo
 from .env.scoring import score_samples
 from .env.tasks import PromptSource
+from .rollout.channel import RolloutChannel
 from .rollout.front import Rollout, RolloutResult
 from .rollout.partial import PartialPool
 from .rollout.queue import RolloutQueue, ScoredBatch
@@ -24,9 +26,14 @@ class ScoredBatches:
     """This rank's scored batches, one per step, drawn by the policy of the step or of ``rl.off_policy_lag``
     steps before it."""
 
-    def __init__(self, config: Config, info: DistInfo, rollout: Rollout, source: PromptSource):
+    def __init__(self, config: Config, info: DistInfo, rollout: Rollout | None, source: PromptSource,
+                 channel: RolloutChannel | None = None, weights: Callable[[], Iterator[dict]] | None = None):
+        """``rollout``: this rank's engine (None on a trainer of a job with rollout ranks: ``channel`` brings
+        its batches, drawn there by the policy ``weights`` sends)."""
         self.config, self.info, self.rollout, self.source = config, info, rollout, source
+        self.channel, self.weights = channel, weights
         self.queue = RolloutQueue(config.rl.off_policy_lag, config.train.steps)
+        self.requested: list[int] = []  # with rollout ranks: steps asked for, not fetched yet
         rl = config.rl
         self.pool = (PartialPool(rl.max_staleness, rl.prompts_per_rank, rl.samples_per_prompt,
                                  rollout.max_new_tokens, rl.partial_chunk_tokens, rollout.tokenizer)
@@ -38,6 +45,8 @@ class ScoredBatches:
         engine may sleep only after the last -- a sleeping vLLM cannot sample)."""
         if self.pool is not None:
             return self.draw_partial(step, clock)
+        if self.channel is not None:
+            return self.take_remote(step, clock)
         due = self.queue.to_draw(step)
         if due:
             with clock("weight_sync"):
@@ -45,6 +54,25 @@ class ScoredBatches:
         for drawn in due:
             self.queue.add(self.draw(drawn, step, clock, last=drawn == due[-1]))
         return self.queue.take(step)
+
+    def take_remote(self, step: int, clock: PhaseClock) -> ScoredBatch:
+        """With rollout ranks: the policy of ``step`` sent to them with the steps they draw by it (those the
+        colocated queue would draw now), then step ``step``'s batch, drawn there ``rl.off_policy_lag`` steps
+        ago -- waiting for it only if they are behind."""
+        first = max([self.queue.next_step, step] + [s + 1 for s in self.requested])
+        due = list(range(first, min(step + self.queue.lag + 1, self.config.train.steps)))
+        if due:
+            with clock("weight_sync"):
+                self.channel.send_weights(step, due, self.weights())
+            self.requested += due
+        with clock("rollout_wait"):
+            self._fetch(until=step)
+        return self.queue.take(step)
+
+    def _fetch(self, until: int) -> None:
+        """The batches asked for, up to step ``until``'s, into this rank's queue, in order."""
+        while self.requested and self.requested[0] <= until:
+            self.queue.add(self.channel.fetch(self.requested.pop(0), self.info.rank))
 
     def draw(self, step: int, version: int, clock: PhaseClock, last: bool = True) -> ScoredBatch:
         """Step ``step``'s prompts (deterministic: a resumed or lagged run sees the same), sampled by the policy
@@ -54,7 +82,7 @@ class ScoredBatches:
         rows, prompt_ids = [source.rows[i] for i in indices], [source.prompt_ids[i] for i in indices]
         with clock("rollout"):
             result = self.rollout.generate(rows, prompt_ids, step, [source.encoded.tools[i] for i in indices],
-                                           release=last, version=version)
+                                           release=last, version=version, seat=(self.info.rank, self.info.world_size))
         clock.move("rollout", "tools", result.tool_s)  # run between the turns
         with clock("reward"):
             rewards, reward_parts, episode_metrics = self.score(result, rows)
@@ -94,9 +122,11 @@ class ScoredBatches:
         return torch.tensor(totals), {name: torch.tensor(v) for name, v in parts.items()}, episode_metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """What this rank's checkpoint file keeps: the batches drawn ahead, or the partial rollouts in flight."""
+        """What this rank's checkpoint file keeps: the batches drawn ahead (with rollout ranks, every one asked
+        for, fetched first), or the partial rollouts in flight."""
         if self.pool is not None:
             return {"partial_rollouts": self.pool.state_dict()}
+        self._fetch(until=self.config.train.steps)
         return {"rollout_queue": self.queue.state_dict()}
 
     def resume(self, rank_state: dict[str, Any] | None, start: int) -> str:

@@ -96,8 +96,8 @@ def tool_metrics(sums: list[float], samples: float) -> dict[str, float]:
     }
 
 
-PHASES = ("weight_sync", "rollout", "tools", "reward", "balance", "ref_log_prob", "old_log_prob", "values",
-          "critic_update", "update")
+PHASES = ("weight_sync", "rollout", "tools", "reward", "rollout_wait", "balance", "ref_log_prob", "old_log_prob",
+          "values", "critic_update", "update")  # rollout_wait: a trainer waiting for its rollout rank's batch
 
 
 class PhaseClock:
@@ -137,14 +137,26 @@ def combine_updates(updates: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def throughput(response_tokens: float, clock: PhaseClock, updates: list[dict[str, Any]]) -> dict[str, float]:
-    """The rollout's tokens per second (``response_tokens``: those it drew), the update's real tokens per second
-    and useful FLOPs (every rank's)."""
+def throughput(response_tokens: float, clock: PhaseClock, updates: list[dict[str, Any]],
+               rollout_rank_s: torch.Tensor | None = None) -> dict[str, float]:
+    """The rollout's tokens per second (``response_tokens``: those it drew; over the rollout rank's sampling
+    seconds where one drew them), the update's real tokens per second and useful FLOPs (every rank's)."""
+    sampling_s = float(rollout_rank_s[0]) if rollout_rank_s is not None else clock.seconds["rollout"]
     return {
-        "perf/rollout_tokens_per_s": response_tokens / max(clock.seconds["rollout"], 1e-9),
+        "perf/rollout_tokens_per_s": response_tokens / max(sampling_s, 1e-9),
         "perf/update_tokens_per_s": sum(u["batch/real_tokens"] for u in updates) / max(clock.seconds["update"], 1e-9),
         "perf/update_useful_flops": sum(u["perf/useful_flops"] for u in updates),
     }
+
+
+def rollout_rank_metrics(rollout_rank_s: torch.Tensor, transfer: Any) -> dict[str, float]:
+    """With rollout ranks (this trainer's batch, and the last weight transfer as trainer 0 sent it): the rollout
+    rank's busy and idle seconds for the draw -- sampling, scoring, waiting for weights, receiving them -- and the
+    transfer's bytes, largest unit and seconds."""
+    sample_s, reward_s, idle_s, weights_s = rollout_rank_s.tolist()
+    return {"rollout_rank/sample_s": sample_s, "rollout_rank/reward_s": reward_s, "rollout_rank/idle_s": idle_s,
+            "rollout_rank/weight_sync_s": weights_s, "weights/bytes": float(transfer.bytes),
+            "weights/largest_unit_bytes": float(transfer.largest_unit_bytes), "weights/send_s": transfer.seconds}
 
 
 def env_metrics(per_episode: list[dict[str, float]], info: DistInfo, timeout_s: float) -> dict[str, float]:

@@ -31,20 +31,23 @@ import torch
 import yaml
 
 from ..checkpoint import CheckpointManager, export_hf
-from ..config import Config, config_to_dict, load_config_dict
+from ..config import Config, config_to_dict
 from ..engine import Engine
 from ..metrics import TensorBoardLogger, job_history, open_job_log, plot_curves, plot_phases, set_aside
 from ..models import build_model
 from ..models.lora import adapters_disabled
-from ..runtime.distributed import DistInfo, init_distributed, run_rank
+from ..runtime.distributed import DistInfo, init_distributed
+from ..runtime.roles import JobRoles
 from ..runtime.signals import stopped
 from .algorithm.advantages import grpo_advantages, rloo_advantages
 from .algorithm.balance import samples_that_train
-from .algorithm.losses import make_policy_loss
+from .algorithm.losses import describe_correction, make_policy_loss
 from .algorithm.ppo import Critic, ppo_advantages
 from .batches import ScoredBatches
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
+from .rollout.channel import RolloutChannel
 from .rollout.front import Rollout
+from .rollout_rank import share_network
 from .stats import (
     PHASES,
     PhaseClock,
@@ -52,6 +55,7 @@ from .stats import (
     drawn_tokens,
     env_metrics,
     progress_line,
+    rollout_rank_metrics,
     rollout_stats,
     throughput,
 )
@@ -72,9 +76,10 @@ def advantages_for(rewards: torch.Tensor, config: Config) -> torch.Tensor:
 class RLTrainer:
     """One rank's GRPO or PPO job."""
 
-    def __init__(self, config: Config, info: DistInfo):
+    def __init__(self, config: Config, info: DistInfo, roles: JobRoles | None = None):
         """Set-up: tokenizer, prompts and reward, the actor engine (and a frozen reference for the KL),
-        the rollout copy, the loss, checkpoints (resuming if asked) and, on rank 0, the logs."""
+        the rollout copy (``roles``: none, the job's rollout ranks sample), the loss, checkpoints (resuming if
+        asked) and, on rank 0, the logs."""
         self.config, self.info = config, info
         train, rl = config.train, config.rl
         self.out_dir = Path(train.out_dir)
@@ -99,8 +104,12 @@ class RLTrainer:
         # PPO: the value model, trained through its own engine over the same mini-batches
         self.critic = (Critic(config, info, train.steps * updates_per_step, **overrides)
                        if rl.algorithm == "ppo" else None)
-        self.rollout = Rollout(config, self.engine, self.tokenizer, self.source, end_token_ids(config.model.path),
-                               self._resident_beside(self.engine))
+        if roles:  # first: the weights group's set-up waits for every rollout rank, which waits for this
+            share_network(roles, self.engine.features.plain_hf_config)
+        self.channel = RolloutChannel(roles, info.device, config.dist.timeout_s) if roles else None
+        self.rollout = None if roles else Rollout.beside(config, self.engine, self.tokenizer, self.source,
+                                                         end_token_ids(config.model.path),
+                                                         self._resident_beside(self.engine))
         self._hold_outside()
         keep_changed_bases(config, self.engine, self.critic.engine if self.critic else None, self.uses_reference)
         self.loss_fn = make_policy_loss(rl.loss, temperature=rl.temperature)
@@ -108,7 +117,8 @@ class RLTrainer:
         self.resumed_from = self.checkpoints.resolve(train.resume)
         self.start = (int(self.checkpoints.load(self.resumed_from, self.engine, self._others)["step"])
                       if self.resumed_from else 0)
-        self.batches = ScoredBatches(config, info, self.rollout, self.source)
+        self.batches = ScoredBatches(config, info, self.rollout, self.source, self.channel,
+                                     self.engine.full_weights_by_unit)
         self.queue_note = (self.batches.resume(self.checkpoints.rank_state(self.resumed_from), self.start)
                            if self.resumed_from and rl.is_off_policy else "")
         self.history: list[dict[str, Any]] = []
@@ -135,7 +145,8 @@ class RLTrainer:
         the frozen reference, and the other model's parameters and optimizer state (PPO's actor and critic);
         every rank then budgets alike (auto agrees the budget over ranks)."""
         for engine in (e for e in (self.engine, self.critic.engine if self.critic else None) if e is not None):
-            engine.governor.hold_outside(self.rollout.held_bytes + self._resident_beside(engine))
+            held = self.rollout.held_bytes if self.rollout is not None else 0
+            engine.governor.hold_outside(held + self._resident_beside(engine))
 
     def _resident_beside(self, engine: Engine) -> int:
         """What the job's other models keep in memory beside ``engine`` the whole job: the frozen reference,
@@ -161,8 +172,9 @@ class RLTrainer:
             f"syncwise train: {rl.algorithm.upper()} on {rl.dataset or 'task ' + rl.task} "
             f"({len(self.source.rows)} prompts{notes}), "
             f"{config.engine.strategy} on {self.info.world_size} rank(s), {rl.prompts_per_rank} prompts x "
-            f"{rl.samples_per_prompt} samples per rank, responses up to {self.rollout.max_new_tokens} "
-            f"tokens, sync.mode={config.sync.mode}; {self.rollout.describe()}, {_rollout_is_line(config)}"
+            f"{rl.samples_per_prompt} samples per rank, responses up to "
+            f"{rl.max_new_tokens or self.source.max_new_tokens} tokens, sync.mode={config.sync.mode}; "
+            f"{self._rollouts_line()}, {describe_correction(config)}"
             + (f"; {self.critic.describe()}" if self.critic is not None else "")
             + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else "")
             + self.queue_note + log_note,
@@ -172,6 +184,14 @@ class RLTrainer:
             from tqdm import tqdm
 
             self.bar = tqdm(total=train.steps, initial=self.start, desc=rl.algorithm, dynamic_ncols=True)
+
+    def _rollouts_line(self) -> str:
+        if self.rollout is not None:
+            return self.rollout.describe()
+        dist = self.config.dist
+        return (f"rollouts by {dist.rollout_ranks} rollout rank(s) of their own (ranks {self.info.world_size}-"
+                f"{self.info.world_size + dist.rollout_ranks - 1}, {self.config.rl.rollout_engine}; weights from "
+                f"trainer 0 after each step)")
 
     def step(self, step: int) -> dict[str, Any]:
         """Rollouts; rewards and advantages on the whole rollout batch (PPO: the critic's values, token
@@ -241,7 +261,9 @@ class RLTrainer:
                                      step if rl.is_off_policy else None))
         metrics["train/step"] = step + 1
         metrics.update(clock.metrics())
-        metrics.update(throughput(drawn_tokens(metrics), clock, updates))
+        if scored.rollout_rank_s is not None:
+            metrics.update(rollout_rank_metrics(scored.rollout_rank_s, self.channel.last))
+        metrics.update(throughput(drawn_tokens(metrics), clock, updates, scored.rollout_rank_s))
         metrics["time/step_s"] = time.perf_counter() - started
         if self.info.is_main:
             self._log(metrics)
@@ -320,7 +342,15 @@ class RLTrainer:
             _print_summary(history, self.out_dir)
 
     def run(self) -> list[dict[str, Any]]:
-        """Train from the start (or the resumed) step to ``train.steps``; rank 0 returns every step's metrics."""
+        """Train from the start (or the resumed) step to ``train.steps``; rank 0 returns every step's metrics.
+        With rollout ranks, they end when this does (done, stopped or failed)."""
+        try:
+            return self._run()
+        finally:
+            if self.channel is not None:
+                self.channel.end()
+
+    def _run(self) -> list[dict[str, Any]]:
         train = self.config.train
         consecutive_skips = 0
         self.warm_start()
@@ -354,29 +384,6 @@ def run_rl(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]]
     return RLTrainer(config, info or init_distributed(config.dist.backend, config.dist.timeout_s)).run()
 
 
-def _rollout_is_line(config: Config) -> str:
-    """What weighs the sampler's log-probs into the loss, for the first line (the autos resolved in the config,
-    from the sampler, rl.off_policy_lag and rl.max_staleness)."""
-    lag, loss, stale = config.rl.off_policy_lag, config.rl.loss, config.rl.max_staleness
-    lagged = (f"off-policy: step t trains on samples drawn by the policy of step t - {lag} (rl.off_policy_lag), "
-              if lag else "")
-    if stale:
-        lagged = (f"partial rollouts carried across steps, each group started at most {stale} version(s) before "
-                  f"the step that trains it (rl.max_staleness), ")
-    if loss.corrects_behavior:
-        how = {"decoupled": f"masked above {loss.behavior_cap:g}", "tis": f"truncated at {loss.behavior_cap:g}",
-               "mis": f"masked outside [1/{loss.behavior_cap:g}, {loss.behavior_cap:g}]"}[loss.off_policy]
-        return (f"{lagged}rl.loss.off_policy={loss.off_policy}: the ratio to the proximal policy, each "
-                f"{loss.behavior_level}'s loss weighted by proximal / behaviour, {how}")
-    level = loss.rollout_is
-    if level == "none":
-        return lagged + ("rl.loss.rollout_is=none (the sampler computes the trainer's network)"
-                         if not config.sampler_differs
-                         else "rl.loss.rollout_is=none (no correction, though the sampler differs from the trainer)")
-    return (f"{lagged}rl.loss.rollout_is={level}: each token's loss weighted by exp(old - sampler log-prob), "
-            f"capped at {loss.rollout_is_cap:g}")
-
-
 def _print_summary(history: list[dict[str, Any]], out_dir: Path) -> None:
     window = min(10, len(history))
     first = sum(m["reward/mean"] for m in history[:window]) / window
@@ -386,9 +393,3 @@ def _print_summary(history: list[dict[str, Any]], out_dir: Path) -> None:
         f"metrics {out_dir / 'metrics.jsonl'}, plot {out_dir / 'curves.png'}",
         flush=True,
     )
-
-
-def train_worker(config_dict: dict[str, Any]) -> None:
-    """Entry point of one rank (picklable, for the local launcher and torchrun)."""
-    config = load_config_dict(config_dict)
-    run_rank(lambda info: run_rl(config, info), backend=config.dist.backend, timeout_s=config.dist.timeout_s)

@@ -114,7 +114,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend,
-            store=_attempt_store(rank, world_size, timeout),
+            store=attempt_store(rank, world_size, timeout),
             rank=rank,
             world_size=world_size,
             timeout=timeout,
@@ -123,7 +123,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store, with keys prefixed by torchrun's restart count.
 
     After ``torchrun --max-restarts`` restarts the workers, the store can still hold the previous

@@ -29,8 +29,8 @@ from typing import Any
 from ...config import config_to_dict, load_config, packaged_config
 from ...config.rollout_engines import ROLLOUT_ENGINES
 from ...metrics import plot_phase_bars, read_jsonl
+from ...rl.job import train_worker
 from ...rl.stats import PHASES, drawn_tokens
-from ...rl.trainer import train_worker
 from ...runtime.launcher import launch_local
 from .report import write_report
 from .roofline import gemm_rate_worker

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ...config import KL_ESTIMATORS, PolicyLossConfig
+from ...config import KL_ESTIMATORS, Config, PolicyLossConfig
 from ...data.batching import BatchError
 from ...losses import (
     BatchKey,
@@ -284,3 +284,26 @@ def make_value_loss(cfg: ValueLossConfig | None = None) -> LossFn:
     if cfg.clip:
         keys["values"] = BatchKey(("target",), why=f"the value loss's clipping (clip={cfg.clip})")
     return reads(loss_fn, **keys)
+
+
+def describe_correction(config: Config) -> str:
+    """What weighs the sampler's log-probs into the loss, for the first line (the autos resolved in the config,
+    from the sampler, rl.off_policy_lag and rl.max_staleness)."""
+    lag, loss, stale = config.rl.off_policy_lag, config.rl.loss, config.rl.max_staleness
+    lagged = (f"off-policy: step t trains on samples drawn by the policy of step t - {lag} (rl.off_policy_lag), "
+              if lag else "")
+    if stale:
+        lagged = (f"partial rollouts carried across steps, each group started at most {stale} version(s) before "
+                  f"the step that trains it (rl.max_staleness), ")
+    if loss.corrects_behavior:
+        how = {"decoupled": f"masked above {loss.behavior_cap:g}", "tis": f"truncated at {loss.behavior_cap:g}",
+               "mis": f"masked outside [1/{loss.behavior_cap:g}, {loss.behavior_cap:g}]"}[loss.off_policy]
+        return (f"{lagged}rl.loss.off_policy={loss.off_policy}: the ratio to the proximal policy, each "
+                f"{loss.behavior_level}'s loss weighted by proximal / behaviour, {how}")
+    level = loss.rollout_is
+    if level == "none":
+        return lagged + ("rl.loss.rollout_is=none (the sampler computes the trainer's network)"
+                         if not config.sampler_differs
+                         else "rl.loss.rollout_is=none (no correction, though the sampler differs from the trainer)")
+    return (f"{lagged}rl.loss.rollout_is={level}: each token's loss weighted by exp(old - sampler log-prob), "
+            f"capped at {loss.rollout_is_cap:g}")

@@ -59,8 +59,8 @@ class RolloutEngine(Protocol):
         """``n`` responses per prompt (consecutive), each with its drawn tokens' log-probs under the untruncated
         temperature-scaled distribution (``full_log_probs``) and, where the engine knows it, under the one it
         drew from (``log_probs``, else None). ``seed``: the first of ``len(prompts) * n`` consecutive seeds
-        reserved for this call (:func:`sample_seed`), sample k of prompt i's ``seed + i * n + k`` (engines that
-        keep their own RNG state in the checkpoint may ignore it)."""
+        reserved for this call (:func:`sample_seed`), sample k of prompt i's ``seed + i * n + k`` (vLLM's; the
+        local copy seeds torch's generator with it for the call): what is drawn depends on nothing else."""
 
     def release(self) -> None:
         """A rollout is over (every turn sampled): free what the engine need not hold through the update, until

@@ -20,7 +20,7 @@ import contextlib
 import importlib
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ from ...config import Config
 from ...config.rollout_engines import ROLLOUT_ENGINES
 from ...engine import Engine
 from ...memory.accounting import resolve_budget
-from ...runtime.distributed import local_tensor
+from ...runtime.distributed import DistInfo, local_tensor
 from ..env.base import Environment, FunctionTools
 from ..env.classes import ClassEpisode
 from ..env.tasks import PromptSource
@@ -116,24 +116,36 @@ class RolloutResult:
 class Rollout:
     """This rank's rollout: the engine ``rl.rollout_engine`` names, and the training batch from its samples."""
 
-    def __init__(self, config: Config, engine: Engine, tokenizer: PreTrainedTokenizerBase, source: PromptSource,
-                 end_ids: list[int] | None = None, beside_bytes: int = 0):
-        self.config, self.cfg, self.engine, self.tokenizer = config, config.rl, engine, tokenizer
+    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase, source: PromptSource, hf_config: Any,
+                 info: DistInfo, end_ids: list[int] | None = None, training_bytes: int = 0,
+                 weights: Callable[[], Iterator[dict[str, torch.Tensor]]] | None = None):
+        """The engine for the network ``hf_config`` describes, on this rank (``info``), budgeted beside
+        ``training_bytes`` of training; ``weights``: where a refresh reads the policy from (a rollout rank is
+        given them instead, see :mod:`syncwise.rl.rollout.ranks`)."""
+        self.config, self.cfg, self.info, self.tokenizer, self.weights = config, config.rl, info, tokenizer, weights
         # Every token that ends a response: the tokenizer's end token and the model's generation_config's
         self.end_ids = sorted(set(end_ids or []) | {tokenizer.eos_token_id})
         self.max_new_tokens = self.cfg.max_new_tokens or source.max_new_tokens
-        if self.cfg.truncates and engine.info.is_main:
+        if self.cfg.truncates and info.is_main:
             warnings.warn(TRUNCATION_NOTE, stacklevel=2)
-        hf_config = engine.features.plain_hf_config
-        longest = min(self.cfg.max_prompt_length + self.max_new_tokens,
-                      getattr(hf_config, "max_position_embeddings", None) or 2**31)
-        device = engine.info.device
+        device = info.device
         self.sampler = make_rollout_engine(RolloutSetup(
             hf_config, device, self.cfg, tokenizer, self.end_ids, self.max_new_tokens, config.train.seed,
             resolve_budget(config.sync.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
-            least_training_bytes(engine, beside_bytes, longest)))
+            training_bytes))
         self.turns = TurnLoop(self.cfg, tokenizer, self.end_ids, episodes_of(source), list(source.all_tools),
                               source.environment.name if source.environment else None)
+
+    @classmethod
+    def beside(cls, config: Config, engine: Engine, tokenizer: PreTrainedTokenizerBase, source: PromptSource,
+               end_ids: list[int] | None = None, beside_bytes: int = 0) -> Rollout:
+        """The colocated rollout: on the training rank, beside ``engine`` (and ``beside_bytes`` of other models),
+        refreshed from it."""
+        hf_config = engine.features.plain_hf_config
+        longest = min(config.rl.max_prompt_length + (config.rl.max_new_tokens or source.max_new_tokens),
+                      getattr(hf_config, "max_position_embeddings", None) or 2**31)
+        return cls(config, tokenizer, source, hf_config, engine.info, end_ids,
+                   least_training_bytes(engine, beside_bytes, longest), engine.full_weights_by_unit)
 
     @property
     def held_bytes(self) -> int:
@@ -145,21 +157,24 @@ class Rollout:
         return self.sampler.describe() + (f", {loop}" if loop else "")
 
     @torch.no_grad()
-    def sync_weights(self) -> None:
+    def sync_weights(self, units: Iterator[dict[str, torch.Tensor]] | None = None) -> None:
         """Collective: the rollout engine refreshed from the current (sharded) policy, one unit at a time
-        (LoRA: merged weights)."""
-        self.sampler.refresh(self.engine.full_weights_by_unit())
+        (LoRA: merged weights) -- or from ``units``, the weights a rollout rank receives."""
+        self.sampler.refresh(units if units is not None else self.weights())
 
     @torch.no_grad()
     def generate(self, rows: list[dict[str, Any]], prompt_ids: list[list[int]], step: int = 0,
-                 tool_schemas: list | None = None, release: bool = True, version: int | None = None) -> RolloutResult:
+                 tool_schemas: list | None = None, release: bool = True, version: int | None = None,
+                 seat: tuple[int, int] | None = None) -> RolloutResult:
         """``samples_per_prompt`` samples per row (its prompt already encoded: ``prompt_ids``; with tools,
         conversations, the rows' tools shown as ``tool_schemas``) at ``step``. Samples of one prompt are
         consecutive (the GRPO group). ``release``: the last rollout before the update (an off-policy job draws
         several on one refresh), after which the engine may free what the update does not need; ``version``: the
-        policy's (RL steps taken; ``step`` where not given)."""
-        n, info = self.cfg.samples_per_prompt, self.engine.info
-        seeds = [sample_seed(self.config.train.seed, step, info.rank, info.world_size, turn, self.turns.max_turns,
+        policy's (RL steps taken; ``step`` where not given); ``seat``: (rank, world size) of the trainer these
+        samples are for, whose seeds they take (this rank's where not given; a rollout rank serves others)."""
+        n = self.cfg.samples_per_prompt
+        rank, world = seat or (self.info.rank, self.info.world_size)
+        seeds = [sample_seed(self.config.train.seed, step, rank, world, turn, self.turns.max_turns,
                              len(prompt_ids) * n) for turn in range(self.turns.max_turns)]
         trajectories, tool_s, episodes = self.turns.run(self.sampler, rows, prompt_ids,
                                                         tool_schemas or [None] * len(rows), n, self.max_new_tokens,
@@ -181,7 +196,7 @@ class Rollout:
                          ) -> tuple[RolloutResult, list[Group]]:
         """Partial rollouts (``rl.max_staleness``): the pool's rounds by the current policy (version ``step``)
         until a step's groups have finished; those groups' samples, and the groups (for their rows)."""
-        info = self.engine.info
+        info = self.info
         fill = pool.fill(self.sampler, step, prompt_of, lambda round_: sample_seed(
             self.config.train.seed, step, info.rank, info.world_size, round_, pool.max_rounds, pool.capacity * pool.n))
         trajectories = [t for group in fill.groups for t in group.trajectories]

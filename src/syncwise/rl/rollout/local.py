@@ -1,11 +1,14 @@
 """The rollout engines on a local, unsharded copy of the policy (``rl.rollout_engine=compact`` or
 ``generate``): the copy is built uninitialised in ``rl.rollout_dtype`` and refreshed in place from the sharded
-model before each step, one wrapping unit at a time; it samples with torch's global generator (seeded per rank
-at the job's start, kept in the checkpoint), so a resumed job samples alike."""
+model before each step, one wrapping unit at a time. Each call samples with torch's generator seeded by the seed
+the call was given (:func:`~syncwise.rl.rollout.base.sample_seed`: job seed, step, rank, turn), the job's own
+generator set aside meanwhile: what a rank draws depends on nothing else, so a resumed job, and a rollout rank
+drawing for a trainer (``dist.rollout_ranks``), sample alike."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -44,6 +47,13 @@ class LocalCopy:
     def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
         raise NotImplementedError
 
+    @contextmanager
+    def seeded(self, seed: int) -> Iterator[None]:
+        """Torch's generators seeded with ``seed`` inside, as they were outside."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            yield
+
 
 class CompactRollout(LocalCopy):
     """``rl.rollout_engine=compact``: :func:`syncwise.rl.rollout.compact.sample` on the copy."""
@@ -51,8 +61,9 @@ class CompactRollout(LocalCopy):
     name = "the compact sampler"
 
     def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
-        return sample(self.model, [torch.tensor(ids, dtype=torch.long) for ids in prompts], n, max_new_tokens,
-                      self.cfg.temperature, self.end_ids, self.tokenizer.pad_token_id, self.cut, self.stop)
+        with self.seeded(seed):
+            return sample(self.model, [torch.tensor(ids, dtype=torch.long) for ids in prompts], n, max_new_tokens,
+                          self.cfg.temperature, self.end_ids, self.tokenizer.pad_token_id, self.cut, self.stop)
 
 
 class GenerateRollout(LocalCopy):
@@ -69,13 +80,14 @@ class GenerateRollout(LocalCopy):
         input_ids, mask = left_padded([torch.tensor(ids, dtype=torch.long) for ids in prompts], tok.pad_token_id,
                                       self.device)
         width = input_ids.shape[1]
-        out = self.model.generate(
-            input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=self.cfg.temperature,
-            top_k=cut.top_k, top_p=cut.top_p, min_p=cut.min_p or None, max_new_tokens=max_new_tokens,
-            num_return_sequences=n, pad_token_id=tok.pad_token_id, eos_token_id=self.end_ids,
-            stop_strings=self.cfg.stop or None, tokenizer=tok if self.cfg.stop else None,
-            return_dict_in_generate=True, output_scores=True, output_logits=cut.active,
-        )
+        with self.seeded(seed):
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=self.cfg.temperature,
+                top_k=cut.top_k, top_p=cut.top_p, min_p=cut.min_p or None, max_new_tokens=max_new_tokens,
+                num_return_sequences=n, pad_token_id=tok.pad_token_id, eos_token_id=self.end_ids,
+                stop_strings=self.cfg.stop or None, tokenizer=tok if self.cfg.stop else None,
+                return_dict_in_generate=True, output_scores=True, output_logits=cut.active,
+            )
         steps = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)  # [B * n, new tokens, V]
         drawn = steps.gather(-1, out.sequences[:, width:, None]).squeeze(-1)
         full = drawn

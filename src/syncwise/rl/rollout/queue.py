@@ -38,6 +38,9 @@ class ScoredBatch:
     tool_s: float
     started: torch.Tensor | None = None  # [B] per sample, the version that drew its first token (None: version)
     decode: torch.Tensor | None = None  # partial rollouts: [tokens drawn, rows x longest, dropped, longest] per call
+    # drawn on a rollout rank: its seconds [sampling, scoring, idle waiting for weights, receiving them]; the last
+    # two on the first batch it drew by those weights for this trainer, else 0
+    rollout_rank_s: torch.Tensor | None = None
 
     @classmethod
     def of(cls, step: int, version: int, result: RolloutResult, rewards: torch.Tensor,

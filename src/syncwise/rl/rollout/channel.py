@@ -1,0 +1,140 @@
+"""What passes between the trainers and the rollout ranks (``dist.rollout_ranks``): which batches to draw by
+which policy version, the weights, and the scored batches.
+
+A message n, from trainer 0 on the job's store: the version and the steps whose batches the rollout ranks draw
+by it, then the weights over the weights group (:func:`syncwise.runtime.roles.weights_group`) unit by unit as the
+trainers gather them -- each unit's names, shapes and dtypes on the store, its tensors broadcast one by one, so
+neither side holds more than one unit beyond its model -- or "end". A scored batch goes back to the trainer it is
+for on the store (``torch.save`` of its plain tensors) and is deleted once read. Every wait is bounded by the
+store's timeout (``dist.timeout_s``); a rank that died is the launcher's to report first.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...runtime.roles import JobRoles, weights_group
+from .queue import ScoredBatch
+
+END = "end"
+
+
+@dataclass
+class Draw:
+    """Message n: draw ``steps`` (each served trainer's batch of each) by the policy of ``version``."""
+
+    number: int
+    version: int
+    steps: list[int]
+
+
+@dataclass
+class Transfer:
+    """What one weight transfer moved: bytes, its largest unit (the most either side held beyond its model)
+    and seconds."""
+
+    bytes: int = 0
+    largest_unit_bytes: int = 0
+    seconds: float = 0.0
+
+
+class RolloutChannel:
+    """One rank's end of the door between the roles."""
+
+    def __init__(self, roles: JobRoles, device: torch.device, timeout_s: float):
+        self.roles, self.device = roles, device
+        self.store = dist.PrefixStore("rollout_ranks", roles.store)
+        self.group = weights_group(roles, device, timeout_s)
+        self.sent = 0  # trainer 0: messages sent
+        self.last = Transfer()
+
+    # --- the trainers' side -------------------------------------------------------------------------------------
+    def send_weights(self, version: int, steps: list[int], units: Iterator[dict[str, torch.Tensor]]) -> None:
+        """Every trainer: the policy of ``version`` to the rollout ranks, who then draw ``steps``. ``units`` is
+        the trainers' collective gather: every trainer consumes it; trainer 0 sends each unit as it comes."""
+        started, moved = time.perf_counter(), Transfer()
+        if self.group is None:
+            for _ in units:
+                pass
+            return
+        n, self.sent = self.sent, self.sent + 1
+        self.store.set(f"msg/{n}", json.dumps({"version": version, "steps": steps}))
+        count = 0
+        for count, unit in enumerate(units, 1):
+            self.store.set(f"unit/{n}/{count - 1}",
+                           json.dumps([[name, list(t.shape), str(t.dtype).removeprefix("torch.")]
+                                       for name, t in unit.items()]))
+            size = 0
+            for tensor in unit.values():
+                self._broadcast(tensor.detach().contiguous())
+                size += tensor.numel() * tensor.element_size()
+            moved.bytes += size
+            moved.largest_unit_bytes = max(moved.largest_unit_bytes, size)
+            del unit
+        self.store.set(f"unit/{n}/{count}", END)
+        moved.seconds = time.perf_counter() - started
+        self.last = moved
+
+    def end(self) -> None:
+        """Trainer 0, once the trainers have stopped (done, stopped or failed): the rollout ranks finish."""
+        if self.group is not None:
+            self.store.set(f"msg/{self.sent}", END)
+
+    def fetch(self, step: int, trainer: int) -> ScoredBatch:
+        """Step ``step``'s scored batch for ``trainer``, waiting until its rollout rank has posted it."""
+        key = f"batch/{step}/{trainer}"
+        state = torch.load(io.BytesIO(self.store.get(key)), weights_only=True)
+        self.store.delete_key(key)
+        return ScoredBatch.from_state(state)
+
+    # --- the rollout ranks' side --------------------------------------------------------------------------------
+    def next_draw(self, number: int) -> Draw | None:
+        """Message ``number`` (None: the trainers have ended)."""
+        text = self.store.get(f"msg/{number}").decode()
+        if text == END:
+            return None
+        message = json.loads(text)
+        return Draw(number, int(message["version"]), [int(s) for s in message["steps"]])
+
+    def receive_weights(self, number: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Message ``number``'s weights, one unit at a time, as trainer 0 broadcasts them."""
+        moved, started = Transfer(), time.perf_counter()
+        for i in range(1 << 30):
+            text = self.store.get(f"unit/{number}/{i}").decode()
+            if text == END:
+                break
+            unit = {}
+            for name, shape, dtype in json.loads(text):
+                unit[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                self._broadcast(unit[name])
+            size = sum(t.numel() * t.element_size() for t in unit.values())
+            moved.bytes += size
+            moved.largest_unit_bytes = max(moved.largest_unit_bytes, size)
+            yield unit
+            del unit
+        moved.seconds = time.perf_counter() - started
+        self.last = moved
+        self._forget(number, i)
+
+    def post(self, step: int, trainer: int, scored: ScoredBatch) -> None:
+        buffer = io.BytesIO()
+        torch.save(scored.state(), buffer)
+        self.store.set(f"batch/{step}/{trainer}", buffer.getvalue())
+
+    def _forget(self, number: int, units: int) -> None:
+        """The last rollout rank to read message ``number`` deletes its keys."""
+        if self.store.add(f"read/{number}", 1) == self.roles.rollout_ranks:
+            for key in [f"msg/{number}", f"read/{number}"] + [f"unit/{number}/{i}" for i in range(units + 1)]:
+                self.store.delete_key(key)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.group.broadcast([tensor], options).wait()

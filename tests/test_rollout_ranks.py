@@ -1,0 +1,97 @@
+"""``dist.rollout_ranks`` (issue 48), its parts on real processes: the job's world split in two roles, the
+weights' way to the rollout ranks and the scored batches' way back; and the config's rules. The jobs themselves
+are tested in test_train.py (equal to the colocated job with the same lag, step for step, resumed exactly;
+torchrun across two nodes) and test_stop_and_errors.py (Ctrl-C, an error on a rollout rank)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from syncwise.config import ConfigError, load_config
+from syncwise.rl.rollout.channel import RolloutChannel
+from syncwise.rl.rollout.queue import ScoredBatch
+from syncwise.runtime.launcher import launch_local
+from syncwise.runtime.roles import join_roles
+
+
+def _units() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [{"model.embed.weight": torch.randn(5, 3, generator=generator),
+             "model.norm.weight": torch.randn(3, generator=generator).to(torch.bfloat16)},
+            {"lm_head.weight": torch.randn(5, 3, generator=generator)}]
+
+
+def _scored(step: int, trainer: int) -> ScoredBatch:
+    ids = torch.tensor([[1, 2, 3]])
+    return ScoredBatch(step, step - 1, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                        "loss_mask": torch.tensor([[0, 1, 1]])},
+                       torch.zeros(1, 2), torch.tensor([float(step * 10 + trainer)]), {}, [],
+                       torch.tensor([2]), torch.tensor([False]), torch.zeros(0), None, 0.0,
+                       rollout_rank_s=torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64))
+
+
+def _both_roles(out_dir: str) -> None:
+    """Three ranks: two trainers, one rollout rank serving both. Trainer 0 sends version 3's weights with steps
+    4 and 5 to draw; the rollout rank posts each trainer's batches; the trainers fetch them and end it."""
+    info, roles = join_roles(1, "gloo", 60.0)
+    channel = RolloutChannel(roles, info.device, 60.0)
+    result: dict = {"info": (info.rank, info.world_size), "rollout": roles.is_rollout}
+    if roles.is_rollout:
+        draw = channel.next_draw(0)
+        result["draw"] = (draw.version, draw.steps)
+        result["units"] = [dict(unit) for unit in channel.receive_weights(0)]
+        result["moved"] = (channel.last.bytes, channel.last.largest_unit_bytes)
+        for step in draw.steps:
+            for trainer in roles.served_by(roles.rollout_index):
+                channel.post(step, trainer, _scored(step, trainer))
+        result["after_end"] = channel.next_draw(1)
+    else:
+        summed = torch.ones(1)
+        dist.all_reduce(summed)  # the trainers' own default group
+        result["trainers"] = summed.item()
+        channel.send_weights(3, [4, 5], iter(_units()))
+        result["moved"] = (channel.last.bytes, channel.last.largest_unit_bytes)
+        result["fetched"] = [channel.fetch(step, info.rank).rewards.item() for step in (4, 5)]
+        channel.end()
+        dist.barrier()
+        dist.destroy_process_group()
+    torch.save(result, Path(out_dir) / f"rank{roles.job_rank}.pt")
+
+
+def test_the_trainers_send_weights_and_the_rollout_ranks_send_batches_back():
+    with tempfile.TemporaryDirectory() as out_dir:
+        job = launch_local(_both_roles, 3, out_dir)
+        assert job.exit_code == 0, job.lines
+        trainer0, trainer1, rollout = (torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(3))
+    assert (trainer0["info"], trainer1["info"], rollout["info"]) == ((0, 2), (1, 2), (0, 1))
+    assert trainer0["trainers"] == trainer1["trainers"] == 2  # a world of the two trainers
+    assert rollout["draw"] == (3, [4, 5]) and rollout["after_end"] is None
+    for sent, received in zip(_units(), rollout["units"], strict=True):
+        assert sent.keys() == received.keys()
+        for name, tensor in sent.items():
+            assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+    unit_bytes = [sum(t.numel() * t.element_size() for t in unit.values()) for unit in _units()]
+    assert trainer0["moved"] == rollout["moved"] == (sum(unit_bytes), max(unit_bytes))
+    assert trainer0["fetched"] == [40.0, 50.0] and trainer1["fetched"] == [41.0, 51.0]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["dist.nproc=4", "dist.rollout_ranks=2"], "dist.rollout_ranks=2 needs rl.off_policy_lag >= 1"),
+    (["dist.nproc=4", "dist.rollout_ranks=2", "rl.max_staleness=1"], "needs rl.off_policy_lag >= 1"),
+    (["dist.nproc=4", "dist.rollout_ranks=3", "rl.off_policy_lag=1"],
+     "dist.rollout_ranks=3 of dist.nproc=4: at least as many ranks must train"),
+    (["dist.rollout_ranks=-1"], "dist.rollout_ranks"),
+])
+def test_rollout_ranks_refuse_what_they_cannot_run(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_rollout_ranks_resolve_the_lag_and_its_loss():
+    config = load_config(None, ["dist.nproc=4", "dist.rollout_ranks=2", "rl.off_policy_lag=1"])
+    assert config.rl.is_off_policy and config.rl.loss.off_policy == "decoupled"
