@@ -189,6 +189,32 @@ def test_rollout_copy_is_in_every_modes_base_and_sampling_has_its_own_peak():
     assert make_plan(PlanInput(**common)).rollout is None
 
 
+def test_rollout_ranks_plan_each_role_apart():
+    """dist.rollout_ranks (issue 48): the trainers shard over their own ranks with no rollout copy beside them --
+    each mode's base and peak is the colocated job's on as many ranks, less the copy -- and a rollout rank holds
+    the engine alone: the copy, the KV cache, the logits."""
+    common = dict(model="qwen3-4b", device_memory_gib=40, seq_len=4096, micro_batch_size=1,
+                  activation_checkpointing=True, rollout_sequences=64, rollout_prompt_len=512,
+                  rollout_new_tokens=1024, rollout_dtype="bfloat16")
+    colocated = make_plan(PlanInput(world_size=6, **common))
+    split = make_plan(PlanInput(world_size=8, rollout_ranks=2, **common))
+    copy = colocated.rollout.copy_bytes
+    assert split.base_bytes == colocated.base_bytes - copy
+    for m, c in zip(split.modes, colocated.modes, strict=True):
+        assert m.peak_bytes == c.peak_bytes - copy and m.collectives == c.collectives
+    r = split.rollout
+    assert r.peak_bytes == copy + r.kv_cache_bytes + r.scores_bytes < colocated.rollout.peak_bytes
+    proc = run_cli(["plan", "qwen3-4b", "--world-size", "8", "--rollout-ranks", "2", "--rollout-sequences", "64",
+                    "--rollout-prompt-len", "512", "--rollout-new-tokens", "1024"])
+    assert proc.returncode == 0, proc.stderr
+    assert "ranks 6 training + 2 rollout rank(s) of their own" in proc.stdout
+    assert "per trainer rank: base" in proc.stdout and "a rollout rank, the engine alone (64 sequences" in proc.stdout
+    bad = run_cli(["plan", "qwen3-4b", "--world-size", "4", "--rollout-ranks", "3", "--rollout-sequences", "8",
+                   "--rollout-new-tokens", "8"])
+    assert bad.returncode == 2
+    assert "--rollout-ranks 3 of --world-size 4: at least as many ranks must train" in bad.stderr
+
+
 def test_rollout_flags_need_new_tokens():
     with pytest.raises(ValueError, match="--rollout-sequences needs --rollout-new-tokens"):
         make_plan(PlanInput(model="qwen2-tiny", rollout_sequences=8))

@@ -280,7 +280,7 @@ def test_an_off_policy_job_learns_from_lagged_samples_and_resumes_exactly(learne
     assert max(r["rollout/behavior_out_of_band"] for r in rows[2:]) > 0  # stale: the weights act
     first, last = _mean_rise(rows)
     assert last > first + 0.2, (first, last)
-    _assert_resumes_exactly(rows, lagged, tmp_path / "resumed", "rl.off_policy_lag=2")
+    _assert_resumes_exactly(rows, out, tmp_path / "resumed", "rl.off_policy_lag=2")
 
 
 def _assert_resumes_exactly(rows: list[dict], out: Path, resumed: Path, *overrides: str) -> None:
@@ -292,6 +292,41 @@ def _assert_resumes_exactly(rows: list[dict], out: Path, resumed: Path, *overrid
     assert [r["train/step"] for r in again] == list(range(25, 31))
     for want, got in zip(rows[24:], again, strict=True):
         assert _deterministic(got) == _deterministic(want), want["train/step"]
+
+
+ROLLOUT_RANKS = ["dist.rollout_ranks=2", "rl.off_policy_lag=2"]
+
+
+def _across_roles(row: dict) -> dict:
+    """What a job with rollout ranks and the colocated job share: all but the machine's measures, the memory
+    budget (split over 4 processes, not 2) and what only the rollout ranks' job reports."""
+    return {k: v for k, v in _deterministic(row).items()
+            if k != "sync/decision" and not k.startswith(("rollout_rank/", "weights/"))}
+
+
+def test_rollout_ranks_train_on_the_colocated_jobs_batches_and_resume_exactly(lagged, tmp_path):
+    """Issue 48: dist.nproc=4 dist.rollout_ranks=2 -- two ranks train, two only sample, each serving one trainer
+    with the prompts and seeds the trainer's own queue would use, by the weights trainer 0 sends after each step.
+    The 30 steps equal the colocated job's with the same lag, metric for metric; the rollout ranks' seconds and
+    the weights' bytes are logged (each step the whole model, no unit larger than the largest wrapping unit);
+    resumed from its step-24 checkpoint (the trainers fetch the batches drawn ahead into it) the job gives the
+    uninterrupted steps 25-30."""
+    _, colocated, _ = lagged
+    out = tmp_path / "roles"
+    proc = _train(out, "train.checkpoint_every=24", *ROLLOUT_RANKS, *LEARN, nproc=4)
+    assert "fsdp2 on 2 rank(s)" in proc.stdout
+    assert "rollouts by 2 rollout rank(s) of their own (ranks 2-3, compact" in proc.stdout
+    rows = read_jsonl(out / "metrics.jsonl")
+    for want, got in zip(colocated, rows, strict=True):
+        assert _across_roles(got) == _across_roles(want), want["train/step"]
+    sent = {r["weights/bytes"] for r in rows}
+    assert len(sent) == 1 and 0 < max(r["weights/largest_unit_bytes"] for r in rows) < sent.pop()
+    assert all(r["rollout_rank/sample_s"] > 0 and r["time/rollout_s"] == 0 for r in rows)
+    resumed = tmp_path / "resumed"
+    _train(resumed, "train.checkpoint_every=0", f"train.resume={out / 'checkpoints' / 'step_000024'}",
+           *ROLLOUT_RANKS, *LEARN, nproc=4)
+    for want, got in zip(rows[24:], read_jsonl(resumed / "metrics.jsonl"), strict=True):
+        assert _across_roles(got) == _across_roles(want), want["train/step"]
 
 
 def test_partial_rollouts_learn_within_their_staleness_and_resume_exactly(learned, tmp_path):
@@ -484,7 +519,7 @@ def test_a_lagged_step_refreshes_once_draws_ahead_and_lets_the_engine_sleep_afte
 
     calls = []
 
-    def generate(rows, prompt_ids, step, tools, release=True, version=None):
+    def generate(rows, prompt_ids, step, tools, release=True, version=None, seat=None):
         calls.append(("generate", step, release))
         return SimpleNamespace(batch={}, log_probs=None, response_lengths=None, clipped=None, kept_mass=None,
                                tool_counts=None, tool_s=0.0, trajectories=[], decode=None)

@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--profile", action="store_true",
                        help="rl workload: torch.profiler's top operators of one packed step, fused LM head on / off")
     plan = sub.add_parser("plan", help="what each sync mode costs for a model and cluster (no job is run)")
+    _add_plan_arguments(plan)
+    return parser
+
+
+def _add_plan_arguments(plan: argparse.ArgumentParser) -> None:
+    """``syncwise plan``'s flags (:class:`~syncwise.memory.plan_input.PlanInput`'s fields)."""
     plan.add_argument("model", help="built-in shape (qwen3-4b, llama-3-8b, ...) or a local HF model dir / config.json")
     plan.add_argument("--world-size", type=int, default=8)
     plan.add_argument("--replicas", type=int, default=1, help="HSDP replicas (world size / replicas shards each)")
@@ -144,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rollout-dtype", default="float32", help="GRPO: the rollout copy's dtype")
     plan.add_argument("--rollout-sampler", default="compact",
                       help=f"GRPO: rl.rollout_engine ({', '.join(ROLLOUT_ENGINES)})")
+    plan.add_argument("--rollout-ranks", type=int, default=0,
+                      help="GRPO: dist.rollout_ranks -- the last of --world-size ranks only sample (a plan per role)")
     plan.add_argument("--critic", action="store_true",
                       help="PPO: a value model beside the policy (both models' bytes per mode, auto's pair)")
     plan.add_argument("--bandwidth-gbps", type=float, default=100.0, help="GB/s per rank in a shard group")
@@ -153,7 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="measure latency and bandwidth with a sweep of collectives on --nproc local ranks")
     plan.add_argument("--nproc", type=int, default=2, help="local ranks for --calibrate")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    return parser
 
 
 def _write_example_data(folder: str, task: str = "arith_chat") -> int:

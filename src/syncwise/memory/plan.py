@@ -156,7 +156,7 @@ def _row(choice: SyncChoice, sharded: ShardedModel, units, inp: PlanInput, links
 def _comm(choice: SyncChoice, n: int, units, inp: PlanInput, links: Links):
     """A step's collectives in ``choice`` over ``n`` micro-batches and their time over ``links``."""
     traffic = step_traffic(choice, n, units, unsharded_forward=True, hsdp=inp.replicas > 1)
-    return traffic, links.step_time(traffic.counts, traffic.bytes, inp.world_size // inp.replicas, inp.replicas)
+    return traffic, links.step_time(traffic.counts, traffic.bytes, inp.trainers // inp.replicas, inp.replicas)
 
 
 def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Plan:
@@ -168,13 +168,13 @@ def make_plan(inp: PlanInput, hf_config=None, links: Links | None = None) -> Pla
     hf_config = hf_config if hf_config is not None else load_hf_config(inp.model)
     links = links or Links(inp.latency_us * 1e-6, inp.bandwidth_gbps * 1e9,
                            inp.replica_bandwidth_gbps * 1e9 if inp.replica_bandwidth_gbps else None)
-    shard = inp.world_size // inp.replicas
+    shard = inp.trainers // inp.replicas
     actor = sharded_model_for(hf_config, shard, inp.param_dtype, inp.reduce_dtype, inp.lora_rank)
     if not inp.critic:
         return _model_plan(inp, hf_config, links, actor)
     critic = sharded_model_for(hf_config, shard, inp.param_dtype, inp.reduce_dtype, inp.lora_rank, value_head=True)
     plan = _model_plan(inp, hf_config, links, actor, held_outside=resident_per_rank(critic, shard))
-    copy = plan.rollout.copy_bytes if plan.rollout else 0
+    copy = plan.rollout.copy_bytes if plan.rollout and not inp.rollout_ranks else 0
     plan.critic = _model_plan(inp, hf_config, links, critic, held_outside=resident_per_rank(actor, shard) + copy,
                               value_head=True)
     return plan
@@ -191,7 +191,7 @@ def _model_plan(inp: PlanInput, hf_config, links: Links, sharded: ShardedModel, 
                 value_head: bool = False) -> Plan:
     """One model's plan (the actor's, with the rollout copy; or ``value_head``: the critic's) with
     ``held_outside`` bytes beside it in every mode's base."""
-    shard = inp.world_size // inp.replicas
+    shard = inp.trainers // inp.replicas
     hsdp = inp.replicas > 1
     n = inp.microbatches
     in_loss, in_layer = in_flight_bytes(sharded)
@@ -206,13 +206,16 @@ def _model_plan(inp: PlanInput, hf_config, links: Links, sharded: ShardedModel, 
         working = activation_bytes + in_layer if activation_bytes else 0
     resident = resident_per_rank(sharded, shard)  # AdamW: what trains
     budget = int(inp.device_memory_gib * 2**30 * inp.budget_fraction)
-    rollout = (rollout_memory(hf_config, inp, sharded.num_params, resident + held_outside, budget)
+    # on its own rank (dist.rollout_ranks) the engine is all there is; else beside this rank's training state
+    beside = 0 if inp.rollout_ranks else resident + held_outside
+    rollout = (rollout_memory(hf_config, inp, sharded.num_params, beside, budget)
                if inp.rollout_sequences and not value_head else None)
+    copy = rollout.copy_bytes if rollout and not inp.rollout_ranks else 0
     base = (
         resident  # sharded parameters and optimizer state
         + sharded.retained_grad_bytes(SyncMode.PER_MICROBATCH, n)  # sharded gradients
         + working  # activations and FSDP2's parameters / gradients in flight
-        + (rollout.copy_bytes if rollout else 0)  # GRPO's rollout copy stays in memory while training
+        + copy  # GRPO's rollout copy stays in memory while training (colocated)
         + held_outside  # PPO: the other model's parameters and optimizer state (and the copy, for the critic)
     )
     trainable = sum(sharded.unit_trainable_numels)
@@ -269,7 +272,9 @@ def _step_shape(inp: PlanInput, hf_config, links: Links, units, in_loss: int, in
 
 def format_plan(plan: Plan) -> str:
     inp = plan.input
-    mesh = f"{inp.replicas} x {inp.world_size // inp.replicas} (HSDP)" if inp.replicas > 1 else f"{inp.world_size}"
+    mesh = f"{inp.replicas} x {inp.trainers // inp.replicas} (HSDP)" if inp.replicas > 1 else f"{inp.trainers}"
+    if inp.rollout_ranks:
+        mesh += f" training + {inp.rollout_ranks} rollout rank(s) of their own"
     links = "measured" if plan.links_measured else "assumed"
     lora = (f" (LoRA rank {inp.lora_rank}: {plan.trainable_params / 1e6:.2f}M trainable, "
             f"{plan.trainable_params / plan.num_params:.2%})" if inp.lora_rank else "")
@@ -286,11 +291,13 @@ def format_plan(plan: Plan) -> str:
                   "", *_model_lines(plan.critic, "critic (the same decoder with a one-output value head)")]
     if plan.rollout:
         r = plan.rollout
-        lines += ["", f"sampling ({inp.rollout_sequences} sequences x {inp.rollout_prompt_len} + "
+        where = "a rollout rank, the engine alone" if inp.rollout_ranks else "sampling"
+        lines += ["", f"{where} ({inp.rollout_sequences} sequences x {inp.rollout_prompt_len} + "
                   f"{inp.rollout_new_tokens} tokens, {inp.rollout_dtype} copy): copy {format_bytes(r.copy_bytes)} + "
                   f"KV cache {format_bytes(r.kv_cache_bytes)} + logits ({inp.rollout_sampler}) "
                   f"{format_bytes(r.scores_bytes)} -> peak "
-                  f"{format_bytes(r.peak_bytes)} ({'fits' if r.fits else 'does NOT fit'}; the same in every mode)"]
+                  f"{format_bytes(r.peak_bytes)} ({'fits' if r.fits else 'does NOT fit'}"
+                  f"{'' if inp.rollout_ranks else '; the same in every mode'})"]
     if plan.critic is None:
         lines += ["", f"auto would choose: {plan.auto_choice} (predicted peak {format_bytes(plan.auto_predicted_peak)})"
                   + (f"; runner-up: {plan.auto_runner_up}" if plan.auto_runner_up else ""), f"  {plan.auto_reason}"]
@@ -310,13 +317,15 @@ def _model_lines(plan: Plan, title: str) -> list[str]:
         activations = f" + activations {format_bytes(plan.activation_bytes)} ({shape})"
     else:
         activations = f" + {inp.activation_gib:g} GiB activations" if inp.activation_gib else ""
-    copy = f" + rollout copy {format_bytes(plan.rollout.copy_bytes)}" if plan.rollout else ""
+    colocated = plan.rollout and not inp.rollout_ranks
+    copy = f" + rollout copy {format_bytes(plan.rollout.copy_bytes)}" if colocated else ""
     held = (f" + held outside {format_bytes(plan.held_outside_bytes)} (the other model's params and AdamW"
-            f"{'' if plan.rollout or not inp.rollout_sequences else ', the rollout copy'})"
+            f"{'' if plan.rollout or not inp.rollout_sequences or inp.rollout_ranks else ', the rollout copy'})"
             if plan.held_outside_bytes else "")
     lines = [
         *([f"{title}: {plan.num_params / 1e6:.2f}M parameters"] if title else []),
-        f"per rank: base {format_bytes(plan.base_bytes)} (sharded fp32 params + grads + AdamW{activations}{copy}"
+        f"per {'trainer ' if inp.rollout_ranks else ''}rank: base {format_bytes(plan.base_bytes)} (sharded fp32 "
+        f"params + grads + AdamW{activations}{copy}"
         f"{held})",
         "",
         "| mode | held grads | held params | extra | peak | fits | all-gathers | reduce-scatters | all-reduces "

@@ -68,13 +68,26 @@ class PlanInput:
     # rl.rollout_engine (what each holds: syncwise.memory.rollout)
     rollout_sampler: str = "compact"
     critic: bool = False  # PPO: a value model beside the policy (its own plan; each holds the other's state)
+    # dist.rollout_ranks: the last M of world_size ranks only sample (the rollout engine alone on each); the
+    # others train (their shards over world_size - M ranks, no rollout copy beside them)
+    rollout_ranks: int = 0
     bandwidth_gbps: float = 100.0  # GB/s per rank within a shard group
     replica_bandwidth_gbps: float | None = None  # GB/s across replicas (default: bandwidth_gbps)
     latency_us: float = 10.0
 
+    @property
+    def trainers(self) -> int:
+        """The ranks that train (and shard the model)."""
+        return self.world_size - self.rollout_ranks
+
     def validate(self) -> None:
-        if self.world_size < 1 or self.replicas < 1 or self.world_size % self.replicas:
-            raise ValueError(f"--replicas {self.replicas} must divide --world-size {self.world_size}")
+        if self.rollout_ranks and not 0 < self.rollout_ranks <= self.trainers:
+            raise ValueError(f"--rollout-ranks {self.rollout_ranks} of --world-size {self.world_size}: at least as "
+                             f"many ranks must train")
+        if self.rollout_ranks and not self.rollout_sequences:
+            raise ValueError("--rollout-ranks needs --rollout-sequences (what a rollout rank samples at once)")
+        if self.world_size < 1 or self.replicas < 1 or self.trainers % self.replicas:
+            raise ValueError(f"--replicas {self.replicas} must divide the {self.trainers} training ranks")
         if self.microbatches < 1:
             raise ValueError("--microbatches must be >= 1")
         for name in ("param_dtype", "reduce_dtype"):

@@ -38,6 +38,13 @@ def share_network(roles: JobRoles, hf_config) -> None:
         roles.store.set(HF_CONFIG_KEY, hf_config.to_json_string())
 
 
+def rollout_ranks_line(config: Config, trainers: int) -> str:
+    """The trainers' first line's words for the rollouts."""
+    last = trainers + config.dist.rollout_ranks - 1
+    return (f"rollouts by {config.dist.rollout_ranks} rollout rank(s) of their own (ranks {trainers}-{last}, "
+            f"{config.rl.rollout_engine}; weights from trainer 0 after each step)")
+
+
 def run_rollout_rank(config: Config, info: DistInfo, roles: JobRoles) -> None:
     """Serve the trainers until they end."""
     rl = config.rl

@@ -47,7 +47,7 @@ from .batches import ScoredBatches
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
 from .rollout.channel import RolloutChannel
 from .rollout.front import Rollout
-from .rollout_rank import share_network
+from .rollout_rank import rollout_ranks_line, share_network
 from .stats import (
     PHASES,
     PhaseClock,
@@ -174,7 +174,8 @@ class RLTrainer:
             f"{config.engine.strategy} on {self.info.world_size} rank(s), {rl.prompts_per_rank} prompts x "
             f"{rl.samples_per_prompt} samples per rank, responses up to "
             f"{rl.max_new_tokens or self.source.max_new_tokens} tokens, sync.mode={config.sync.mode}; "
-            f"{self._rollouts_line()}, {describe_correction(config)}"
+            f"{self.rollout.describe() if self.rollout else rollout_ranks_line(config, self.info.world_size)}, "
+            f"{describe_correction(config)}"
             + (f"; {self.critic.describe()}" if self.critic is not None else "")
             + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else "")
             + self.queue_note + log_note,
@@ -184,14 +185,6 @@ class RLTrainer:
             from tqdm import tqdm
 
             self.bar = tqdm(total=train.steps, initial=self.start, desc=rl.algorithm, dynamic_ncols=True)
-
-    def _rollouts_line(self) -> str:
-        if self.rollout is not None:
-            return self.rollout.describe()
-        dist = self.config.dist
-        return (f"rollouts by {dist.rollout_ranks} rollout rank(s) of their own (ranks {self.info.world_size}-"
-                f"{self.info.world_size + dist.rollout_ranks - 1}, {self.config.rl.rollout_engine}; weights from "
-                f"trainer 0 after each step)")
 
     def step(self, step: int) -> dict[str, Any]:
         """Rollouts; rewards and advantages on the whole rollout batch (PPO: the critic's values, token

@@ -56,7 +56,13 @@ GRPO_CONFIGS: dict[str, tuple[str, ...]] = {
     "compact, balanced, partial rollouts": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
                                             "rl.max_staleness=1"),
     "vLLM, balanced, partial rollouts": ("rl.rollout_engine=vllm", "rl.balance_ranks=true", "rl.max_staleness=1"),
+    # rollout ranks of their own (issue 48): the same trainers, and as many ranks again that only sample, against
+    # the colocated job with the same lag (the same batches); on a CPU every rank shares the machine's cores
+    "compact, balanced, lag 1": ("rl.rollout_engine=compact", "rl.balance_ranks=true", "rl.off_policy_lag=1"),
+    "compact, balanced, lag 1, rollout ranks": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
+                                                "rl.off_policy_lag=1"),
 }
+WITH_ROLLOUT_RANKS = ("compact, balanced, lag 1, rollout ranks",)  # + as many ranks as train, only sampling
 QUICK_CONFIGS = ("generate, unbalanced (before)", "compact sampler, balanced", "compact, balanced, skip uniform groups",
                  "compact, balanced, partial rollouts")
 
@@ -102,7 +108,18 @@ def _job_config(spec: GRPOBenchSpec, name: str | None, out: Path, start: Path | 
     else:
         overrides = [*common, f"model.path={start}", "rl.warm_start_steps=0", "optim.lr=0", "optim.warmup_steps=0",
                      f"train.steps={spec.steps}", "train.export=false", *GRPO_CONFIGS[name]]
+        if _rollout_ranks(spec, name):
+            overrides += [f"dist.rollout_ranks={spec.nproc}", f"dist.nproc={_nproc(spec, name)}"]
     return config_to_dict(load_config(packaged_config("grpo.yaml"), [*overrides, *spec.extra], packaged=True))
+
+
+def _rollout_ranks(spec: GRPOBenchSpec, name: str | None) -> int:
+    """The configuration's rollout ranks of their own: as many as it has trainers (``spec.nproc``), or none."""
+    return spec.nproc if name in WITH_ROLLOUT_RANKS else 0
+
+
+def _nproc(spec: GRPOBenchSpec, name: str | None) -> int:
+    return spec.nproc + _rollout_ranks(spec, name)
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -112,15 +129,19 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     step = sum(r["time/step_s"] for r in rows)
     tokens = sum(r["rollout/response_tokens"] for r in rows)
     drawn = sum(drawn_tokens(r) for r in rows)  # partial rollouts: also what trains later
+    remote = "rollout_rank/sample_s" in rows[0]  # drawn on rollout ranks: their sampling seconds, not the trainers'
+    sampling = [r["rollout_rank/sample_s"] if remote else r["time/rollout_s"] for r in rows]
     return {
         "steps": len(rows),
         "response_tokens": [r["rollout/response_tokens"] for r in rows],  # per step: which work was done
         "step_s": median("time/step_s"),
         "phases_s": {phase: median(f"time/{phase}_s") for phase in PHASES},
-        "rollout_tokens_per_s": drawn / sum(r["time/rollout_s"] for r in rows),
+        "rollout_tokens_per_s": drawn / sum(sampling),
         "decode_fill": statistics.mean(r["rollout/decode_fill"] for r in rows),
         "decode_steps": statistics.mean(r["rollout/decode_steps"] for r in rows),
-        "rollout_s_mean": statistics.mean(r["time/rollout_s"] for r in rows),
+        "rollout_s_mean": statistics.mean(sampling),
+        # with rollout ranks: how long each waited for weights, per step (the trainers' wait is a phase)
+        "rollout_rank_idle_s": median("rollout_rank/idle_s") if remote else None,
         "end_to_end_tokens_per_s": tokens / step,
         "weight_sync_share": sum(r["time/weight_sync_s"] for r in rows) / step,
         "response_length_mean": statistics.mean(r["response/length_mean"] for r in rows),
@@ -164,7 +185,7 @@ def bench_grpo(spec: GRPOBenchSpec) -> int:
     start = out_dir / "jobs" / "warm_start"
     shutil.rmtree(start, ignore_errors=True)
     print(f"syncwise bench grpo: the warm start ({spec.warm_start_steps} supervised steps), exported", flush=True)
-    result = launch_local(train_worker, spec.nproc, _job_config(spec, None, start))
+    result = launch_local(train_worker, _nproc(spec, None), _job_config(spec, None, start))
     if result.exit_code != 0:
         return result.exit_code
     for round_ in range(spec.rounds):
@@ -172,15 +193,15 @@ def bench_grpo(spec: GRPOBenchSpec) -> int:
             job_dir = out_dir / "jobs" / f"{spec.configs.index(name)}_round{round_}"
             shutil.rmtree(job_dir, ignore_errors=True)
             print(f"syncwise bench grpo: round {round_ + 1}/{spec.rounds}: {name}", flush=True)
-            result = launch_local(train_worker, spec.nproc, _job_config(spec, name, job_dir, start / "export"))
+            result = launch_local(train_worker, _nproc(spec, name), _job_config(spec, name, job_dir, start / "export"))
             if result.exit_code != 0:
                 return result.exit_code
             measured[name] += read_jsonl(job_dir / "metrics.jsonl")[spec.warmup:]
     results = {name: _summary(rows) for name, rows in measured.items()}
-    # the time model's two decode costs, per rollout engine, fitted to all its configurations' steps at once
+    # the time model's two decode costs, per rollout engine, fitted to all its colocated configurations' steps
     for name, rows in measured.items():
         cost = fit([row for other, rows in measured.items() if _sampler_of(other) == _sampler_of(name)
-                    for row in rows], spec.nproc)
+                    and not _rollout_ranks(spec, other) for row in rows], spec.nproc)
         drawn = statistics.mean(drawn_tokens(r) for r in rows)
         results[name]["rollout_s_model"] = cost.seconds(results[name]["decode_steps"], drawn / spec.nproc)
         results[name]["decode_cost"] = {"per_step_s": cost.per_step_s, "per_token_s": cost.per_token_s}
@@ -226,11 +247,12 @@ def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> s
         "",
         "| configuration | end-to-end tok/s | speed-up | step s | step-time ratio | same responses | "
         + " | ".join(f"{p} s" for p in PHASES) + " | weight sync share | rollout tok/s | decode fill | mean response | "
-        "imbalance before -> after | update of GEMM peak |",
-        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|",
+        "imbalance before -> after | update of GEMM peak | rollout ranks' sampling / idle s |",
+        "|---|---|---|---|---|---|" + "---|" * len(PHASES) + "---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         phases = " | ".join(fmt(r["phases_s"][p]) for p in PHASES)
+        idle = r["rollout_rank_idle_s"]
         twin = r["same_responses_as"]
         same = "no" if twin is None else ("(reference)" if twin == name else f"as {spec.configs.index(twin) + 1}")
         lines.append(
@@ -238,7 +260,8 @@ def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> s
             f"{fmt(r['step_s'])} | {r['step_time_ratio']:.2f}x | {same} | {phases} | "
             f"{r['weight_sync_share']:.1%} | {r['rollout_tokens_per_s']:.0f} | {r['decode_fill']:.2f} | "
             f"{r['response_length_mean']:.1f} | "
-            f"{fmt(r['imbalance_before'])} -> {fmt(r['imbalance_after'])} | {r['update_fraction_of_gemm_peak']:.1%} |"
+            f"{fmt(r['imbalance_before'])} -> {fmt(r['imbalance_after'])} | {r['update_fraction_of_gemm_peak']:.1%} | "
+            + (f"{fmt(r['rollout_s_mean'])} / {fmt(idle)} |" if idle is not None else "-- |")
         )
     if results:
         lines += ["", "Time model (docs/perf_tuning.md: a decode step's fixed cost + each row's, fitted per rollout "
