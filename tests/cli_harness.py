@@ -20,7 +20,7 @@ from unittest import mock
 
 
 def _no_launch(fn, nproc, payload, gate=None):
-    if gate is not None:  # the job's checks, which the launcher runs while its ranks import: a mistake ends here
+    if gate is not None:  # the job's checks (the launcher runs them beside its ranks): a mistake ends here
         gate()
     raise AssertionError("the command started ranks: run_cli is for what starts none")
 

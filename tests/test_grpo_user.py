@@ -81,7 +81,10 @@ def test_first_on_policy_ratio_is_exactly_one_with_lora_dropout(gpt2, tmp_path):
                   f"train.out_dir={tmp_path / 'out'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = read_jsonl(tmp_path / "out" / "metrics.jsonl")[0]
-    assert row["actor/ratio_mean"] == 1.0 and row["actor/ratio_max"] == 1.0
+    # dropout off in both passes: the same function (the old log-prob pass and the update sum in their own
+    # orders: float32 rounding apart, where a dropout mask would move the ratio by tens of percent)
+    assert row["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert row["actor/ratio_max"] == pytest.approx(1.0, abs=1e-6)
 
 
 @pytest.mark.parametrize(("rows", "overrides", "message"), [

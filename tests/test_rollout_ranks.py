@@ -5,6 +5,7 @@ torchrun across two nodes) and test_stop_and_errors.py (Ctrl-C, an error on a ro
 
 from __future__ import annotations
 
+import ctypes
 import tempfile
 from pathlib import Path
 
@@ -35,9 +36,36 @@ def _scored(step: int, trainer: int) -> ScoredBatch:
                        rollout_rank_s=torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64))
 
 
+BIG_UNITS, BIG_UNIT_NUMEL = 4, 4 * 2**20  # 16 MiB each in float32
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _big_units():
+    """Units made as they are asked for (as the trainers' gather makes them), each dropped by its consumer."""
+    for i in range(BIG_UNITS):
+        yield {f"layers.{i}.weight": torch.full((BIG_UNIT_NUMEL,), float(i))}
+
+
+def _peak_growth(transfer) -> int:
+    """How far this process's resident size rose above where it stood while ``transfer()`` ran."""
+    def resident(field: str) -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
+        return int(line.split()[1]) * 1024
+
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # the peak resident size starts again from here
+    before = resident("VmRSS")
+    transfer()
+    return resident("VmHWM") - before
+
+
 def _both_roles(out_dir: str) -> None:
     """Three ranks: two trainers, one rollout rank serving both. Trainer 0 sends version 3's weights with steps
-    4 and 5 to draw; the rollout rank posts each trainer's batches; the trainers fetch them and end it."""
+    4 and 5 to draw; the rollout rank posts each trainer's batches; the trainers fetch them. Then a model of four
+    16 MiB units, loaded unit by unit into the rollout rank's copy: each side's resident peak measured."""
+    # Large blocks mapped and unmapped as they come and go (glibc would otherwise raise its mapping threshold after
+    # the first free and keep freed blocks in its heap): the resident size then follows what is alive.
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
     info, roles = join_roles(1, "gloo", 60.0)
     channel = RolloutChannel(roles, info.device, 60.0)
     result: dict = {"info": (info.rank, info.world_size), "rollout": roles.is_rollout}
@@ -49,7 +77,18 @@ def _both_roles(out_dir: str) -> None:
         for step in draw.steps:
             for trainer in roles.served_by(roles.rollout_index):
                 channel.post(step, trainer, _scored(step, trainer))
-        result["after_end"] = channel.next_draw(1)
+        copy = torch.full((BIG_UNITS, BIG_UNIT_NUMEL), -1.0)  # the rollout copy the units load into (touched)
+        channel.next_draw(1)
+
+        def load() -> None:  # as load_by_unit does (no enumerate: it would keep the last unit)
+            for unit in channel.receive_weights(1):
+                ((name, tensor),) = unit.items()
+                copy[int(name.split(".")[1])] = tensor
+                tensor = unit = None
+
+        result["peak_growth"] = _peak_growth(load)
+        result["loaded"] = copy[:, 0].tolist()
+        result["after_end"] = channel.next_draw(2)
     else:
         summed = torch.ones(1)
         dist.all_reduce(summed)  # the trainers' own default group
@@ -57,6 +96,7 @@ def _both_roles(out_dir: str) -> None:
         channel.send_weights(3, [4, 5], iter(_units()))
         result["moved"] = (channel.last.bytes, channel.last.largest_unit_bytes)
         result["fetched"] = [channel.fetch(step, info.rank).rewards.item() for step in (4, 5)]
+        result["peak_growth"] = _peak_growth(lambda: channel.send_weights(4, [6], _big_units()))
         channel.end()
         dist.barrier()
         dist.destroy_process_group()
@@ -64,6 +104,7 @@ def _both_roles(out_dir: str) -> None:
 
 
 def test_the_trainers_send_weights_and_the_rollout_ranks_send_batches_back():
+    """What each side sees, and (the issue's target) the transfer's peak: one unit beyond each side's model."""
     with tempfile.TemporaryDirectory() as out_dir:
         job = launch_local(_both_roles, 3, out_dir)
         assert job.exit_code == 0, job.lines
@@ -78,6 +119,13 @@ def test_the_trainers_send_weights_and_the_rollout_ranks_send_batches_back():
     unit_bytes = [sum(t.numel() * t.element_size() for t in unit.values()) for unit in _units()]
     assert trainer0["moved"] == rollout["moved"] == (sum(unit_bytes), max(unit_bytes))
     assert trainer0["fetched"] == [40.0, 50.0] and trainer1["fetched"] == [41.0, 51.0]
+    # while the weights move each side holds one unit beyond its model, not the model's four: the receiver one
+    # (measured 1.31-1.32 units), the sender one or, for a moment, two (1.05-2.06: gloo's worker thread lets go
+    # of the unit it sent just after the send completes, sometimes after the next unit exists)
+    unit = BIG_UNIT_NUMEL * 4
+    assert rollout["loaded"] == [0.0, 1.0, 2.0, 3.0]
+    assert 0.5 < rollout["peak_growth"] / unit < 1.6, rollout["peak_growth"] / unit
+    assert 0.5 < trainer0["peak_growth"] / unit < 2.5, trainer0["peak_growth"] / unit
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

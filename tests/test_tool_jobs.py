@@ -206,16 +206,17 @@ def test_a_resumed_job_repeats_the_conversations(folder, through):
 
 def test_a_tool_that_exits_or_hangs_in_a_retry_loop_is_cut_off_and_counted(folder):
     """A rank's first call sys.exit(2)s, the later ones retry forever around every Exception; one call at a time,
-    0.4 s each, 1 s a step: the job goes on, each kind counted -- the exit as an exception, two calls cut at
-    their limit (timeouts), the third cut by the step's budget and the rest not run (step_timeout) -- and the
-    step's tool time stays within its budget."""
+    0.4 s each, 1 s a step: the job goes on, each kind counted -- the exit as an exception, the next calls cut at
+    their limit (timeouts: one or two a rank, as many as fit in the step's budget after the worker that exited
+    was replaced -- how many depends on how busy the machine is), the next cut by the step's budget and the rest
+    not run (step_timeout) -- and the step's tool time stays within its budget."""
     proc = _train(folder, "misbehaves", "train.steps=1", "rl.tool_timeout_s=0.4", "rl.tool_step_timeout_s=1",
                   "rl.tool_workers=1", misbehaves=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = _rows(folder, "misbehaves")
     calls = row["rollout/tool_calls_per_sample"] * 16  # 2 ranks x 2 prompts x 4 samples
     errors = {kind: row[f"rollout/tool_errors/{kind}"] for kind in ("exception", "timeout", "step_timeout")}
-    assert errors["exception"] == 2 and errors["timeout"] == 4 and errors["step_timeout"] >= 2, errors
+    assert errors["exception"] == 2 and 2 <= errors["timeout"] <= 4 and errors["step_timeout"] >= 2, errors
     assert sum(errors.values()) <= row["rollout/tool_errors"] <= calls, row  # with the model's own bad calls
     assert row["time/tools_s"] < 1 + 5  # rank 0's: its budget, and the template's tokenising of the answers
 

@@ -12,7 +12,7 @@ import sys
 
 from ..config import ROLLOUT_ENGINES, ConfigError, config_to_dict, load_config, packaged_config
 from ..runtime.launcher import DEBUG_ENV, launch
-from ..runtime.rank_server import Worker
+from ..runtime.rank_server import Gate, Worker
 from .bench import WORKLOADS, run_workload
 
 
@@ -26,10 +26,10 @@ def _split_args(values: list[str]) -> tuple[str | None, list[str]]:
 
 def _run_job(worker_path: str, args: argparse.Namespace, job: str, default_config: str | None = None) -> int:
     """Load and check the config, then run the job (``worker_path``, ``module:function``, is imported by its
-    ranks: a config error is answered without torch), what it was given checked while the ranks import. Exit
+    ranks: a config error is answered without torch), what it was given checked beside the ranks. Exit
     status: 0, 2 for a mistake found before any rank started, 1 for an error in a rank, 130 / 143 after Ctrl-C /
     SIGTERM."""
-    from .preflight import PreflightError, preflight
+    from .preflight import PreflightError
 
     path, overrides = _split_args(args.args)
     packaged = path is None and default_config is not None
@@ -37,8 +37,9 @@ def _run_job(worker_path: str, args: argparse.Namespace, job: str, default_confi
         path = str(packaged_config(default_config))
     try:
         config = load_config(path, overrides, packaged=packaged)
-        return launch(Worker(worker_path), config.dist.nproc, config_to_dict(config),
-                      gate=lambda: preflight(config, job))
+        payload = config_to_dict(config)
+        return launch(Worker(worker_path), config.dist.nproc, payload,
+                      gate=Gate(Worker("syncwise.jobs.preflight:check_job"), (payload, job)))
     except (ConfigError, PreflightError) as exc:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks; one says it
             kind = "config error" if isinstance(exc, ConfigError) else "error"

@@ -273,6 +273,13 @@ def preflight(config: Config, job: str) -> None:
         check_sft(config)
 
 
+def check_job(payload: dict, job: str) -> None:
+    """:func:`preflight` of a job's config as its ranks receive it (the launcher's gate, run apart from it)."""
+    from ..config import load_config_dict
+
+    preflight(load_config_dict(payload), job)
+
+
 def _job_device(config: Config):
     """The device the job's ranks will use (CUDA unless gloo is asked for or there is none)."""
     import torch

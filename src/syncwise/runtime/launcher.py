@@ -5,8 +5,8 @@
   signal kills them), a rank that fails gives the others :data:`FAILURE_GRACE_S` to notice before they are
   killed, and no process is left behind.
 - A :class:`~.rank_server.Worker` names a job's rank entry (``module:function``) without importing it: the
-  ranks' fork server imports the job while the launcher runs the job's checks (``gate``), and the ranks start
-  their work only once the checks have passed.
+  ranks' fork server imports the job, the job's checks (a :class:`~.rank_server.Gate`) run in a process forked
+  from it beside the ranks, and the ranks start their work only once the checks have passed.
 - :func:`rank_main` is every rank's entry, under the local launcher or torchrun: it turns a clean stop
   into exit status 128 + signal and any error into one short report. Under the local launcher the reports
   go to a folder the launcher reads, and the launcher prints the root cause once; under torchrun each
@@ -36,7 +36,7 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
-from .rank_server import Worker, rank_context, rank_environment
+from .rank_server import Gate, Worker, check_in_server, rank_context, rank_environment
 from .signals import STOP_SIGNALS, JobStopped, StopRequest
 
 REPORT_DIR_ENV = "SYNCWISE_REPORT_DIR"
@@ -306,15 +306,15 @@ class _Supervisor:
                 self.kill_all()
 
 
-def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any,
-                 gate: Callable[[], None] | None = None) -> JobResult:
+def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any, gate: Gate | None = None) -> JobResult:
     """Run ``fn(*args)`` on ``nproc`` local ranks (processes forked from :mod:`.rank_server`'s server, with
     torchrun's environment) and wait.
 
     Prints the root cause of a failure (at most three lines) to stderr and returns how the job ended.
-    ``fn`` must be picklable (a module-level function, or a :class:`Worker`). ``gate``: the job's checks, run
-    here while the ranks import; the ranks start only once it returns, and if it raises they are killed (they
-    have done nothing but import) and its exception goes on to the caller.
+    ``fn`` must be picklable (a module-level function, or a :class:`Worker`). ``gate``: the job's checks, run in
+    a process forked from the server beside the ranks (:func:`~.rank_server.check_in_server`); the ranks start
+    their work only once they pass, and if they raise the ranks are killed (they have done nothing) and the
+    exception goes on to the caller.
     """
     store = _host_store()  # lives until the ranks have ended
     # Each rank gets its share of the cores; oversubscribing threads slows CPU runs several-fold.
@@ -328,8 +328,8 @@ def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any,
     try:
         with _Supervisor(processes, folder) as supervisor:
             supervisor.start()
-            if gate is not None:
-                gate()  # a signal meanwhile is the supervisor's: the ranks adopt it at their first step boundary
+            if gate is not None:  # a signal meanwhile is the supervisor's: the ranks adopt it at their first step
+                check_in_server(context, gate, environment)
                 store.set(GO_KEY, "1")
             supervisor.wait()
         reports = [ErrorReport(**json.loads(p.read_text())) for p in sorted(folder.glob("rank*.json"))]
@@ -377,9 +377,9 @@ def _outcome(codes: list[int], reports: list[ErrorReport], nproc: int, superviso
     return JobResult(1, reports, lines)
 
 
-def launch(fn: Callable[..., Any] | Worker, nproc: int, payload: dict, gate: Callable[[], None] | None = None) -> int:
+def launch(fn: Callable[..., Any] | Worker, nproc: int, payload: dict, gate: Gate | None = None) -> int:
     """Run ``fn(payload)`` as this torchrun rank, or start ``nproc`` local ranks; the exit status. ``gate``:
-    the job's checks, which raise before anything starts (locally, run while the ranks import)."""
+    the job's checks, which raise before anything starts (locally, in a process beside the ranks)."""
     from .distributed import launched_by_torchrun  # torch: only once a job really starts
 
     if not launched_by_torchrun():

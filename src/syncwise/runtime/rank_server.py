@@ -1,7 +1,7 @@
 """The process the local launcher forks its ranks from (multiprocessing's ``forkserver``), and what it imports.
 
 A spawned rank imports torch, transformers and the job's modules afresh: ~4.5 s of CPU per rank, per job, most of
-a short job's cost. The server imports them once, while the launcher runs the job's checks, and each rank is
+a short job's cost. The server imports them once, and each rank -- and the job's checks (:class:`Gate`) -- is
 forked from it already imported: a launcher's ranks share one import, and a process that launches many jobs (a
 test suite, a notebook) pays it once. What a rank must not share with another job it is given at its start:
 the launcher's environment as it is then (:func:`rank_environment`), its working folder and import path
@@ -35,6 +35,48 @@ class Worker:
 
     def load(self) -> Callable[..., Any]:
         return getattr(importlib.import_module(self.module), self.path.partition(":")[2])
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A job's checks before its ranks start their work: ``worker`` called with ``args``. The local launcher runs
+    them in a process forked from the ranks' server (:func:`check_in_server`: the server's imports serve them
+    too, and the launcher imports neither torch's models nor transformers); torchrun's rank calls them itself."""
+
+    worker: Worker
+    args: tuple = ()
+
+    def __call__(self) -> None:
+        self.worker.load()(*self.args)
+
+
+def check_in_server(context: multiprocessing.context.BaseContext, gate: Gate, environment: dict[str, str]) -> None:
+    """Run ``gate`` in a process forked from the server and wait for it; raise what it raised."""
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_run_gate, args=(gate, environment, send))
+    process.start()
+    send.close()
+    try:
+        outcome = receive.recv()
+    except EOFError:  # it died without a word (killed)
+        process.join()
+        outcome = RuntimeError(f"the job's checks ended with exit status {process.exitcode} before they finished")
+    finally:
+        process.join()
+    if outcome is not None:
+        raise outcome
+
+
+def _run_gate(gate: Gate, environment: dict[str, str], send: Any) -> None:
+    rank_environment(environment)
+    try:
+        gate()
+        send.send(None)
+    except Exception as exc:  # noqa: BLE001 - the launcher raises it; a mistake the checks found, or a bug
+        try:
+            send.send(exc)
+        except Exception:  # noqa: BLE001 - an exception that does not pickle goes as its words
+            send.send(RuntimeError(f"{type(exc).__name__}: {exc}"))
 
 
 def rank_context(job_module: str | None) -> multiprocessing.context.BaseContext:

@@ -2,11 +2,13 @@
 which policy version, the weights, and the scored batches.
 
 A message n, from trainer 0 on the job's store: the version and the steps whose batches the rollout ranks draw
-by it, then the weights over the weights group (:func:`syncwise.runtime.roles.weights_group`) unit by unit as the
-trainers gather them -- each unit's names, shapes and dtypes on the store, its tensors broadcast one by one, so
-neither side holds more than one unit beyond its model -- or "end". A scored batch goes back to the trainer it is
-for on the store (``torch.save`` of its plain tensors) and is deleted once read. Every wait is bounded by the
-store's timeout (``dist.timeout_s``); a rank that died is the launcher's to report first.
+by it, then the weights over the weights group (:func:`syncwise.runtime.roles.weights_group`) unit by unit as
+the trainers gather them -- each unit's names, shapes and dtypes on the store, its tensors broadcast one by one,
+each unit dropped before the next exists, so each side holds one unit beyond its model (the sender, for a
+moment, two: gloo's worker lets go of what it sent just after the send completes) -- or "end". A scored batch
+goes back to the trainer it is for on the store (``torch.save`` of its plain tensors) and is deleted once read.
+Every wait is bounded by the store's timeout (``dist.timeout_s``); a rank that died is the launcher's to report
+first.
 """
 
 from __future__ import annotations
@@ -66,18 +68,18 @@ class RolloutChannel:
             return
         n, self.sent = self.sent, self.sent + 1
         self.store.set(f"msg/{n}", json.dumps({"version": version, "steps": steps}))
-        count = 0
-        for count, unit in enumerate(units, 1):
+        count = 0  # not enumerate(): it would hold the last unit while the next is gathered
+        for unit in units:
+            count += 1
             self.store.set(f"unit/{n}/{count - 1}",
                            json.dumps([[name, list(t.shape), str(t.dtype).removeprefix("torch.")]
                                        for name, t in unit.items()]))
-            size = 0
+            size = sum(t.numel() * t.element_size() for t in unit.values())
             for tensor in unit.values():
                 self._broadcast(tensor.detach().contiguous())
-                size += tensor.numel() * tensor.element_size()
+            tensor = unit = None  # dropped before the trainers gather the next: one unit beyond the model
             moved.bytes += size
             moved.largest_unit_bytes = max(moved.largest_unit_bytes, size)
-            del unit
         self.store.set(f"unit/{n}/{count}", END)
         moved.seconds = time.perf_counter() - started
         self.last = moved
