@@ -59,7 +59,7 @@ class ScoredBatches:
         """With rollout ranks: the policy of ``step`` sent to them with the steps they draw by it (those the
         colocated queue would draw now), then step ``step``'s batch, drawn there ``rl.off_policy_lag`` steps
         ago -- waiting for it only if they are behind."""
-        first = max([self.queue.next_step, step] + [s + 1 for s in self.requested])
+        first = max(self.queue.next_step, step, self.requested[-1] + 1 if self.requested else 0)
         due = list(range(first, min(step + self.queue.lag + 1, self.config.train.steps)))
         if due:
             with clock("weight_sync"):

@@ -24,8 +24,8 @@ from typing import Any
 @dataclass(frozen=True)
 class Worker:
     """A job's rank entry, ``module:function``, imported where the ranks come from (the local launcher's fork
-    server; torchrun's worker), not by the launcher: the job's imports (torch, transformers: seconds) run there
-    while the launcher checks what the job was given."""
+    server; torchrun's worker), never by the launcher: the job's imports (torch, transformers: seconds) are paid
+    there, once per server."""
 
     path: str
 
@@ -59,10 +59,10 @@ def check_in_server(context: multiprocessing.context.BaseContext, gate: Gate, en
     try:
         outcome = receive.recv()
     except EOFError:  # it died without a word (killed)
-        process.join()
+        outcome = EOFError
+    process.join()
+    if outcome is EOFError:
         outcome = RuntimeError(f"the job's checks ended with exit status {process.exitcode} before they finished")
-    finally:
-        process.join()
     if outcome is not None:
         raise outcome
 

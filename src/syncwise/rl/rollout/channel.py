@@ -46,6 +46,11 @@ class Transfer:
     largest_unit_bytes: int = 0
     seconds: float = 0.0
 
+    def add(self, unit: dict[str, torch.Tensor]) -> None:
+        size = sum(t.numel() * t.element_size() for t in unit.values())
+        self.bytes += size
+        self.largest_unit_bytes = max(self.largest_unit_bytes, size)
+
 
 class RolloutChannel:
     """One rank's end of the door between the roles."""
@@ -74,12 +79,10 @@ class RolloutChannel:
             self.store.set(f"unit/{n}/{count - 1}",
                            json.dumps([[name, list(t.shape), str(t.dtype).removeprefix("torch.")]
                                        for name, t in unit.items()]))
-            size = sum(t.numel() * t.element_size() for t in unit.values())
+            moved.add(unit)
             for tensor in unit.values():
                 self._broadcast(tensor.detach().contiguous())
             tensor = unit = None  # dropped before the trainers gather the next: one unit beyond the model
-            moved.bytes += size
-            moved.largest_unit_bytes = max(moved.largest_unit_bytes, size)
         self.store.set(f"unit/{n}/{count}", END)
         moved.seconds = time.perf_counter() - started
         self.last = moved
@@ -116,9 +119,7 @@ class RolloutChannel:
             for name, shape, dtype in json.loads(text):
                 unit[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
                 self._broadcast(unit[name])
-            size = sum(t.numel() * t.element_size() for t in unit.values())
-            moved.bytes += size
-            moved.largest_unit_bytes = max(moved.largest_unit_bytes, size)
+            moved.add(unit)
             yield unit
             del unit
         moved.seconds = time.perf_counter() - started
