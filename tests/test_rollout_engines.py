@@ -230,12 +230,13 @@ def user_dirs(tmp_path_factory):
 LENGTH_REWARD = "def length(prompt, response, row):\n    return len(set(response)) / 20\n"
 
 
-def _train(out, *overrides: str, correction: str = "rl.loss.rollout_is=token") -> list[dict]:
+def _train(out, *overrides: str, correction: str = "rl.loss.rollout_is=token",
+           engine_line: str = "rollouts by vLLM (float32, KV cache") -> list[dict]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "syncwise", "train", *JOB, f"train.out_dir={out}", *overrides],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "rollouts by vLLM (float32, KV cache" in proc.stdout and correction in proc.stdout
+    assert engine_line in proc.stdout and correction in proc.stdout
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -294,6 +295,22 @@ def test_partial_rollouts_on_vllm_continue_responses_across_refreshes(user_dirs,
     assert all(r["rollout/staleness_max"] <= 1 for r in rows) and max(r["rollout/staleness_max"] for r in rows) == 1
     assert sum(r["response/length_mean"] for r in rows) / len(rows) > 4
     assert all(r["rollout/drawn_tokens"] > 0 and 0 < r["rollout/decode_fill"] <= 1 for r in rows)
+
+
+@NEEDS_VLLM
+def test_vllm_on_rollout_ranks_samples_what_the_colocated_lagged_job_does(user_dirs, tmp_path):
+    """Issue 48: vLLM on rollout ranks of their own (2 trainers + 2 rollout ranks, each a world of one to vLLM's
+    external launcher): at lag 1 every step trains on the batch the colocated vLLM job with the same lag draws --
+    the weights reach each rollout rank's engine by version, tied head included -- and step 0 is fresh."""
+    job = [*_user_job(user_dirs["qwen2"]), f"train.steps={STEPS}", "rl.off_policy_lag=1"]
+    correction = "rl.loss.off_policy=decoupled"
+    colocated = _train(tmp_path / "colocated", *job, correction=correction)
+    split = _train(tmp_path / "split", *job, "dist.nproc=4", "dist.rollout_ranks=2", correction=correction,
+                   engine_line="rollout rank(s) of their own (ranks 2-3, vllm")
+    assert [r["rollout/staleness_max"] for r in split] == [0] + [1] * (STEPS - 1)
+    assert split[0]["rollout/log_prob_diff"] <= 2e-4, split[0]
+    for key in ("reward/mean", "response/length_mean", "loss", "rollout/log_prob_diff"):
+        assert [r[key] for r in split] == pytest.approx([r[key] for r in colocated], rel=1e-5, abs=1e-7), key
 
 
 @NEEDS_VLLM

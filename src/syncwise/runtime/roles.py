@@ -2,10 +2,11 @@
 
 The trainers form the default process group among themselves (ranks 0 .. N - M - 1), on the job's rendezvous
 store under a prefix of their own, so that the FSDP engine and every all-reduce they agree through run as in a job
-of N - M ranks. The rollout ranks join no default group. Trainer 0 and the rollout ranks share a group of their own
-for the weights (:func:`weights_group`: gloo on CPU, NCCL on GPU; never the FSDP mesh), and every rank reaches the
-store (:attr:`JobRoles.store`) for the small messages between the roles. Under the local launcher and torchrun
-alike: the split is read from torchrun's environment.
+of N - M ranks. Each rollout rank is a default group of one, on a store of its own: a rollout engine that builds
+inside the default group (an external launcher's) runs there as in a job of one rank. Trainer 0 and the rollout
+ranks share a group of their own for the weights (:func:`weights_group`: gloo on CPU, NCCL on GPU; never the FSDP
+mesh), and every rank reaches the store (:attr:`JobRoles.store`) for the small messages between the roles. Under
+the local launcher and torchrun alike: the split is read from torchrun's environment.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class JobRoles:
 def join_roles(rollout_ranks: int, backend: str = "auto", timeout_s: float = 600.0) -> tuple[DistInfo, JobRoles]:
     """This rank's place in a job of trainers and ``rollout_ranks`` rollout ranks (torchrun's environment; the
     local launcher sets it): a trainer joins the trainers' default group and gets its rank among them; a rollout
-    rank joins none and gets its place among the rollout ranks."""
+    rank makes a default group of its own, of one rank, and gets its place among the rollout ranks."""
     backend = pick_backend(backend)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -66,6 +67,9 @@ def join_roles(rollout_ranks: int, backend: str = "auto", timeout_s: float = 600
     store = attempt_store(rank, world, timeout)
     roles = JobRoles(trainers, rollout_ranks, rank, store)
     if roles.is_rollout:
+        if not dist.is_initialized():
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                    device_id=device if backend == "nccl" else None)
         return DistInfo(rank=roles.rollout_index, world_size=rollout_ranks, local_rank=local_rank,
                         device=device), roles
     if not dist.is_initialized():
