@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from multiprocessing.context import ForkServerProcess
@@ -35,6 +37,31 @@ def test_a_rank_that_dies_without_a_report_is_the_one_named(capsys):
     assert job.lines[0] == "syncwise: error: rank 0 of 2 died (signal SIGKILL) without a report"
     assert all("raised on rank 1" not in line for line in job.lines)
     assert capsys.readouterr().err.splitlines()[0] == job.lines[0]
+
+
+def _rank0_aborts(info) -> None:
+    dist.barrier()
+    if info.rank == 0:
+        os.abort()  # as glibc does on a corrupt heap
+    dist.barrier()
+
+
+def test_a_rank_a_fault_ends_prints_where_its_threads_were():
+    """A rank ended by SIGABRT (or a segfault) writes no report; Python's fault handler prints its threads'
+    stacks on its stderr and the launcher's line says so. In a process of its own: a rank writes to the stderr
+    its fork server started with."""
+    tests = os.path.dirname(__file__)
+    code = ("import tempfile, test_launcher; from dist_harness import _rank_main; "
+            "from syncwise.runtime.launcher import launch_local; "
+            "job = launch_local(_rank_main, 2, test_launcher._rank0_aborts, (), tempfile.mkdtemp(), 60.0, False, "
+            "'gloo'); "
+            "raise SystemExit(job.exit_code)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Fatal Python error: Aborted" in proc.stderr and "in _rank0_aborts" in proc.stderr, proc.stderr[-2000:]
+    assert ("syncwise: error: rank 0 of 2 died (signal SIGABRT) without a report; where its threads were is "
+            "printed above it") in proc.stderr.splitlines()
 
 
 def _run_until_asked_to_stop() -> None:

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -91,6 +93,10 @@ def rank_main(fn: Callable[..., Any], *args: Any) -> int:
 
     StopRequest.install()
     _adopt_earlier_stop()
+    # A rank a fault ends (a segfault, glibc's abort on a corrupt heap) writes no report: it prints where each of
+    # its threads was instead, on its stderr, for the launcher's line to point at.
+    with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):  # a stderr with no descriptor
+        faulthandler.enable(all_threads=True)
     warnings.formatwarning = _one_line_warning
     # tqdm's default lock is a multiprocessing semaphore, which a rank that ends with ``os._exit`` would
     # leave behind (the resource tracker then warns at exit); one rank's bars need only a thread lock.
@@ -340,6 +346,7 @@ def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any, gate: 
 
 
 CLEAN_STOP_CODES = (0, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL)  # faulthandler's
 
 
 def _outcome(codes: list[int], reports: list[ErrorReport], nproc: int, supervisor: _Supervisor) -> JobResult:
@@ -367,7 +374,8 @@ def _outcome(codes: list[int], reports: list[ErrorReport], nproc: int, superviso
     else:
         rank = died[0]
         how = f"signal {signal.Signals(-codes[rank]).name}" if codes[rank] < 0 else f"exit status {codes[rank]}"
-        lines = [f"syncwise: error: rank {rank} of {nproc} died ({how}) without a report"]
+        lines = [f"syncwise: error: rank {rank} of {nproc} died ({how}) without a report"
+                 + ("; where its threads were is printed above it" if -codes[rank] in FAULT_SIGNALS else "")]
         if reports:  # what its peers saw, so the broken connection they report is not mistaken for the cause
             lines.append(f"syncwise: the other rank(s) then lost their connection to it: {reports[0].message[:160]}")
     for line in lines:
