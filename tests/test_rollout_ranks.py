@@ -129,8 +129,8 @@ def test_the_trainers_send_weights_and_the_rollout_ranks_send_batches_back():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["dist.nproc=4", "dist.rollout_ranks=2"], "dist.rollout_ranks=2 needs rl.off_policy_lag >= 1"),
-    (["dist.nproc=4", "dist.rollout_ranks=2", "rl.max_staleness=1"], "needs rl.off_policy_lag >= 1"),
+    (["dist.nproc=4", "dist.rollout_ranks=2", "rl.max_staleness=1"],
+     "dist.rollout_ranks=2 with rl.max_staleness: rollout ranks draw whole batches a fixed number of steps ahead"),
     (["dist.nproc=4", "dist.rollout_ranks=3", "rl.off_policy_lag=1"],
      "dist.rollout_ranks=3 of dist.nproc=4: at least as many ranks must train"),
     (["dist.rollout_ranks=-1"], "dist.rollout_ranks"),
@@ -141,5 +141,7 @@ def test_rollout_ranks_refuse_what_they_cannot_run(overrides, message):
 
 
 def test_rollout_ranks_resolve_the_lag_and_its_loss():
-    config = load_config(None, ["dist.nproc=4", "dist.rollout_ranks=2", "rl.off_policy_lag=1"])
-    assert config.rl.is_off_policy and config.rl.loss.off_policy == "decoupled"
+    """One step off-policy unless the lag is set (the split's point is that sampling overlaps training)."""
+    config = load_config(None, ["dist.nproc=4", "dist.rollout_ranks=2"])
+    assert config.rl.off_policy_lag == 1 and config.rl.is_off_policy and config.rl.loss.off_policy == "decoupled"
+    assert load_config(None, ["dist.nproc=4", "dist.rollout_ranks=2", "rl.off_policy_lag=3"]).rl.off_policy_lag == 3

@@ -201,7 +201,7 @@ class DistConfig:
     backend: str = "auto"
     timeout_s: float = 600.0
     # syncwise train: the job's last rollout_ranks ranks only sample (and score); the others train, and send them
-    # the weights after each step (needs rl.off_policy_lag >= 1: they draw step t + lag while step t trains)
+    # the weights after each step (they draw step t + rl.off_policy_lag while step t trains; the lag is 1 unless set)
     rollout_ranks: int = 0
 
     def validate(self) -> DistConfig:
