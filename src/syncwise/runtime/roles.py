@@ -66,17 +66,16 @@ def join_roles(rollout_ranks: int, backend: str = "auto", timeout_s: float = 600
     timeout = datetime.timedelta(seconds=timeout_s)
     store = attempt_store(rank, world, timeout)
     roles = JobRoles(trainers, rollout_ranks, rank, store)
-    if roles.is_rollout:
-        if not dist.is_initialized():
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                    device_id=device if backend == "nccl" else None)
-        return DistInfo(rank=roles.rollout_index, world_size=rollout_ranks, local_rank=local_rank,
-                        device=device), roles
+    if roles.is_rollout:  # a default group of one, on a store of its own
+        group_store, group_rank, group_size = dist.HashStore(), 0, 1
+        own_rank, own_world = roles.rollout_index, rollout_ranks  # its place among the rollout ranks
+    else:
+        group_store, group_rank, group_size = dist.PrefixStore("trainers", store), rank, trainers
+        own_rank, own_world = rank, trainers
     if not dist.is_initialized():
-        dist.init_process_group(backend, store=dist.PrefixStore("trainers", store), rank=rank,
-                                world_size=trainers, timeout=timeout,
+        dist.init_process_group(backend, store=group_store, rank=group_rank, world_size=group_size, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
-    return DistInfo(rank=rank, world_size=trainers, local_rank=local_rank, device=device), roles
+    return DistInfo(rank=own_rank, world_size=own_world, local_rank=local_rank, device=device), roles
 
 
 def weights_group(roles: JobRoles, device: torch.device, timeout_s: float) -> dist.ProcessGroup | None:
