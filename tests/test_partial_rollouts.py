@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from syncwise.config import ConfigError, load_config, packaged_config
-from syncwise.rl.rollout.base import Samples
-from syncwise.rl.rollout.partial import PartialPool
+from syncwise.rl.rollout.base import Samples, Trajectory
+from syncwise.rl.rollout.partial import Group, PartialPool
 
 
 class ScriptedEngine:
@@ -115,6 +115,40 @@ def test_the_pool_goes_through_a_checkpoint_and_continues_alike(tmp_path):
         got = again.fill(ScriptedEngine(), version, prompt_of, lambda r: r)
         assert [g.state() for g in got.groups] == [g.state() for g in want.groups]
         assert (got.drawn_tokens, got.lockstep, got.dropped) == (want.drawn_tokens, want.lockstep, want.dropped)
+
+
+def test_on_a_rollout_rank_the_room_follows_the_version_and_a_snapshot_mid_step_loses_nothing(tmp_path):
+    """Drawing on (a rollout rank), staleness 2, two groups a step: step 3 is sampled first by version 2 (one
+    behind the step) -- room for two steps' groups, not three -- and the trainers' version 3 arrives before the
+    second round: two more groups are admitted and the second round's tokens are version 3's. Group 5, started by
+    version 0, is dropped and counted. A snapshot taken between the rounds (as a checkpoint asks) and loaded into a
+    fresh pool finishes the step as the pool that ran through does -- the same groups, the drop and tokens counted
+    before the snapshot reported with the step -- and every prompt admitted is accounted for."""
+    lengths = [1] * 6 + [6, 8, 12, 12, 3, 3] + [1] * 10
+    pool, prompt_of = _pool(lengths, staleness=2, per_step=2, chunk=4)
+    pool.admitted = 6  # prompts 0-4 trained by steps 0-2; 5 still in flight, started by version 0
+    pool.groups = [Group(5, 0, [Trajectory(prompt=[1]) for _ in range(2)])]
+    versions = iter([2, 3])
+
+    def version_now() -> int:  # what the rollout rank's inbox says before each round
+        version = next(versions)
+        if version == 3:  # with the trainers' version 3, their checkpoint's snapshot: posted there and then
+            torch.save(pool.state_dict(), tmp_path / "snapshot.pt")
+        return version
+
+    engine = ScriptedEngine()
+    fill = pool.fill(engine, 3, prompt_of, lambda r: r, version_now)
+    assert [rows for rows, _, _ in engine.calls] == [4 * 2, 6 * 2]  # room (v + 2 - 3 + 1) x 2 groups, 2 samples
+    assert [g.index for g in fill.groups] == [6, 7] and [g.index for g in pool.groups] == [8, 9, 10, 11]
+    assert fill.groups[0].trajectories[0].versions == [2] * 4 + [3] * 2 and fill.dropped == 2
+    again, _ = _pool(lengths, staleness=2, per_step=2, chunk=4)
+    again.load_state_dict(torch.load(tmp_path / "snapshot.pt", weights_only=True))
+    got = again.fill(ScriptedEngine(), 3, prompt_of, lambda r: r, lambda: 3)
+    assert [g.state() for g in got.groups] == [g.state() for g in fill.groups]
+    assert [g.index for g in again.groups] == [8, 9, 10, 11]
+    assert (got.drawn_tokens, got.lockstep, got.dropped) == (fill.drawn_tokens, fill.lockstep, fill.dropped)
+    # admitted = trained before + dropped + trained now + in flight
+    assert again.admitted == 5 + got.dropped // 2 + len(got.groups) + len(again.groups)
 
 
 def _config(*overrides: str):

@@ -129,8 +129,6 @@ def test_the_trainers_send_weights_and_the_rollout_ranks_send_batches_back():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["dist.nproc=4", "dist.rollout_ranks=2", "rl.max_staleness=1"],
-     "dist.rollout_ranks=2 with rl.max_staleness: rollout ranks draw whole batches a fixed number of steps ahead"),
     (["dist.nproc=4", "dist.rollout_ranks=3", "rl.off_policy_lag=1"],
      "dist.rollout_ranks=3 of dist.nproc=4: at least as many ranks must train"),
     (["dist.rollout_ranks=-1"], "dist.rollout_ranks"),
@@ -145,3 +143,6 @@ def test_rollout_ranks_resolve_the_lag_and_its_loss():
     config = load_config(None, ["dist.nproc=4", "dist.rollout_ranks=2"])
     assert config.rl.off_policy_lag == 1 and config.rl.is_off_policy and config.rl.loss.off_policy == "decoupled"
     assert load_config(None, ["dist.nproc=4", "dist.rollout_ranks=2", "rl.off_policy_lag=3"]).rl.off_policy_lag == 3
+    # partial rollouts drawn on (the fast mode): no lag, the bound instead
+    drawing_on = load_config(None, ["dist.nproc=4", "dist.rollout_ranks=2", "rl.max_staleness=2"]).rl
+    assert (drawing_on.off_policy_lag, drawing_on.max_staleness, drawing_on.loss.off_policy) == (0, 2, "decoupled")

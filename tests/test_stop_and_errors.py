@@ -91,16 +91,18 @@ def _assert_stopped(out: Path, stdout: str, stderr: str, signame: str) -> int:
 
 
 ROLLOUT_RANKS = ("dist.nproc=4", "dist.rollout_ranks=2", "rl.off_policy_lag=1")
+DRAWING_ON = ("dist.nproc=4", "dist.rollout_ranks=2", "rl.max_staleness=1")  # partial rollouts on rollout ranks
 
 
 @pytest.mark.parametrize(("signame", "target", "roles"), [("SIGINT", "group", ()), ("SIGTERM", "launcher", ()),
-                                                          ("SIGINT", "group", ROLLOUT_RANKS)],
-                         ids=["SIGINT-group", "SIGTERM-launcher", "SIGINT-rollout-ranks"])
+                                                          ("SIGINT", "group", DRAWING_ON)],
+                         ids=["SIGINT-group", "SIGTERM-launcher", "SIGINT-rollout-ranks-drawing-on"])
 def test_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes(tmp_path, signame, target, roles):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM to the launcher
     alone: exit 130 / 143, the last completed step checkpointed, one line, no process left; resume goes on.
-    With rollout ranks (issue 48) the trainers stop at the boundary, the rollout ranks serve the batches the
-    checkpoint keeps and end with them."""
+    With rollout ranks drawing partial rollouts on (issue 48) the trainers stop at the boundary, the rollout
+    ranks hand over the batches they posted and the conversations in flight for the checkpoint, and end with
+    them."""
     out = tmp_path / "run"
     job = _start(_train(out, *roles))
     _wait_for_steps(out, 3, job)

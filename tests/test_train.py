@@ -329,6 +329,43 @@ def test_rollout_ranks_train_on_the_colocated_jobs_batches_and_resume_exactly(la
         assert _across_roles(got) == _across_roles(want), want["train/step"]
 
 
+def test_rollout_ranks_drawing_on_learn_within_their_staleness_and_checkpoint_every_sample(learned, tmp_path):
+    """Issue 48: dist.nproc=4 dist.rollout_ranks=2 rl.max_staleness=2 -- the rollout ranks draw partial rollouts
+    on, taking each new policy between two rounds, and wait only at the bound. Not deterministic (which round
+    takes which version is timing), so what must hold whatever the timing: every trained sample started at most
+    two versions before its step; the reward rises as the synchronous job's does; step 24's checkpoint accounts
+    for every prompt the rollout ranks took -- trained, posted ahead (in the trainer's queue), in flight (the
+    conversations, their indices distinct) or dropped for age and counted (by a step's metrics, or by the step
+    under way) -- and a job resumed from it goes on
+    from there."""
+    out, drawing_on = tmp_path / "drawing_on", ["dist.rollout_ranks=2", "rl.max_staleness=2"]
+    proc = _train(out, "train.checkpoint_every=24", *drawing_on, *LEARN, nproc=4)
+    assert "rollouts by 2 rollout rank(s) of their own (ranks 2-3, compact, drawing on" in proc.stdout
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert all(0 <= r["rollout/staleness_max"] <= 2 for r in rows) and rows[0]["rollout/staleness_max"] == 0
+    assert all(r["rollout_rank/sample_s"] > 0 and r["weights/bytes"] > 0 for r in rows)
+    first, last = _mean_rise(rows)
+    assert last > first + 0.2, (first, last, _mean_rise(learned))
+    per_prompt, per_step = 8, 8  # LEARN's samples per prompt and prompts per rank
+    unaccounted, dropped = 0, sum(r["rollout/dropped_stale"] for r in rows[:24])
+    for rank in (0, 1):
+        held = torch.load(out / "checkpoints" / "step_000024" / f"rank{rank}.pt", weights_only=True)["rank_state"]
+        queue, pool = held["rollout_queue"], held["partial_rollouts"]
+        assert [b["step"] for b in queue["ready"]] == list(range(24, queue["next_step"]))
+        indices = [g["index"] for g in pool["groups"]]
+        assert len(set(indices)) == len(indices) and all(i < pool["admitted"] for i in indices)
+        unaccounted += pool["admitted"] - queue["next_step"] * per_step - len(indices)
+        dropped += sum(float(b["decode"][2]) for b in queue["ready"]) + pool["under_way"]["dropped"]
+    assert unaccounted * per_prompt == dropped, (unaccounted, dropped)
+    resumed = tmp_path / "resumed"
+    proc = _train(resumed, "train.checkpoint_every=0", f"train.resume={out / 'checkpoints' / 'step_000024'}",
+                  *drawing_on, *LEARN, nproc=4)
+    assert "holds no partial rollouts" not in proc.stdout
+    again = read_jsonl(resumed / "metrics.jsonl")
+    assert [r["train/step"] for r in again] == list(range(25, 31))
+    assert all(r["rollout/staleness_max"] <= 2 for r in again)
+
+
 def test_partial_rollouts_learn_within_their_staleness_and_resume_exactly(learned, tmp_path):
     """Issue 48: rl.max_staleness=2 -- each step samples rounds until its groups have finished, the rest carried
     under the next policy (the default task's responses are two tokens: rounds of one). Every trained sample

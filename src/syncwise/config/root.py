@@ -52,11 +52,8 @@ class Config:
             raise ConfigError(f"rl.tool_step_timeout_s={self.rl.tool_step_timeout_s:g} must be less than "
                               f"dist.timeout_s={self.dist.timeout_s:g}: the other ranks wait for this one's tools at "
                               f"the next collective, which gives up after dist.timeout_s")
-        if self.dist.rollout_ranks and self.rl.max_staleness:
-            raise ConfigError(
-                f"dist.rollout_ranks={self.dist.rollout_ranks} with rl.max_staleness: rollout ranks draw whole batches "
-                f"a fixed number of steps ahead (rl.off_policy_lag, 1 unless set); partial rollouts run colocated")
-        if self.dist.rollout_ranks and not self.rl.off_policy_lag:  # resolved here: config.yaml records it
+        # rollout ranks draw partial rollouts on with rl.max_staleness, else whole batches a fixed lag ahead
+        if self.dist.rollout_ranks and not self.rl.is_off_policy:  # resolved here: config.yaml records it
             self.rl.off_policy_lag = 1  # one step off-policy (verl's, prime-rl's default): sampling overlaps training
         loss = self.rl.loss  # the autos resolved here: what runs is what config.yaml records
         if loss.off_policy == "auto":

@@ -201,7 +201,8 @@ class DistConfig:
     backend: str = "auto"
     timeout_s: float = 600.0
     # syncwise train: the job's last rollout_ranks ranks only sample (and score); the others train, and send them
-    # the weights after each step (they draw step t + rl.off_policy_lag while step t trains; the lag is 1 unless set)
+    # the weights after each step (they draw step t + rl.off_policy_lag while step t trains, the lag 1 unless set;
+    # with rl.max_staleness they draw partial rollouts on, taking each new policy between two rounds)
     rollout_ranks: int = 0
 
     def validate(self) -> DistConfig:

@@ -1,8 +1,8 @@
 """What each RL step trains on: its prompts sampled by the rollout and scored (the trainer's ``rollout`` and
 ``reward`` phases), now -- the synchronous job -- or ``rl.off_policy_lag`` steps ahead, kept in this rank's
 :class:`~syncwise.rl.rollout.queue.RolloutQueue`, or with ``rl.max_staleness`` the groups a partial rollout
-finished (:class:`~syncwise.rl.rollout.partial.PartialPool`, carried across steps); what is drawn ahead or in
-flight is in the rank's checkpoint file."""
+finished (:class:`~syncwise.rl.rollout.partial.PartialPool`, carried across steps) -- here, or with rollout ranks
+there, as they draw on; what is drawn ahead or in flight is in the rank's checkpoint file."""
 
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ class ScoredBatches:
         self.queue = RolloutQueue(config.rl.off_policy_lag, config.train.steps)
         self.requested: list[int] = []  # with rollout ranks: steps asked for, not fetched yet
         rl = config.rl
+        # with rollout ranks and rl.max_staleness the partial rollouts are theirs: they draw on, this rank fetches
+        self.streamed = channel is not None and rl.max_staleness > 0
         self.pool = (PartialPool(rl.max_staleness, rl.prompts_per_rank, rl.samples_per_prompt,
                                  rollout.max_new_tokens, rl.partial_chunk_tokens, rollout.tokenizer)
-                     if rl.max_staleness else None)
+                     if rl.max_staleness and rollout is not None else None)
 
     def take(self, step: int, clock: PhaseClock) -> ScoredBatch:
         """Step ``step``'s batch: drawn now by the current policy (synchronous), or ``rl.off_policy_lag`` steps
@@ -45,6 +47,8 @@ class ScoredBatches:
         engine may sleep only after the last -- a sleeping vLLM cannot sample)."""
         if self.pool is not None:
             return self.draw_partial(step, clock)
+        if self.streamed:
+            return self.take_streamed(step, clock)
         if self.channel is not None:
             return self.take_remote(step, clock)
         due = self.queue.to_draw(step)
@@ -69,6 +73,17 @@ class ScoredBatches:
             self._fetch(until=step)
         return self.queue.take(step)
 
+    def take_streamed(self, step: int, clock: PhaseClock) -> ScoredBatch:
+        """With rollout ranks and partial rollouts: the policy of ``step`` sent to them (they take it between two
+        rounds and draw on), then step ``step``'s batch, its groups drawn by policies at most
+        ``rl.max_staleness`` versions behind -- waiting for it only if they are behind."""
+        with clock("weight_sync"):
+            self.channel.send_weights(step, [], self.weights())
+        with clock("rollout_wait"):
+            while self.queue.next_step <= step:
+                self.queue.add(self.channel.fetch(self.queue.next_step, self.info.rank))
+        return self.queue.take(step)
+
     def _fetch(self, until: int) -> None:
         """The batches asked for, up to step ``until``'s, into this rank's queue, in order."""
         while self.requested and self.requested[0] <= until:
@@ -88,18 +103,25 @@ class ScoredBatches:
             rewards, reward_parts, episode_metrics = self.score(result, rows)
         return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics)
 
-    def draw_partial(self, step: int, clock: PhaseClock) -> ScoredBatch:
+    def draw_partial(self, step: int, clock: PhaseClock, version_now: Callable[[], int] | None = None
+                     ) -> ScoredBatch:
         """Partial rollouts: after the refresh, the pool's rounds by this step's policy until
-        ``rl.prompts_per_rank`` groups have finished (:mod:`syncwise.rl.rollout.partial`), then scored."""
-        with clock("weight_sync"):
-            self.rollout.sync_weights()
+        ``rl.prompts_per_rank`` groups have finished (:mod:`syncwise.rl.rollout.partial`), then scored. On a
+        rollout rank (``version_now``: the newest policy it has, asked before each round) no refresh here: the
+        weights arrive between rounds."""
+        if version_now is None:
+            with clock("weight_sync"):
+                self.rollout.sync_weights()
         with clock("rollout"):
             result, groups = self.rollout.generate_partial(self.pool, step,
-                                                           lambda k: self.source.prompt_ids[self.stream(k)])
+                                                           lambda k: self.source.prompt_ids[self.stream(k)],
+                                                           version_now, (self.info.rank, self.info.world_size))
         with clock("reward"):
             rewards, reward_parts, episode_metrics = self.score(result, [self.source.rows[self.stream(g.index)]
                                                                          for g in groups])
-        return ScoredBatch.of(step, step, result, rewards, reward_parts, episode_metrics)
+        newest = max((v for t in result.trajectories for v in t.versions), default=step)
+        return ScoredBatch.of(step, step if version_now is None else newest, result, rewards, reward_parts,
+                              episode_metrics)
 
     def stream(self, k: int) -> int:
         """The row of this rank's k-th prompt: the synchronous job's, in its order (step k // prompts_per_rank)."""
@@ -126,6 +148,11 @@ class ScoredBatches:
         for, fetched first), or the partial rollouts in flight."""
         if self.pool is not None:
             return {"partial_rollouts": self.pool.state_dict()}
+        if self.streamed:  # what the rollout rank holds for this rank, and every batch it posted before that
+            held = self.channel.snapshot()
+            while self.queue.next_step < held["next_step"]:
+                self.queue.add(self.channel.fetch(self.queue.next_step, self.info.rank))
+            return {"rollout_queue": self.queue.state_dict(), "partial_rollouts": held["partial_rollouts"]}
         self._fetch(until=self.config.train.steps)
         return {"rollout_queue": self.queue.state_dict()}
 
@@ -135,6 +162,8 @@ class ScoredBatches:
         ahead are drawn again by the resumed policy. Partial rollouts: the groups in flight, continued; where
         the checkpoint holds none, the stream of prompts goes on from the resumed step's. Returns what the job's
         first line says."""
+        if self.streamed:
+            return self._start_rollout_rank(rank_state or {}, start)
         if self.pool is not None:
             if "partial_rollouts" in (rank_state or {}):
                 self.pool.load_state_dict(rank_state["partial_rollouts"])
@@ -148,4 +177,19 @@ class ScoredBatches:
             return (f"; the checkpoint holds no rollouts drawn ahead for {self.info.world_size} rank(s): {steps} "
                     f"drawn by the resumed policy")
         self.queue.load_state_dict(rank_state["rollout_queue"])
+        return ""
+
+    def _start_rollout_rank(self, rank_state: dict[str, Any], start: int) -> str:
+        """With rollout ranks and partial rollouts: the batches a checkpoint holds for this rank into its queue,
+        and the conversations it held in flight to its rollout rank, which goes on from there (from ``start``'s
+        prompts where it holds none)."""
+        if "rollout_queue" in rank_state:
+            self.queue.load_state_dict(rank_state["rollout_queue"])
+        self.queue.next_step = max(self.queue.next_step, start)
+        ppr = self.config.rl.prompts_per_rank
+        pool = rank_state.get("partial_rollouts") or {"admitted": self.queue.next_step * ppr, "groups": []}
+        self.channel.post_start(self.info.rank, {"next_step": self.queue.next_step, "partial_rollouts": pool})
+        if start and "partial_rollouts" not in rank_state:
+            return (f"; the checkpoint holds no partial rollouts for {self.info.world_size} rank(s): the prompts go "
+                    f"on from step {self.queue.next_step + 1}'s")
         return ""

@@ -1,13 +1,25 @@
 """A rollout rank's job (``dist.rollout_ranks``): sample, score and hand over, never train.
 
-Rollout rank i serves trainers r with r mod M = i. For each message trainer 0 sends (see
+Rollout rank i serves trainers r with r mod M = i, in one of two modes.
+
+**A fixed lag** (``rl.off_policy_lag`` = k, the exact mode): for each message trainer 0 sends (see
 :mod:`syncwise.rl.rollout.channel`) it loads the weights into its engine as they arrive, then draws each served
 trainer's batches of the steps named, by that version -- the prompts, seeds and scoring the trainer's own
 colocated queue would have used (:meth:`~syncwise.rl.batches.ScoredBatches.draw`, seated as that trainer), so a
-job with rollout ranks trains on exactly the batches the colocated job with the same ``rl.off_policy_lag`` does --
-and posts them. While the trainers train step t on the batch drawn by version t - k, it draws step t + k's by
-version t: sampling and training overlap. It ends when the trainers do (they say so); a stop signal is theirs
-to act on at a step boundary, and they still need the batches they checkpoint.
+job with rollout ranks trains on exactly the batches the colocated job with the same lag does -- and posts them.
+While the trainers train step t on the batch drawn by version t - k, it draws step t + k's by version t.
+
+**Drawing on** (``rl.max_staleness`` = s, the fast mode, AReaL's and PipelineRL's): it keeps each served trainer's
+partial rollouts (:class:`~syncwise.rl.rollout.partial.PartialPool`) and fills their batches one after another
+without waiting for the trainers, in rounds of ``rl.partial_chunk_tokens``; between two rounds it takes the
+newest weights the trainers have sent (the conversations in flight go on under them, each token keeping the
+version that drew it), and it waits only where the bound says so: step t's batch is drawn by a policy of version
+t - s at the oldest. The trainers wait for a rollout rank at most a round when they send (it takes the weights at
+the round's end), and for a batch only where sampling is the slower role. Not deterministic: which round takes
+which version depends on timing (the fixed lag is the mode that repeats itself).
+
+It ends when the trainers do (they say so); a stop signal is theirs to act on at a step boundary, and they still
+need the batches -- and with partial rollouts the conversations in flight -- that they checkpoint.
 """
 
 from __future__ import annotations
@@ -41,12 +53,13 @@ def share_network(roles: JobRoles, hf_config) -> None:
 def rollout_ranks_line(config: Config, trainers: int) -> str:
     """The trainers' first line's words for the rollouts."""
     last = trainers + config.dist.rollout_ranks - 1
+    mode = "drawing on" if config.rl.max_staleness else f"{config.rl.off_policy_lag} step(s) ahead"
     return (f"rollouts by {config.dist.rollout_ranks} rollout rank(s) of their own (ranks {trainers}-{last}, "
-            f"{config.rl.rollout_engine}; weights from trainer 0 after each step)")
+            f"{config.rl.rollout_engine}, {mode}; weights from trainer 0 after each step)")
 
 
 def run_rollout_rank(config: Config, info: DistInfo, roles: JobRoles) -> None:
-    """Serve the trainers until they end."""
+    """Serve the trainers until they end (drawing on with ``rl.max_staleness``, else at the fixed lag)."""
     rl = config.rl
     tokenizer = load_tokenizer(config)
     source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools, rl.environment)
@@ -57,6 +70,9 @@ def run_rollout_rank(config: Config, info: DistInfo, roles: JobRoles) -> None:
     channel = RolloutChannel(roles, info.device, config.dist.timeout_s)
     served = {r: ScoredBatches(config, replace(info, rank=r, world_size=roles.trainers), rollout, source)
               for r in roles.served_by(roles.rollout_index)}
+    if config.rl.max_staleness:
+        draw_on(config, rollout, channel, served)
+        return
     number = 0
     while True:
         waited = time.perf_counter()
@@ -76,3 +92,83 @@ def run_rollout_rank(config: Config, info: DistInfo, roles: JobRoles) -> None:
                      idle_s if first else 0.0, weights_s if first else 0.0], dtype=torch.float64)
                 channel.post(step, trainer, scored)
         number += 1
+
+
+class TrainersEnded(Exception):
+    """The trainers have ended (done, stopped or failed): a rollout rank drawing on stops between two rounds."""
+
+
+class Inbox:
+    """A rollout rank's messages from the trainers while it draws on: the newest policy, taken between two
+    rounds, and what a checkpoint asks for."""
+
+    def __init__(self, config: Config, rollout: Rollout, channel: RolloutChannel, served: dict[int, ScoredBatches]):
+        self.max_staleness, self.rollout, self.channel, self.served = config.rl.max_staleness, rollout, channel, served
+        self.number, self.version = 0, -1  # the next message; the policy in the engine (-1: none yet)
+        self.next_step: dict[int, int] = {}  # per served trainer: the step whose batch it fills next
+        self.idle_s = self.weights_s = 0.0  # waiting for the trainers; receiving and loading their weights
+
+    def newest(self) -> int:
+        """Between rounds: every message already there taken; the version to sample by."""
+        while self.channel.has_message(self.number):
+            self._take()
+        return self.version
+
+    def wait_until_due(self, step: int) -> None:
+        """Until the policy is recent enough to draw step ``step``'s batch (``rl.max_staleness`` versions
+        behind at most; the first weights in any case)."""
+        while self.version < max(step - self.max_staleness, 0):
+            waited = time.perf_counter()
+            loading_s = self._take()
+            self.idle_s += time.perf_counter() - waited - loading_s
+
+    def wait_for_end(self) -> None:
+        """Every batch posted: the trainers' messages taken until they end."""
+        while True:
+            self._take()
+
+    def _take(self) -> float:
+        """The next message, waiting for it: weights loaded, or a snapshot posted; ``TrainersEnded`` at the end.
+        Returns the seconds spent receiving and loading weights."""
+        draw = self.channel.next_draw(self.number)
+        if draw is None:
+            raise TrainersEnded
+        self.number += 1
+        if draw.snapshot:
+            for trainer, batches in self.served.items():
+                self.channel.post_snapshot(draw.number, trainer, {"next_step": self.next_step[trainer],
+                                                                  "partial_rollouts": batches.pool.state_dict()})
+            return 0.0
+        started = time.perf_counter()
+        self.rollout.sync_weights(self.channel.receive_weights(draw.number))
+        self.version, loading_s = draw.version, time.perf_counter() - started
+        self.weights_s += loading_s
+        return loading_s
+
+
+def draw_on(config: Config, rollout: Rollout, channel: RolloutChannel, served: dict[int, ScoredBatches]) -> None:
+    """Partial rollouts drawn on for the served trainers, each one's batches in step order (the one furthest
+    behind first), each posted as it fills, until the trainers end."""
+    inbox = Inbox(config, rollout, channel, served)
+    for trainer, batches in served.items():  # where each starts: a checkpoint's conversations, or a new job
+        start = channel.start_of(trainer)
+        inbox.next_step[trainer] = int(start["next_step"])
+        batches.pool.load_state_dict(start["partial_rollouts"])
+    try:
+        while True:
+            trainer = min(served, key=lambda r: (inbox.next_step[r], r))
+            step = inbox.next_step[trainer]
+            if step >= config.train.steps:
+                inbox.wait_for_end()
+            idle, weights = inbox.idle_s, inbox.weights_s
+            inbox.wait_until_due(step)
+            clock, filling = PhaseClock(), inbox.weights_s
+            scored = served[trainer].draw_partial(step, clock, inbox.newest)
+            # [sampling, scoring, idle, weights]: the weights taken between rounds are no sampling
+            scored.rollout_rank_s = torch.tensor([clock.seconds["rollout"] - (inbox.weights_s - filling),
+                                                  clock.seconds["reward"], inbox.idle_s - idle,
+                                                  inbox.weights_s - weights], dtype=torch.float64)
+            channel.post(step, trainer, scored)
+            inbox.next_step[trainer] = step + 1
+    except TrainersEnded:
+        return

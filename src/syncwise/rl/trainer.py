@@ -119,8 +119,10 @@ class RLTrainer:
                       if self.resumed_from else 0)
         self.batches = ScoredBatches(config, info, self.rollout, self.source, self.channel,
                                      self.engine.full_weights_by_unit)
-        self.queue_note = (self.batches.resume(self.checkpoints.rank_state(self.resumed_from), self.start)
-                           if self.resumed_from and rl.is_off_policy else "")
+        resumes = self.resumed_from and rl.is_off_policy
+        # partial rollouts on rollout ranks start from what this rank tells them, also in a new job
+        self.queue_note = (self.batches.resume(self.checkpoints.rank_state(self.resumed_from) if resumes else None,
+                                               self.start) if resumes or self.batches.streamed else "")
         self.history: list[dict[str, Any]] = []
         self.loggers: list[Any] = []
         self.bar = None

@@ -1,14 +1,15 @@
 """What passes between the trainers and the rollout ranks (``dist.rollout_ranks``): which batches to draw by
-which policy version, the weights, and the scored batches.
+which policy version, the weights, the scored batches, and with partial rollouts what a checkpoint keeps.
 
 A message n, from trainer 0 on the job's store: the version and the steps whose batches the rollout ranks draw
-by it, then the weights over the weights group (:func:`syncwise.runtime.roles.weights_group`) unit by unit as
-the trainers gather them -- each unit's names, shapes and dtypes on the store, its tensors broadcast one by one,
-each unit dropped before the next exists, so each side holds one unit beyond its model (the sender, for a
-moment, two: gloo's worker lets go of what it sent just after the send completes) -- or "end". A scored batch
-goes back to the trainer it is for on the store (``torch.save`` of its plain tensors) and is deleted once read.
-Every wait is bounded by the store's timeout (``dist.timeout_s``); a rank that died is the launcher's to report
-first.
+by it (none with partial rollouts: they draw on), then the weights over the weights group
+(:func:`syncwise.runtime.roles.weights_group`) unit by unit as the trainers gather them -- each unit's names,
+shapes and dtypes on the store, its tensors broadcast one by one, each unit dropped before the next exists, so
+each side holds one unit beyond its model (the sender, for a moment, two: gloo's worker lets go of what it sent
+just after the send completes) -- or "snapshot" (each rollout rank posts, for each trainer it serves, the
+conversations in flight and the next step it draws: the trainers' checkpoint), or "end". A scored batch goes
+back to the trainer it is for on the store (``torch.save`` of its plain tensors) and is deleted once read. Every
+wait is bounded by the store's timeout (``dist.timeout_s``); a rank that died is the launcher's to report first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,7 @@ from ...runtime.roles import JobRoles, weights_group
 from .queue import ScoredBatch
 
 END = "end"
+SNAPSHOT = "snapshot"
 
 
 @dataclass
@@ -35,6 +38,7 @@ class Draw:
     number: int
     version: int
     steps: list[int]
+    snapshot: bool = False  # no weights: post what a checkpoint keeps
 
 
 @dataclass
@@ -59,7 +63,7 @@ class RolloutChannel:
         self.roles, self.device = roles, device
         self.store = dist.PrefixStore("rollout_ranks", roles.store)
         self.group = weights_group(roles, device, timeout_s)
-        self.sent = 0  # trainer 0: messages sent
+        self.sent = 0  # trainers: messages sent (by trainer 0; the others count along)
         self.last = Transfer()
 
     # --- the trainers' side -------------------------------------------------------------------------------------
@@ -67,11 +71,11 @@ class RolloutChannel:
         """Every trainer: the policy of ``version`` to the rollout ranks, who then draw ``steps``. ``units`` is
         the trainers' collective gather: every trainer consumes it; trainer 0 sends each unit as it comes."""
         started, moved = time.perf_counter(), Transfer()
+        n, self.sent = self.sent, self.sent + 1
         if self.group is None:
             for _ in units:
                 pass
             return
-        n, self.sent = self.sent, self.sent + 1
         self.store.set(f"msg/{n}", json.dumps({"version": version, "steps": steps}))
         count = 0  # not enumerate(): it would hold the last unit while the next is gathered
         for unit in units:
@@ -92,12 +96,22 @@ class RolloutChannel:
         if self.group is not None:
             self.store.set(f"msg/{self.sent}", END)
 
+    def snapshot(self) -> dict[str, Any]:
+        """Every trainer: what its rollout rank holds for it -- the conversations in flight and the next step it
+        draws (a checkpoint's; every batch before that step is posted already)."""
+        n, self.sent = self.sent, self.sent + 1
+        if self.group is not None:
+            self.store.set(f"msg/{n}", SNAPSHOT)
+        return self._take(f"snap/{n}/{self.roles.job_rank}")
+
+    def post_start(self, trainer: int, state: dict[str, Any]) -> None:
+        """A trainer, before its first step: where its rollout rank starts (a checkpoint's snapshot, or the
+        step the job starts at)."""
+        self._put(f"start/{trainer}", state)
+
     def fetch(self, step: int, trainer: int) -> ScoredBatch:
         """Step ``step``'s scored batch for ``trainer``, waiting until its rollout rank has posted it."""
-        key = f"batch/{step}/{trainer}"
-        state = torch.load(io.BytesIO(self.store.get(key)), weights_only=True)
-        self.store.delete_key(key)
-        return ScoredBatch.from_state(state)
+        return ScoredBatch.from_state(self._take(f"batch/{step}/{trainer}"))
 
     # --- the rollout ranks' side --------------------------------------------------------------------------------
     def next_draw(self, number: int) -> Draw | None:
@@ -105,8 +119,15 @@ class RolloutChannel:
         text = self.store.get(f"msg/{number}").decode()
         if text == END:
             return None
+        if text == SNAPSHOT:
+            self._forget(number, -1)
+            return Draw(number, -1, [], snapshot=True)
         message = json.loads(text)
         return Draw(number, int(message["version"]), [int(s) for s in message["steps"]])
+
+    def has_message(self, number: int) -> bool:
+        """Whether message ``number`` is there (without waiting for it)."""
+        return self.store.check([f"msg/{number}"])
 
     def receive_weights(self, number: int) -> Iterator[dict[str, torch.Tensor]]:
         """Message ``number``'s weights, one unit at a time, as trainer 0 broadcasts them."""
@@ -127,9 +148,26 @@ class RolloutChannel:
         self._forget(number, i)
 
     def post(self, step: int, trainer: int, scored: ScoredBatch) -> None:
+        self._put(f"batch/{step}/{trainer}", scored.state())
+
+    def post_snapshot(self, number: int, trainer: int, state: dict[str, Any]) -> None:
+        self._put(f"snap/{number}/{trainer}", state)
+
+    def start_of(self, trainer: int) -> dict[str, Any]:
+        """Where ``trainer``'s batches start (:meth:`post_start`)."""
+        return self._take(f"start/{trainer}")
+
+    # --- both -----------------------------------------------------------------------------------------------------
+    def _put(self, key: str, state: dict[str, Any]) -> None:
         buffer = io.BytesIO()
-        torch.save(scored.state(), buffer)
-        self.store.set(f"batch/{step}/{trainer}", buffer.getvalue())
+        torch.save(state, buffer)
+        self.store.set(key, buffer.getvalue())
+
+    def _take(self, key: str) -> dict[str, Any]:
+        """The state under ``key``, waiting until it is posted; deleted once read (it has one reader)."""
+        state = torch.load(io.BytesIO(self.store.get(key)), weights_only=True)
+        self.store.delete_key(key)
+        return state
 
     def _forget(self, number: int, units: int) -> None:
         """The last rollout rank to read message ``number`` deletes its keys."""

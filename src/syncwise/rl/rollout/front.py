@@ -192,18 +192,23 @@ class Rollout:
         return result
 
     @torch.no_grad()
-    def generate_partial(self, pool: PartialPool, step: int, prompt_of: Callable[[int], list[int]]
+    def generate_partial(self, pool: PartialPool, step: int, prompt_of: Callable[[int], list[int]],
+                         version_now: Callable[[], int] | None = None, seat: tuple[int, int] | None = None
                          ) -> tuple[RolloutResult, list[Group]]:
-        """Partial rollouts (``rl.max_staleness``): the pool's rounds by the current policy (version ``step``)
-        until a step's groups have finished; those groups' samples, and the groups (for their rows)."""
-        info = self.info
+        """Partial rollouts (``rl.max_staleness``): the pool's rounds until step ``step``'s groups have
+        finished; those groups' samples, and the groups (for their rows). Colocated each round is by the current
+        policy (version ``step``) and the engine may sleep after; on a rollout rank (``version_now``: the
+        newest policy received, asked before each round) it stays awake. ``seat`` as for :meth:`generate`."""
+        rank, world = seat or (self.info.rank, self.info.world_size)
         fill = pool.fill(self.sampler, step, prompt_of, lambda round_: sample_seed(
-            self.config.train.seed, step, info.rank, info.world_size, round_, pool.max_rounds, pool.capacity * pool.n))
+            self.config.train.seed, step, rank, world, round_, pool.max_rounds, pool.capacity * pool.n),
+            version_now)
         trajectories = [t for group in fill.groups for t in group.trajectories]
         result = RolloutResult({}, trajectories, torch.zeros(0), torch.zeros(0), 0.0, None,
                                decode=torch.tensor([fill.drawn_tokens, fill.lockstep, fill.dropped,
                                                     fill.decode_steps], dtype=torch.float64))
-        self.sampler.release()
+        if version_now is None:
+            self.sampler.release()
         self._batch(result)
         return result, fill.groups
 

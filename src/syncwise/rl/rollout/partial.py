@@ -1,5 +1,6 @@
-"""Partial rollouts carried across steps (``rl.max_staleness`` > 0): AReaL's bounded staleness on the colocated
-engine.
+"""Partial rollouts carried across steps (``rl.max_staleness`` > 0): AReaL's bounded staleness, on the colocated
+engine or on rollout ranks of their own (:mod:`syncwise.rl.rollout_rank`, where the weights change between
+rounds as the trainers send them).
 
 A synchronous step waits for its longest response while the engine's batch empties (``rollout/decode_fill``).
 Here each step samples in rounds of ``rl.partial_chunk_tokens`` tokens over every group in flight; a step ends
@@ -8,8 +9,9 @@ are carried: after the refresh they continue under the new weights -- prompt and
 the engine prefills them with the new weights (vLLM's prefix cache was reset with the refresh; the compact
 sampler's state is the sequence itself) -- each token keeping the version that drew it. New prompts, in the
 synchronous job's order, are admitted at a round's start while at most ``(max_staleness + 1) x
-prompts_per_rank`` groups are in flight (AReaL's capacity rule), and a group started more than
-``max_staleness`` versions before the step that would train it is dropped and counted.
+prompts_per_rank`` groups are in flight (AReaL's capacity rule; by a policy k versions behind the step, k fewer
+steps' worth), and a group started more than ``max_staleness`` versions before the step that would train it is
+dropped and counted.
 
 The pool is part of the rank's checkpoint (plain lists, loaded with ``weights_only``): a resumed job continues
 the conversations it held, losing no sample and repeating none.
@@ -67,11 +69,19 @@ class PartialPool:
         self.chunk = min(chunk or max(max_new_tokens // 4, 1), max_new_tokens)
         self.groups: list[Group] = []
         self.admitted = 0  # prompts taken from the stream so far
+        # the step under way: tokens drawn, rows x longest per call, samples dropped, longest per call
+        self.under_way = dict.fromkeys(("drawn", "lockstep", "dropped", "decode_steps"), 0)
 
     @property
     def capacity(self) -> int:
         """Groups in flight at most: what the next ``max_staleness + 1`` steps can train."""
         return (self.max_staleness + 1) * self.groups_per_step
+
+    def room(self, step: int, version: int) -> int:
+        """Groups in flight at most while step ``step``'s are sampled by the policy of ``version``: what steps
+        ``step`` .. ``version + max_staleness`` can train (the capacity colocated, where the version is the
+        step's; less on a rollout rank running ahead of the trainers)."""
+        return (version + self.max_staleness - step + 1) * self.groups_per_step
 
     @property
     def max_rounds(self) -> int:
@@ -79,18 +89,21 @@ class PartialPool:
         after these."""
         return math.ceil(self.max_new_tokens / self.chunk)
 
-    def fill(self, engine: RolloutEngine, version: int, prompt_of: Callable[[int], list[int]],
-             seed_of: Callable[[int], int]) -> Fill:
-        """Sample rounds with the policy of ``version`` -- one at least, more until ``groups_per_step`` groups
-        have finished; those leave the pool, the oldest first. ``prompt_of(k)``: the stream's k-th prompt;
-        ``seed_of(r)``: round r's first seed."""
-        dropped = self._drop_stale(version)
-        drawn = lockstep = decode_steps = rounds = 0
+    def fill(self, engine: RolloutEngine, step: int, prompt_of: Callable[[int], list[int]],
+             seed_of: Callable[[int], int], version_now: Callable[[], int] | None = None) -> Fill:
+        """Step ``step``'s groups: sample rounds -- one at least, more until ``groups_per_step`` groups have
+        finished; those leave the pool, the oldest first. Each round by the policy ``version_now()`` gives at
+        its start (None: ``step``'s, the colocated job's; on a rollout rank the newest received, which may change
+        between rounds). ``prompt_of(k)``: the stream's k-th prompt; ``seed_of(r)``: round r's first seed."""
+        under_way = self.under_way  # the step's counts so far (a rollout rank's snapshot may fall mid-step)
+        under_way["dropped"] += self._drop_stale(step)
+        rounds = 0
         # at least one round a step (the groups carried move on), more until enough have finished
         while rounds == 0 or sum(g.done for g in self.groups) < self.groups_per_step:
             if rounds == self.max_rounds:
                 raise RuntimeError(f"partial rollout: {rounds} rounds without {self.groups_per_step} finished groups")
-            while len(self.groups) < self.capacity:
+            version = version_now() if version_now is not None else step
+            while len(self.groups) < self.room(step, version):
                 prompt = prompt_of(self.admitted)
                 self.groups.append(Group(self.admitted, version, [Trajectory(prompt=prompt) for _ in range(self.n)]))
                 self.admitted += 1
@@ -102,17 +115,21 @@ class PartialPool:
                                     min(self.chunk, max(self.max_new_tokens - len(t.tokens) for t in active)),
                                     seed_of(rounds - 1))
             for k, trajectory in enumerate(active):
-                drawn += self._take(trajectory, samples, k, version)
+                under_way["drawn"] += self._take(trajectory, samples, k, version)
             longest = max(len(tokens) for tokens in samples.tokens)
-            lockstep, decode_steps = lockstep + len(active) * longest, decode_steps + longest
+            under_way["lockstep"] += len(active) * longest
+            under_way["decode_steps"] += longest
         finished = [g for g in self.groups if g.done][: self.groups_per_step]
         taken = {g.index for g in finished}
         self.groups = [g for g in self.groups if g.index not in taken]
-        return Fill(finished, drawn, lockstep, decode_steps, dropped, rounds)
+        self.under_way = dict.fromkeys(under_way, 0)
+        return Fill(finished, under_way["drawn"], under_way["lockstep"], under_way["decode_steps"],
+                    under_way["dropped"], rounds)
 
-    def _drop_stale(self, version: int) -> int:
-        """Drop the groups started by a policy more than ``max_staleness`` versions before ``version``."""
-        kept = [g for g in self.groups if version - g.started <= self.max_staleness]
+    def _drop_stale(self, step: int) -> int:
+        """Drop the groups started by a policy more than ``max_staleness`` versions before ``step``, which would
+        train them."""
+        kept = [g for g in self.groups if step - g.started <= self.max_staleness]
         dropped = (len(self.groups) - len(kept)) * self.n
         self.groups = kept
         return dropped
@@ -128,8 +145,11 @@ class PartialPool:
         return len(tokens)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"admitted": self.admitted, "groups": [g.state() for g in self.groups]}
+        """The pool now (its lists are the live ones: saved there and then, as a checkpoint does)."""
+        return {"admitted": self.admitted, "groups": [g.state() for g in self.groups],
+                "under_way": dict(self.under_way)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.admitted = int(state["admitted"])
         self.groups = [Group.from_state(g) for g in state["groups"]]
+        self.under_way.update(state.get("under_way", {}))  # older checkpoints: saved between steps, none
