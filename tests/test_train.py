@@ -336,8 +336,8 @@ def test_rollout_ranks_drawing_on_learn_within_their_staleness_and_checkpoint_ev
     two versions before its step; the reward rises as the synchronous job's does; step 24's checkpoint accounts
     for every prompt the rollout ranks took -- trained, posted ahead (in the trainer's queue), in flight (the
     conversations, their indices distinct) or dropped for age and counted (by a step's metrics, or by the step
-    under way) -- and a job resumed from it goes on
-    from there."""
+    under way); resumed from it colocated, the batches posted ahead train first (step 25 then equals the
+    uninterrupted job's) and the job goes on within the bound."""
     out, drawing_on = tmp_path / "drawing_on", ["dist.rollout_ranks=2", "rl.max_staleness=2"]
     proc = _train(out, "train.checkpoint_every=24", *drawing_on, *LEARN, nproc=4)
     assert "rollouts by 2 rollout rank(s) of their own (ranks 2-3, compact, drawing on" in proc.stdout
@@ -347,23 +347,28 @@ def test_rollout_ranks_drawing_on_learn_within_their_staleness_and_checkpoint_ev
     first, last = _mean_rise(rows)
     assert last > first + 0.2, (first, last, _mean_rise(learned))
     per_prompt, per_step = 8, 8  # LEARN's samples per prompt and prompts per rank
-    unaccounted, dropped = 0, sum(r["rollout/dropped_stale"] for r in rows[:24])
+    unaccounted, dropped, posted = 0, sum(r["rollout/dropped_stale"] for r in rows[:24]), []
     for rank in (0, 1):
         held = torch.load(out / "checkpoints" / "step_000024" / f"rank{rank}.pt", weights_only=True)["rank_state"]
         queue, pool = held["rollout_queue"], held["partial_rollouts"]
         assert [b["step"] for b in queue["ready"]] == list(range(24, queue["next_step"]))
-        indices = [g["index"] for g in pool["groups"]]
+        indices, posted = [g["index"] for g in pool["groups"]], [*posted, queue["next_step"]]
         assert len(set(indices)) == len(indices) and all(i < pool["admitted"] for i in indices)
         unaccounted += pool["admitted"] - queue["next_step"] * per_step - len(indices)
         dropped += sum(float(b["decode"][2]) for b in queue["ready"]) + pool["under_way"]["dropped"]
     assert unaccounted * per_prompt == dropped, (unaccounted, dropped)
+    # resumed colocated (2 ranks, the same trainers): the batches posted ahead train first, then its own pool
     resumed = tmp_path / "resumed"
     proc = _train(resumed, "train.checkpoint_every=0", f"train.resume={out / 'checkpoints' / 'step_000024'}",
-                  *drawing_on, *LEARN, nproc=4)
+                  "rl.max_staleness=2", *LEARN)
     assert "holds no partial rollouts" not in proc.stdout
     again = read_jsonl(resumed / "metrics.jsonl")
     assert [r["train/step"] for r in again] == list(range(25, 31))
     assert all(r["rollout/staleness_max"] <= 2 for r in again)
+    if min(posted) > 24:  # step 24's batches were posted before the checkpoint: the same step 25
+        for key in ("reward/mean", "response/length_mean", "rollout/staleness_mean"):
+            assert again[0][key] == rows[24][key], key
+        assert again[0]["loss"] == pytest.approx(rows[24]["loss"], rel=1e-5, abs=1e-7)
 
 
 def test_partial_rollouts_learn_within_their_staleness_and_resume_exactly(learned, tmp_path):

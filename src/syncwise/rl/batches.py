@@ -45,8 +45,9 @@ class ScoredBatches:
         """Step ``step``'s batch: drawn now by the current policy (synchronous), or ``rl.off_policy_lag`` steps
         ago (the queue draws the batches due ahead first, all by the current policy, after one refresh; the
         engine may sleep only after the last -- a sleeping vLLM cannot sample)."""
-        if self.pool is not None:
-            return self.draw_partial(step, clock)
+        if self.pool is not None:  # first any batch a checkpoint of rollout ranks drawing on held for this rank
+            ahead = self.queue.ready and self.queue.ready[0].step == step
+            return self.queue.take(step) if ahead else self.draw_partial(step, clock)
         if self.streamed:
             return self.take_streamed(step, clock)
         if self.channel is not None:
@@ -147,7 +148,8 @@ class ScoredBatches:
         """What this rank's checkpoint file keeps: the batches drawn ahead (with rollout ranks, every one asked
         for, fetched first), or the partial rollouts in flight."""
         if self.pool is not None:
-            return {"partial_rollouts": self.pool.state_dict()}
+            return {"partial_rollouts": self.pool.state_dict(),
+                    **({"rollout_queue": self.queue.state_dict()} if self.queue.ready else {})}
         if self.streamed:  # what the rollout rank holds for this rank, and every batch it posted before that
             held = self.channel.snapshot()
             while self.queue.next_step < held["next_step"]:
@@ -167,6 +169,8 @@ class ScoredBatches:
         if self.pool is not None:
             if "partial_rollouts" in (rank_state or {}):
                 self.pool.load_state_dict(rank_state["partial_rollouts"])
+                if "rollout_queue" in rank_state:  # rollout ranks drawing on had posted these: they train first
+                    self.queue.load_state_dict(rank_state["rollout_queue"])
                 return ""
             self.pool.admitted = start * self.config.rl.prompts_per_rank
             return (f"; the checkpoint holds no partial rollouts for {self.info.world_size} rank(s): the prompts "

@@ -256,9 +256,11 @@ class RLTrainer:
                                      step if rl.is_off_policy else None))
         metrics["train/step"] = step + 1
         metrics.update(clock.metrics())
-        if scored.rollout_rank_s is not None:
-            metrics.update(rollout_rank_metrics(scored.rollout_rank_s, self.channel.last))
-        metrics.update(throughput(drawn_tokens(metrics), clock, updates, scored.rollout_rank_s))
+        # drawn on a rollout rank of this job (a colocated job resumed from one's checkpoint trains its batches too)
+        remote_s = scored.rollout_rank_s if self.channel is not None else None
+        if remote_s is not None:
+            metrics.update(rollout_rank_metrics(remote_s, self.channel.last))
+        metrics.update(throughput(drawn_tokens(metrics), clock, updates, remote_s))
         metrics["time/step_s"] = time.perf_counter() - started
         if self.info.is_main:
             self._log(metrics)

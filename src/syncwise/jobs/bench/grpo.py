@@ -61,8 +61,15 @@ GRPO_CONFIGS: dict[str, tuple[str, ...]] = {
     "compact, balanced, lag 1": ("rl.rollout_engine=compact", "rl.balance_ranks=true", "rl.off_policy_lag=1"),
     "compact, balanced, lag 1, rollout ranks": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
                                                 "rl.off_policy_lag=1"),
+    # ... drawing partial rollouts on (the fast mode): the newest weights between rounds, at most 1 version behind
+    "compact, balanced, partial rollouts, rollout ranks": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
+                                                           "rl.max_staleness=1"),
+    "vLLM, balanced, partial rollouts, rollout ranks": ("rl.rollout_engine=vllm", "rl.balance_ranks=true",
+                                                        "rl.max_staleness=1"),
 }
-WITH_ROLLOUT_RANKS = ("compact, balanced, lag 1, rollout ranks",)  # + as many ranks as train, only sampling
+WITH_ROLLOUT_RANKS = ("compact, balanced, lag 1, rollout ranks",  # + as many ranks as train, only sampling
+                      "compact, balanced, partial rollouts, rollout ranks",
+                      "vLLM, balanced, partial rollouts, rollout ranks")
 QUICK_CONFIGS = ("generate, unbalanced (before)", "compact sampler, balanced", "compact, balanced, skip uniform groups",
                  "compact, balanced, partial rollouts")
 
