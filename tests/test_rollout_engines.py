@@ -314,6 +314,23 @@ def test_vllm_on_rollout_ranks_samples_what_the_colocated_lagged_job_does(user_d
 
 
 @NEEDS_VLLM
+def test_vllm_on_rollout_ranks_draws_partial_rollouts_on(user_dirs, tmp_path):
+    """Issue 48: rollout ranks drawing on with vLLM (2 + 2 ranks, rl.max_staleness=1, rounds of 3 of the 12
+    tokens): each rollout rank's engine keeps sampling and takes the trainers' weights between two rounds. Step 0
+    is drawn by the initial policy, which the trainer agrees with (the weights reached vLLM); no batch is more than
+    one version stale; responses run over several rounds."""
+    rows = _train(tmp_path, *_user_job(user_dirs["qwen2"]), f"train.steps={STEPS}", "rl.max_staleness=1",
+                  "rl.partial_chunk_tokens=3", "dist.nproc=4", "dist.rollout_ranks=2",
+                  correction="rl.loss.off_policy=decoupled",
+                  engine_line="rollout rank(s) of their own (ranks 2-3, vllm, drawing on")
+    assert [r["train/step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[0]["rollout/staleness_max"] == 0 and rows[0]["rollout/log_prob_diff"] <= 2e-4, rows[0]
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert sum(r["response/length_mean"] for r in rows) / len(rows) > 4
+    assert sum(r["rollout/drawn_tokens"] for r in rows) > 0 and all(r["weights/bytes"] > 0 for r in rows)
+
+
+@NEEDS_VLLM
 def test_vllm_refresh_reaches_the_sampler_and_resets_its_prefix_cache(tmp_path, monkeypatch):
     """One engine per rank (a 6-layer tied Qwen2) on a 700-token prompt (five KV blocks): the check catches a
     skipped refresh and a prefix cache left as it was; the real refresh passes it, holding a few units' worth
