@@ -119,10 +119,9 @@ class RLTrainer:
                       if self.resumed_from else 0)
         self.batches = ScoredBatches(config, info, self.rollout, self.source, self.channel,
                                      self.engine.full_weights_by_unit)
-        resumes = self.resumed_from and rl.is_off_policy
-        # partial rollouts on rollout ranks start from what this rank tells them, also in a new job
-        self.queue_note = (self.batches.resume(self.checkpoints.rank_state(self.resumed_from) if resumes else None,
-                                               self.start) if resumes or self.batches.streamed else "")
+        resumes = bool(self.resumed_from) and rl.is_off_policy  # rollout ranks drawing on: told in a new job too
+        rank_state = self.checkpoints.rank_state(self.resumed_from) if resumes else None
+        self.queue_note = self.batches.resume(rank_state, self.start) if resumes or self.batches.streamed else ""
         self.history: list[dict[str, Any]] = []
         self.loggers: list[Any] = []
         self.bar = None
@@ -256,8 +255,7 @@ class RLTrainer:
                                      step if rl.is_off_policy else None))
         metrics["train/step"] = step + 1
         metrics.update(clock.metrics())
-        # drawn on a rollout rank of this job (a colocated job resumed from one's checkpoint trains its batches too)
-        remote_s = scored.rollout_rank_s if self.channel is not None else None
+        remote_s = scored.rollout_rank_s if self.channel is not None else None  # not a resumed checkpoint's
         if remote_s is not None:
             metrics.update(rollout_rank_metrics(remote_s, self.channel.last))
         metrics.update(throughput(drawn_tokens(metrics), clock, updates, remote_s))
