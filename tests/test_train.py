@@ -29,6 +29,8 @@ def _train(out: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedPr
          *overrides],
         env=ENV, capture_output=True, text=True, timeout=900,
     )
+    if proc.returncode:  # the whole of it beside the job's folder (a rank's fault dump runs to many lines)
+        (out.parent / f"{out.name}.stderr.txt").write_text(proc.stderr)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
