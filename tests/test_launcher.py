@@ -48,8 +48,8 @@ def _rank0_aborts(info) -> None:
 
 def test_a_rank_a_fault_ends_prints_where_its_threads_were():
     """A rank ended by SIGABRT (or a segfault) writes no report; Python's fault handler prints its threads'
-    stacks on its stderr, torch's handler each thread's native frames, and the launcher's line says so. In a
-    process of its own: a rank writes to the stderr its fork server started with."""
+    stacks on its stderr and the launcher's line says so. In a process of its own: a rank writes to the stderr
+    its fork server started with."""
     tests = os.path.dirname(__file__)
     code = ("import tempfile, test_launcher; from dist_harness import _rank_main; "
             "from syncwise.runtime.launcher import launch_local; "
@@ -60,7 +60,6 @@ def test_a_rank_a_fault_ends_prints_where_its_threads_were():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Fatal Python error: Aborted" in proc.stderr and "in _rank0_aborts" in proc.stderr, proc.stderr[-2000:]
-    assert "SIGABRT(6), PID:" in proc.stderr and "abort" in proc.stderr  # each thread's native frames, too
     assert ("syncwise: error: rank 0 of 2 died (signal SIGABRT) without a report; where its threads were is "
             "printed above it") in proc.stderr.splitlines()
 

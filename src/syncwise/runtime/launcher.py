@@ -89,16 +89,15 @@ def _rank_and_world() -> tuple[int, int]:
 
 def rank_main(fn: Callable[..., Any], *args: Any) -> int:
     """Run ``fn(*args)`` as one rank; returns its exit status (0, 128 + signal, or 1 after an error)."""
-    import torch
     from tqdm import tqdm
 
     StopRequest.install()
     _adopt_earlier_stop()
-    # A rank a fault ends (a segfault, glibc's abort on a corrupt heap) writes no report: it prints where each
-    # thread was instead (Python's frames, then torch's native ones: a C++ worker's too), for the launcher's line
+    # A rank a fault ends (a segfault, glibc's abort on a corrupt heap) writes no report: it prints where each of
+    # its threads was instead, on its stderr, for the launcher's line to point at. (Not torch's native dump as
+    # well: its handler takes SIGINT too, and dumps from inside a signal handler corrupt the heap.)
     with contextlib.suppress(ValueError, OSError, AttributeError, RuntimeError):  # a stderr with no descriptor
         faulthandler.enable(all_threads=True)
-    torch._C._set_print_stack_traces_on_fatal_signal(True)
     warnings.formatwarning = _one_line_warning
     # tqdm's default lock is a multiprocessing semaphore, which a rank that ends with ``os._exit`` would
     # leave behind (the resource tracker then warns at exit); one rank's bars need only a thread lock.
