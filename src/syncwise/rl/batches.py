@@ -81,9 +81,13 @@ class ScoredBatches:
         with clock("weight_sync"):
             self.channel.send_weights(step, [], self.weights())
         with clock("rollout_wait"):
-            while self.queue.next_step <= step:
-                self.queue.add(self.channel.fetch(self.queue.next_step, self.info.rank))
+            self._fetch_posted(until=step)
         return self.queue.take(step)
+
+    def _fetch_posted(self, until: int) -> None:
+        """Drawing on: the batches the rollout rank posted for this rank, up to step ``until``'s, into its queue."""
+        while self.queue.next_step <= until:
+            self.queue.add(self.channel.fetch(self.queue.next_step, self.info.rank))
 
     def _fetch(self, until: int) -> None:
         """The batches asked for, up to step ``until``'s, into this rank's queue, in order."""
@@ -120,9 +124,10 @@ class ScoredBatches:
         with clock("reward"):
             rewards, reward_parts, episode_metrics = self.score(result, [self.source.rows[self.stream(g.index)]
                                                                          for g in groups])
-        newest = max((v for t in result.trajectories for v in t.versions), default=step)
-        return ScoredBatch.of(step, step if version_now is None else newest, result, rewards, reward_parts,
-                              episode_metrics)
+        # colocated every round drew by this step's policy; drawing on, the newest a round drew by
+        version = step if version_now is None else max((v for t in result.trajectories for v in t.versions),
+                                                       default=step)
+        return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics)
 
     def stream(self, k: int) -> int:
         """The row of this rank's k-th prompt: the synchronous job's, in its order (step k // prompts_per_rank)."""
@@ -152,8 +157,7 @@ class ScoredBatches:
                     **({"rollout_queue": self.queue.state_dict()} if self.queue.ready else {})}
         if self.streamed:  # what the rollout rank holds for this rank, and every batch it posted before that
             held = self.channel.snapshot()
-            while self.queue.next_step < held["next_step"]:
-                self.queue.add(self.channel.fetch(self.queue.next_step, self.info.rank))
+            self._fetch_posted(until=held["next_step"] - 1)
             return {"rollout_queue": self.queue.state_dict(), "partial_rollouts": held["partial_rollouts"]}
         self._fetch(until=self.config.train.steps)
         return {"rollout_queue": self.queue.state_dict()}
@@ -173,8 +177,7 @@ class ScoredBatches:
                     self.queue.load_state_dict(rank_state["rollout_queue"])
                 return ""
             self.pool.admitted = start * self.config.rl.prompts_per_rank
-            return (f"; the checkpoint holds no partial rollouts for {self.info.world_size} rank(s): the prompts "
-                    f"go on from step {start + 1}'s")
+            return self._no_partial_rollouts(start)
         if "rollout_queue" not in (rank_state or {}):
             first, last = start + 1, min(start + self.config.rl.off_policy_lag, self.config.train.steps)
             steps = f"steps {first}-{last}" if last > first else f"step {first}"
@@ -193,7 +196,9 @@ class ScoredBatches:
         ppr = self.config.rl.prompts_per_rank
         pool = rank_state.get("partial_rollouts") or {"admitted": self.queue.next_step * ppr, "groups": []}
         self.channel.post_start(self.info.rank, {"next_step": self.queue.next_step, "partial_rollouts": pool})
-        if start and "partial_rollouts" not in rank_state:
-            return (f"; the checkpoint holds no partial rollouts for {self.info.world_size} rank(s): the prompts go "
-                    f"on from step {self.queue.next_step + 1}'s")
-        return ""
+        return self._no_partial_rollouts(self.queue.next_step) if start and "partial_rollouts" not in rank_state else ""
+
+    def _no_partial_rollouts(self, step: int) -> str:
+        """The first line's words for a checkpoint without partial rollouts: the prompts go on from ``step``'s."""
+        return (f"; the checkpoint holds no partial rollouts for {self.info.world_size} rank(s): the prompts go on "
+                f"from step {step + 1}'s")
