@@ -133,8 +133,51 @@ def ddp_counted_once(info) -> dict:
             "num_microbatches": result.num_microbatches}
 
 
+def failing_clean_up(info) -> dict:
+    """Issue 59: a forward that fails inside a training step, then a clean-up that fails too (as torch 2.11's
+    missing ``reset_iter_state`` did): the step raises the forward's error, the clean-up's failure a note on it and
+    on its one line. Then, the real clean-up: a failure mid-step leaves the next step training as if it never
+    happened."""
+    from syncwise.runtime.launcher import describe
+    from syncwise.sync import fsdp_internals
+
+    out: dict = {}
+    cfg = engine_config("fsdp2", "deferred")
+    engine = Engine(cfg, build_model(cfg.model), info)
+    hook = engine.model.model.layers[1].register_forward_hook(_FailOnce())
+    original = fsdp_internals._reset_root
+
+    def broken(module):
+        raise AttributeError("'FSDPQwen2ForCausalLM' object has no attribute 'reset_iter_state'")
+
+    fsdp_internals._reset_root = broken
+    try:
+        engine.train_batch(make_batch(seed=60 + info.rank), sft_loss)
+    except Exception as exc:  # noqa: BLE001 - what reached the caller is the result
+        out["raised"] = (type(exc).__name__, str(exc), describe(exc))
+    finally:
+        fsdp_internals._reset_root = original
+        hook.remove()
+    runs = {}
+    for label in ("failed first", "clean"):
+        engine = Engine(cfg, build_model(cfg.model), info)
+        if label == "failed first":
+            hook = engine.model.model.layers[1].register_forward_hook(_FailOnce())
+            try:
+                engine.train_batch(make_batch(seed=61 + info.rank), sft_loss)
+            except RuntimeError as exc:
+                out["real_clean_up"] = describe(exc)
+            hook.remove()
+        runs[label] = engine.train_batch(make_batch(seed=62 + info.rank), sft_loss)["loss"], full_params(engine)
+    out["loss_after_failure"], out["loss_clean"] = runs["failed first"][0], runs["clean"][0]
+    out["max_param_diff"] = max((runs["failed first"][1][k] - runs["clean"][1][k]).abs().max().item()
+                                for k in runs["clean"][1])
+    return out
+
+
 def reliability_suite(info) -> dict:
     return {
+        "failing_clean_up": failing_clean_up(info),
         "budgets": budgets_differ(info),
         "forward_only_failures": forward_only_failures(info),
         "frozen": frozen_unit(info),

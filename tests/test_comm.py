@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from syncwise.memory.schedule import expected_collectives
-from syncwise.sync.counting import CollectiveCounter, count_collectives
+from syncwise.sync.counting import FSDP2_REDUCE_SCATTER, CollectiveCounter, count_collectives
 
 
 def test_expected_counts_match_reference_measurements():
@@ -47,7 +47,7 @@ def test_deprecated_alias_counted_once_with_full_buffer_bytes():
 def test_nested_counters_both_count():
     with CollectiveCounter() as outer:
         with CollectiveCounter() as inner, pytest.raises((ValueError, RuntimeError)):
-            dist.reduce_scatter_single(output=torch.zeros(2), input=torch.zeros(4))
+            getattr(dist, FSDP2_REDUCE_SCATTER)(torch.zeros(2), torch.zeros(4))
         with pytest.raises((ValueError, RuntimeError)):
             dist.all_reduce(torch.zeros(3))
     assert inner.totals.counts["reduce_scatter"] == 1 and inner.totals.counts["all_reduce"] == 0

@@ -207,8 +207,10 @@ def test_the_packed_attention_kernel_is_chosen_once_with_a_line_saying_which(ker
     assert kernel == "loop" and "need bf16 / fp16 compute, not float32" in line
     assert attention.choose_kernel(cuda, torch.float32) == ("loop", None)  # said already
     kernel, line = attention.choose_kernel(cuda, torch.bfloat16)
+    repeat = "" if attention.takes_gqa(attention._torch_varlen()) else (
+        "; key / value heads repeated for grouped-query models (this torch's takes no enable_gqa)")
     assert (kernel, line) == ("varlen_attn", "packed attention: varlen_attn (torch.nn.attention.varlen, one kernel "
-                                             "per packed row)")
+                                             f"per packed row{repeat})")
     monkeypatch.setattr(attention, "_torch_varlen", lambda: None)
     monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object())
     assert attention.choose_kernel(cuda, torch.float16)[0] == "flash_attn"
@@ -217,3 +219,59 @@ def test_the_packed_attention_kernel_is_chosen_once_with_a_line_saying_which(ker
     kernel, line = attention.choose_kernel(torch.device("cpu"), torch.bfloat16)
     assert kernel == "loop" and line == "packed attention: loop (no variable-length kernel on cpu)"
     assert attention.current_kernel() == "loop"
+
+
+def _per_sequence(query, key, value, cu_seq_q, window_size, scale):
+    import torch.nn.functional as F
+
+    left = window_size[0]
+    outs = []
+    for start, end in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist(), strict=True):
+        q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
+        offsets = torch.arange(end - start)
+        distance = offsets[:, None] - offsets[None, :]
+        mask = (distance >= 0) & ((distance <= left) if left >= 0 else True)
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                   enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1)):
+    """torch 2.11's ``varlen_attn`` signature exactly (no ``enable_gqa``: equal heads only), computed per sequence
+    with sdpa -- a CUDA kernel's stand-in that pins how syncwise calls it."""
+    assert query.shape[1] == key.shape[1] == value.shape[1], "2.11's kernel takes equal heads"
+    return _per_sequence(query, key, value, cu_seq_q, window_size, scale)
+
+
+def varlen_attn_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch 2.13's signature: ``enable_gqa`` maps the query heads to fewer key / value heads."""
+    assert enable_gqa == (query.shape[1] != key.shape[1])
+    return _per_sequence(query, key, value, cu_seq_q, window_size, scale)
+
+
+@pytest.mark.parametrize("kernel", [varlen_attn_2_11, varlen_attn_2_13])
+@pytest.mark.parametrize("window", [None, 3])
+def test_varlen_attn_is_called_as_the_installed_torch_takes_it(kernel_choice, monkeypatch, kernel, window):
+    """Issue 59: torch 2.11's varlen_attn takes no ``enable_gqa``; its signature is read at the choice and a
+    grouped-query model (4 query heads, 2 key / value heads) gets its key / value heads repeated -- the packed row's
+    attention equals the per-sequence loop's either way."""
+    attention = kernel_choice
+    monkeypatch.setattr(attention, "_torch_varlen", lambda: kernel)
+    chosen, line = attention.choose_kernel(torch.device("cuda"), torch.bfloat16)
+    assert chosen == "varlen_attn" and ("repeated" in line) == (kernel is varlen_attn_2_11)
+    gen = torch.Generator().manual_seed(3)
+    lengths = [7, 2, 11]
+    query = torch.randn(1, 4, sum(lengths), 16, generator=gen).bfloat16()
+    key, value = (torch.randn(1, 2, sum(lengths), 16, generator=gen).bfloat16() for _ in range(2))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    bounds = attention.sequence_bounds(positions)
+    module = torch.nn.Module().eval()
+    one, _ = attention.varlen_sdpa_attention(module, query, key, value, None, scaling=0.25, sliding_window=window,
+                                             **bounds)
+    monkeypatch.setattr(attention, "_kernel", "loop")
+    loop, _ = attention.varlen_sdpa_attention(module, query, key, value, None, scaling=0.25, sliding_window=window,
+                                              **bounds)
+    assert one.shape == loop.shape == (1, sum(lengths), 4, 16)
+    assert_close(one.float(), loop.float(), rtol=2e-2, what="one kernel vs the loop")  # bf16 outputs

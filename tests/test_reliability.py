@@ -29,6 +29,21 @@ def test_auto_budget_is_the_minimum_over_ranks(ranks):
             assert m["comm/reduce_scatter_count"] == m["comm/expected_reduce_scatter_count"] == 3 * UNITS
 
 
+def test_a_failing_clean_up_never_hides_the_steps_own_error(ranks):
+    """Issue 59 (2): the forward's error reaches the caller as itself -- its type and message, one line -- and the
+    clean-up that failed after it is said beside it, not over it. With the real clean-up the engine trains on."""
+    for r in ranks:
+        out = r["failing_clean_up"]
+        kind, message, line = out["raised"]
+        assert (kind, message) == ("RuntimeError", "failure inside the model's forward")
+        assert line == ("RuntimeError: failure inside the model's forward; the step's clean-up (gradients dropped, "
+                        "FSDP's iteration state reset) failed as well (AttributeError: 'FSDPQwen2ForCausalLM' object "
+                        "has no attribute 'reset_iter_state')")
+        assert out["real_clean_up"] == "RuntimeError: failure inside the model's forward"
+        assert out["loss_after_failure"] == pytest.approx(out["loss_clean"], rel=1e-6)
+        assert out["max_param_diff"] <= 1e-6
+
+
 def test_failing_forward_only_passes_leave_training_alone(ranks):
     for r in ranks:
         out = r["forward_only_failures"]

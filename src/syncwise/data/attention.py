@@ -8,7 +8,9 @@ sequence's causal attention alone -- Σ L², exactly the attention of the sequen
 three kernels, chosen once at start (:func:`choose_kernel`, one line saying which):
 
 - ``varlen_attn``: torch's variable-length flash kernel (``torch.nn.attention.varlen``), one kernel for the
-  whole packed row -- on CUDA, for bf16 / fp16 compute;
+  whole packed row -- on CUDA, for bf16 / fp16 compute. Its signature is read once, at the choice: torch 2.11's
+  takes no ``enable_gqa`` (grouped-query models get their key / value heads repeated to the query heads, as
+  transformers' ``repeat_kv`` does), 2.13's maps the heads itself;
 - ``flash_attn``: flash-attention's ``flash_attn_varlen_func``, where it is installed and torch's is not;
 - ``loop``: one sdpa call per sequence, on any device and dtype (on CPU a little faster than one call with
   a block-diagonal mask; on a GPU hundreds of small kernels per layer, hence the two above).
@@ -19,12 +21,15 @@ Padded batches and generation with a cache get plain sdpa with its mask. The eng
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 NAME = "sdpa_varlen"
 _kernel = "loop"  # set by choose_kernel; per process (one device, one compute dtype)
+_kernel_gqa = True  # whether the chosen kernel maps query heads to fewer key / value heads itself
 _said = ""  # the last choice announced
 
 
@@ -44,20 +49,31 @@ def _flash_attn_varlen():
     return flash_attn_varlen_func
 
 
+def takes_gqa(kernel) -> bool:
+    """Whether torch's ``varlen_attn`` takes ``enable_gqa`` (torch 2.13 does, 2.11 does not)."""
+    try:
+        return "enable_gqa" in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):  # no signature to read: call it as the oldest torch's
+        return False
+
+
 def choose_kernel(device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:
     """The kernel packed rows use from now on in this process (``dtype``: the compute dtype), and a line
     saying which and why -- None when this process said it already (a second engine, e.g. the reference)."""
-    global _kernel, _said
+    global _kernel, _kernel_gqa, _said
     if device.type != "cuda":
         _kernel, why = "loop", f"no variable-length kernel on {device.type}"
     elif dtype not in (torch.bfloat16, torch.float16):
         _kernel, why = "loop", f"the variable-length kernels need bf16 / fp16 compute, not {str(dtype)[6:]}"
     elif _torch_varlen() is not None:
         _kernel, why = "varlen_attn", "torch.nn.attention.varlen, one kernel per packed row"
+        if not takes_gqa(_torch_varlen()):
+            why += "; key / value heads repeated for grouped-query models (this torch's takes no enable_gqa)"
     elif _flash_attn_varlen() is not None:
         _kernel, why = "flash_attn", "flash-attention's flash_attn_varlen_func, one kernel per packed row"
     else:
         _kernel, why = "loop", "neither torch's varlen_attn nor flash-attention is available"
+    _kernel_gqa = _kernel != "varlen_attn" or takes_gqa(_torch_varlen())
     line = f"packed attention: {_kernel} ({why})"
     line, _said = (None if line == _said else line), line
     return _kernel, line
@@ -116,8 +132,13 @@ def _one_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bou
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, heads, dim]
     left = window - 1 if window else -1  # a token sees itself and the window - 1 before it
     if _kernel == "varlen_attn":
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and not _kernel_gqa:  # each query head's key / value head beside it, as transformers' repeat_kv
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        extra = {"enable_gqa": gqa} if _kernel_gqa else {}
         out = _torch_varlen()(q, k, v, bounds, bounds, longest, longest, scale=scaling, window_size=(left, 0),
-                              enable_gqa=q.shape[1] != k.shape[1])
+                              **extra)
     else:
         out = _flash_attn_varlen()(q, k, v, bounds, bounds, longest, longest, 0.0, softmax_scale=scaling,
                                    causal=True, window_size=(left, -1 if left < 0 else 0))

@@ -33,6 +33,7 @@ from ..memory.units import configured_choice, unit_names
 from ..models import build_model
 from ..models.flops import UsefulFlops
 from ..runtime.distributed import CollectiveTimeout, DistInfo, build_mesh, init_distributed
+from ..runtime.errors import clean_up_after
 from ..sync import fsdp_internals as fsdp
 from ..sync.counting import CollectiveCounter
 from ..sync.modes import SyncChoice, SyncMode, as_choice, check_mode, supported_modes
@@ -43,6 +44,7 @@ from .governor import MemoryGovernor
 from .optim import build_optimizer, build_scheduler, clip_and_step, global_grad_norm
 from .planning import BatchPlan, plan_batch
 from .reduce import reduce_step
+from .state import load_model_and_optim_state, model_and_optim_state
 from .step import ForwardBackwardResult, accumulate, forward_only
 from .tuning import build_tuning
 from .weights import full_weights_by_unit
@@ -162,9 +164,9 @@ class Engine:
                 timeout_s=self.config.dist.timeout_s, chunk_tokens=self.config.engine.logprob_chunk_size,
                 meter=self._peak_meter, fused_head=self.fused_head,
             )
-        except BaseException:
-            self.optimizer.zero_grad(set_to_none=True)
-            fsdp.reset_after_error(self.model)
+        except BaseException as error:
+            clean_up_after(error, "the step's clean-up (gradients dropped, FSDP's iteration state reset)",
+                           lambda: (self.optimizer.zero_grad(set_to_none=True), fsdp.reset_after_error(self.model)))
             raise
 
     def forward_batch(
@@ -277,30 +279,13 @@ class Engine:
         result.metrics = reduce_step(result.metrics, None, 0, (), self.info.device, self.config.dist.timeout_s)[0]
         return result
 
-    def _state_options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        lora = self.features.lora  # LoRA checkpoints: the adapters; the base is rebuilt unless checkpoint_frozen
-        return StateDictOptions(ignore_frozen_params=lora and not self.checkpoint_frozen, strict=not lora)
-
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state (sharded DTensors under FSDP2), for ``torch.distributed.checkpoint``.
         With LoRA, the adapters and their optimizer state only (and the base, with ``checkpoint_frozen``)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model, options=self._state_options())}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._state_options())
-        return {"model": model_sd, "optim": optim_sd}
+        return model_and_optim_state(self.model, self.optimizer, self.features.lora, self.checkpoint_frozen)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if self.optimizer is None:
-            set_model_state_dict(self.model, state["model"], options=self._state_options())
-            return
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=self._state_options())
+        load_model_and_optim_state(self.model, self.optimizer, state, self.features.lora, self.checkpoint_frozen)
 
     def full_model_state(self, cpu_offload: bool = False, merge: bool = True) -> dict[str, torch.Tensor]:
         """Collective: the whole model's unsharded weights, keyed as the plain Hugging Face model's (LoRA

@@ -26,6 +26,7 @@ from ..memory.accounting import PeakMeter, grad_bytes, unsharded_param_bytes
 from ..models import hf_config_of
 from ..models.head import hidden_states_out
 from ..runtime.distributed import collective_timeout
+from ..runtime.errors import clean_up_after
 from ..sync import fsdp_internals as fsdp
 from ..sync.switches import SwitchesFor, apply_switches
 from .planning import BatchPlan
@@ -178,8 +179,9 @@ def forward_only(
                     fused_head=fused_head,
                 )
             collected.add(mb, result)
-    except BaseException:
-        fsdp.reset_after_forward_error(model)
+    except BaseException as error:
+        clean_up_after(error, "the forward pass's clean-up (FSDP's trackers reset)",
+                       lambda: fsdp.reset_after_forward_error(model))
         raise
     fsdp.reshard_all(model)
     return collected.result(plan)

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
 from ..runtime.distributed import local_tensor
 from ..sync import fsdp_internals as fsdp
+from ..sync.counting import FSDP2_REDUCE_SCATTER
 from ..sync.modes import Switches, SyncChoice, SyncMode, as_choice
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -247,8 +248,8 @@ class PeakMeter:
             _skip_frozen(self._tracker, self.model)
             self._tracker.track_external(self.model, self.optimizer)
         self._tracker.__enter__()
-        self._reduce_scatter = dist.reduce_scatter_single
-        dist.reduce_scatter_single = _on_released_copy(self._reduce_scatter)
+        self._reduce_scatter = getattr(dist, FSDP2_REDUCE_SCATTER)
+        setattr(dist, FSDP2_REDUCE_SCATTER, _on_released_copy(self._reduce_scatter))
         return self
 
     def before_microbatch(self) -> None:
@@ -289,7 +290,7 @@ class PeakMeter:
         if self.device.type == "cuda":
             self.peak = self._peak_so_far()
             return
-        dist.reduce_scatter_single = self._reduce_scatter
+        setattr(dist, FSDP2_REDUCE_SCATTER, self._reduce_scatter)
         self._tracker.__exit__(*exc)
         self.peak = self._peak_so_far()
         self._tracker = None
@@ -309,7 +310,8 @@ def _skip_frozen(tracker, model: nn.Module) -> None:
 
 
 def _on_released_copy(reduce_scatter):
-    """``reduce_scatter_single`` handing gloo a copy of its input, freed the moment the collective returns.
+    """FSDP2's reduce-scatter (``reduce_scatter_single``; ``_tensor`` before torch 2.13) handing gloo a copy of
+    its input, freed the moment the collective returns.
 
     gloo's worker thread keeps its own reference to a collective's input and drops it a moment after the
     collective completes, so whether FSDP2's reduce-scatter input (a unit's unsharded gradient) was still

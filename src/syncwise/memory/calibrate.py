@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..sync.counting import FSDP2_ALL_GATHER, FSDP2_REDUCE_SCATTER
 from .costs import Links
 
 SIZES = tuple(4**k * 1024 for k in range(1, 9))  # 4 KiB .. 64 MiB
@@ -43,9 +44,9 @@ def time_collective(kind: str, nbytes: int, device: torch.device, repeats: int =
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         if kind == "all_gather":
-            dist.all_gather_single(full, shard, group=group)
+            getattr(dist, FSDP2_ALL_GATHER)(full, shard, group=group)
         else:
-            dist.reduce_scatter_single(output=shard, input=full, group=group)
+            getattr(dist, FSDP2_REDUCE_SCATTER)(shard, full, group=group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if index:

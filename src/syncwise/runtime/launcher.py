@@ -38,6 +38,7 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
+from .errors import notes_of
 from .rank_server import Gate, Worker, check_in_server, rank_context, rank_environment
 from .signals import STOP_SIGNALS, JobStopped, StopRequest
 
@@ -74,13 +75,14 @@ class ErrorReport:
 
 def describe(exc: BaseException) -> str:
     """One line for the user: syncwise's own errors (and ``ValueError``, which syncwise raises naming the
-    key or file) by their message, anything else with its type in front."""
+    key or file) by their message, anything else with its type in front; the notes of a clean-up that failed
+    after it follow on the same line."""
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
     mine = type(exc).__module__.startswith("syncwise") or type(exc) in (ValueError, FileNotFoundError)
-    if mine and first:
-        return first
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    line = first if mine and first else (f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+    # a clean-up that failed after it (runtime/errors.py) is said on the same line, after the error itself
+    return "; ".join([line, *notes_of(exc)])
 
 
 def _rank_and_world() -> tuple[int, int]:

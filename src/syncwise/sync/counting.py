@@ -1,7 +1,8 @@
 """Count the collectives of a training step, one way for every strategy.
 
 FSDP1 and FSDP2 issue their collectives through ``torch.distributed.all_gather_single`` /
-``reduce_scatter_single`` / ``all_reduce``, looked up on the module at call time, so wrapping those
+``reduce_scatter_single`` / ``all_reduce`` (before torch 2.13: ``all_gather_into_tensor`` /
+``reduce_scatter_tensor``), looked up on the module at call time, so wrapping those
 functions sees every call at the cost of one Python call each. (A ``TorchDispatchMode`` over the c10d ops
 also sees them, but slows every aten op: measured 1.3-1.5x per step on a tiny Qwen2.) DDP's reducer would
 run its all-reduces in C++, out of sight; the wrapped DDP model uses the Python ``allreduce_hook``, whose
@@ -25,6 +26,11 @@ import torch
 import torch.distributed as dist
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+# The c10d functions FSDP2 sends its all-gathers and reduce-scatters through: ``*_single`` from torch 2.13,
+# ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before (torch 2.11 has no ``*_single``).
+FSDP2_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+FSDP2_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 # (function name on torch.distributed, kind, name of the argument that holds the full buffer)
 _WRAPPED: tuple[tuple[str, str, str], ...] = (

@@ -17,10 +17,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-# The oldest torch the whole test suite ran on (docs/design.md). torch 2.11 fails it: its FSDP2 keeps one
-# parameter group per unit (no ``_fsdp_param_groups``), its c10d has no ``reduce_scatter_single``, and its
-# DCP reads checkpoint metadata differently.
-MIN_TORCH = (2, 13)
+# The oldest torch the whole test suite ran on (docs/design.md; `make test-torch-floor` runs it there). Where
+# torch 2.11 differs, this module reads both: one parameter group per unit (``_fsdp_param_group``, not
+# ``_fsdp_param_groups``) and no public ``reset_iter_state`` (:func:`_reset_iter_state_by_hand`).
+MIN_TORCH = (2, 11)
 
 # What this module reads or writes on FSDP2's state, its parameter groups and their parameters.
 _GROUP_ATTRS = ("reduce_grads", "all_reduce_grads", "reshard_after_backward", "post_forward_mesh_info",
@@ -73,7 +73,10 @@ def fsdp2_units(module: nn.Module) -> list[FSDPModule]:
 
 def _groups(unit: FSDPModule) -> list[Any]:
     """The unit's FSDP2 parameter groups (torch before 2.13 kept a single ``_fsdp_param_group``)."""
-    state = unit._get_fsdp_state()
+    return _groups_of_state(unit._get_fsdp_state())
+
+
+def _groups_of_state(state: Any) -> list[Any]:
     if hasattr(state, "_fsdp_param_groups"):
         return list(state._fsdp_param_groups)
     group = getattr(state, "_fsdp_param_group", None)
@@ -101,8 +104,42 @@ def reshard_all(module: nn.Module) -> None:
 
 def _reset_root(module: nn.Module) -> None:
     for unit in fsdp2_units(module):
-        if unit._get_fsdp_state()._is_root:
+        state = unit._get_fsdp_state()
+        if not state._is_root:
+            continue
+        if hasattr(unit, "reset_iter_state"):
             unit.reset_iter_state()
+        else:
+            _reset_iter_state_by_hand(state)
+
+
+def _reset_iter_state_by_hand(root_state: Any) -> None:
+    """What ``FSDPModule.reset_iter_state`` (torch 2.13) does, for a torch that lacks it (2.11): wait for the
+    collectives in flight, clear the iteration's trackers and training states, reshard every group and drop its
+    partial reduce output. The failed iteration's gradients are lost, as there."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    comm = root_state._comm_ctx
+    stream = root_state._device_handle.current_stream()
+    for name in ("all_gather_state", "reduce_scatter_state"):
+        pending = getattr(comm, name, None)
+        if pending is not None and pending.event is not None:
+            stream.wait_event(pending.event)
+        setattr(comm, name, None)
+    comm.post_forward_order.clear()
+    for state in root_state._state_ctx.all_states:
+        state._modules_to_run_forward.clear()
+        state._training_state = TrainingState.IDLE
+        for group in _groups_of_state(state):
+            group.finalize_backward()  # waits for its reduce-scatter / all-reduce and any stray all-gather
+            if group._reshard_after_forward_event is not None:
+                group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
+                group._reshard_after_forward_event = None
+            group._partial_reduce_output = None
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    root_state._state_ctx.iter_forward_root = None
+    root_state._state_ctx.post_backward_final_callback_queued = False
 
 
 def reset_after_error(module: nn.Module) -> None:
