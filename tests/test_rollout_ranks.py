@@ -128,6 +128,47 @@ def test_the_trainers_send_weights_and_the_rollout_ranks_send_batches_back():
     assert 0.5 < trainer0["peak_growth"] / unit < 2.5, trainer0["peak_growth"] / unit
 
 
+def _forged_batch(out_dir: str) -> None:
+    """Two ranks: a trainer and a rollout rank. A writer without the job's secret (a plain store client, as a
+    program that found the port would be) puts a batch of rewards 5.0 where the trainer fetches step 4's; the
+    rollout rank then posts its real step 5. The trainer refuses the forgery, naming its key, and takes step 5."""
+    import io
+    import os
+
+    info, roles = join_roles(1, "gloo", 60.0)
+    channel = RolloutChannel(roles, info.device, 60.0)
+    result: dict = {}
+    if roles.is_rollout:
+        intruder = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        forged = _scored(4, 0)
+        forged.rewards = torch.tensor([5.0])
+        buffer = io.BytesIO()
+        torch.save(forged.state(), buffer)
+        intruder.set("syncwise/attempt_0/rollout_ranks/batch/4/0", buffer.getvalue())
+        channel.post(5, 0, _scored(5, 0))
+    else:
+        try:
+            channel.fetch(4, 0)
+        except Exception as exc:  # noqa: BLE001 - what the trainer meets is the result
+            result["refused"] = (type(exc).__name__, str(exc))
+        result["real"] = channel.fetch(5, 0).rewards.item()
+    torch.save(result, Path(out_dir) / f"rank{roles.job_rank}.pt")
+
+
+def test_a_batch_written_into_the_store_by_anyone_but_the_job_is_refused():
+    """Issue 62 (1): a program that reached the job's store rewrote posted batches and ten steps trained on rewards
+    of 5.0 without a word. What the roles post is signed with the job's secret (the launcher's, never the
+    sandbox's): the forgery stops the trainer in one line naming the key; the real batch still arrives."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        job = launch_local(_forged_batch, 2, out_dir)
+        assert job.exit_code == 0, job.lines
+        trainer = torch.load(Path(out_dir) / "rank0.pt", weights_only=False)
+    assert trainer["refused"] == ("ForgedMessage", "the job's store held 'batch/4/0' not signed by this job: something "
+                                  "outside the job wrote it (another process on this machine or network); the job "
+                                  "stops rather than use it")
+    assert trainer["real"] == 50.0
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["dist.nproc=4", "dist.rollout_ranks=3", "rl.off_policy_lag=1"],
      "dist.rollout_ranks=3 of dist.nproc=4: at least as many ranks must train"),

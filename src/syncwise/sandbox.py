@@ -1,17 +1,22 @@
 """Running a policy's Python code in a separate process, as the built-in ``python`` tool does
 (``rl.tools=[python]``). What the model writes is hostile input: a loop that never ends, a fork bomb, a memory
-hog, a 100 MB print, a look at the trainer's secrets, a write outside its folder, a kill of its parent.
+hog, a 100 MB print, a look at the trainer's secrets, a write outside its folder, a kill of its parent, a
+connection to the job's rendezvous store or to any server on the machine, files left in ``/dev/shm``.
 
 Always: a separate process (``python -I``: no user site, no ``PYTHON*`` variables, not the job's folder on
-the path) in a fresh temporary folder it may write, with a clean environment (no inherited variables: no
-tokens, no keys), no stdin, a wall-clock limit, CPU-time, memory (address space), file-size, open-file and
+the path) in a fresh folder it may write, with a clean environment (no inherited variables: no tokens, no keys,
+not the job's secret), no stdin, a wall-clock limit, CPU-time, memory (address space), file-size, open-file and
 core limits (``prlimit``), its output read from files no larger than the file-size limit and cut to
-``output_chars``; the whole process group killed at the end. Where the job runs as root: the code runs as an
-unprivileged user of its own (a uid per call, ``setpriv``): it cannot write the job's files, signal or trace
-its processes, or read their ``/proc/<pid>/environ``, and a process-count limit holds; with ``unshare``, in a
-PID namespace of its own, whose processes all die with it (a fork bomb, or a child that left the process
-group). :data:`ISOLATION` says which was used. It is not a container: the code sees the machine's file system
-(read-only where its user may not write), its network, and the installed Python packages.
+``output_chars``; the whole process group killed at the end. Where the machine lets it (``unshare``; as root, or
+an unprivileged user namespace otherwise): namespaces of its own -- a **network** namespace (only a loopback of
+its own, which is down: it reaches nothing, neither the job's store nor any other server, here or elsewhere), a
+**mount** namespace whose ``/tmp`` and ``/dev/shm`` are private tmpfs of ``scratch_bytes`` each (its folder is
+that ``/tmp``; whatever it writes there is memory, bounded, and gone when it ends) and a **PID** namespace whose
+processes all die with it (its ``/proc`` shows only them: not the job's). Where the job runs as root, the code
+also runs as an unprivileged user of its own (a uid per call, ``setpriv``): it cannot write the job's files,
+signal or trace its processes, and a process-count limit holds. :func:`describe` says which was used. It is not
+a container: the code sees the machine's file system (read-only where its user may not write) and the
+installed Python packages.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class SandboxLimits:
     file_bytes: int = 16 << 20  # the largest file it writes (its output included)
     processes: int = 32  # processes of its user at once (where it has a user of its own)
     output_chars: int = 4000  # of stdout, and of stderr, in the answer
+    scratch_bytes: int = 64 << 20  # each of its private /tmp and /dev/shm (memory; where it has namespaces)
 
 
 class SandboxFailure(Exception):
@@ -46,24 +52,51 @@ class SandboxFailure(Exception):
     output it gave before."""
 
 
+@dataclass(frozen=True)
+class Isolation:
+    """What this machine lets the sandbox use (asked once, :func:`isolation`)."""
+
+    own_user: bool  # runs as an unprivileged uid of its own (the job runs as root, setpriv is there)
+    namespaces: tuple[str, ...]  # unshare's options: network, mount and PID namespaces of its own ("" none)
+
+    @property
+    def own_network(self) -> bool:
+        return bool(self.namespaces)
+
+    @property
+    def own_pids(self) -> bool:
+        return bool(self.namespaces)
+
+
+_NAMESPACES = ("--pid", "--fork", "--kill-child", "--mount-proc", "--net", "--mount", "--propagation", "private")
+
+
 @functools.cache
-def isolation() -> tuple[bool, bool]:
-    """(a user of its own, a PID namespace of its own): what this machine lets the sandbox use (asked once)."""
-    as_root = os.geteuid() == 0 and shutil.which("setpriv") is not None
-    if not as_root or shutil.which("unshare") is None:
-        return as_root, False
+def isolation() -> Isolation:
+    """Which isolation the sandbox can use here: as root, a user of its own and (with ``unshare``) namespaces;
+    otherwise namespaces inside an unprivileged user namespace, where the kernel allows one."""
+    own_user = os.geteuid() == 0 and shutil.which("setpriv") is not None
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        return Isolation(own_user, ())
+    options = _NAMESPACES if os.geteuid() == 0 else ("--user", "--map-root-user", *_NAMESPACES)
+    # the probe does what a call does: private tmpfs on /tmp and /dev/shm, then the network is unreachable
+    script = ("mount -t tmpfs -o size=1m tmpfs /tmp && mount -t tmpfs -o size=1m tmpfs /dev/shm && "
+              "! (exec 3<>/dev/tcp/127.0.0.1/1) 2>/dev/null")
     try:
-        probe = subprocess.run(["unshare", "--pid", "--fork", "--kill-child", "true"], capture_output=True, timeout=10)
+        probe = subprocess.run(["unshare", *options, "bash", "-c", script], capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return as_root, False
-    return as_root, probe.returncode == 0
+        return Isolation(own_user, ())
+    return Isolation(own_user, options if probe.returncode == 0 else ())
 
 
 def describe() -> str:
     """Which isolation the sandbox uses here, in words (for the job's first line)."""
-    own_user, own_pids = isolation()
-    return ("a process of its own" + (", as an unprivileged user of its own" if own_user else ", as the job's user")
-            + (", in a PID namespace of its own" if own_pids else "") + ", with rlimits; not a container")
+    found = isolation()
+    user = ", as an unprivileged user of its own" if found.own_user else ", as the job's user"
+    spaces = (", with no network, private /tmp and /dev/shm and its own PIDs and /proc (namespaces)" if found.namespaces
+              else ", sharing the job's network, /tmp and /dev/shm (no namespaces here)")
+    return "a process of its own" + user + spaces + ", with rlimits; not a container"
+
 
 _UIDS = itertools.cycle(range(61000, 62000))  # one per call at a time: a limit or a kill touches only its own
 _UID_LOCK = threading.Lock()
@@ -72,23 +105,27 @@ _UID_LOCK = threading.Lock()
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
     """``code``'s stdout (and stderr, where it wrote some), each cut to ``limits.output_chars``; a
     :class:`SandboxFailure` naming the limit or the exit status where it did not end normally."""
-    own_user, own_pids = isolation()
+    found = isolation()
     with _UID_LOCK:
         uid = next(_UIDS)
     with tempfile.TemporaryDirectory(prefix="syncwise-sandbox-") as folder:
         work, logs = Path(folder) / "work", Path(folder) / "logs"
         work.mkdir()
         logs.mkdir(mode=0o700)  # the code's output files, opened here: it cannot read or change them by path
-        if own_user:
+        if found.own_user:
             os.chown(work, uid, uid)
-        command = [sys.executable, "-I", "-c", code]
-        if own_user:
-            command = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", *command]
-        if own_pids:
-            command = ["unshare", "--pid", "--fork", "--kill-child", *command]
+        python = [sys.executable, "-I", "-c", code]
+        if found.own_user:
+            python = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", *python]
+        command, home = python, str(work)
+        if found.namespaces:  # its folder is its private /tmp (the host's is out of sight there)
+            size = max(limits.scratch_bytes, 1 << 20)
+            mounts = (f"mount -t tmpfs -o size={size},mode=1777 tmpfs /tmp && "
+                      f"mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm && cd /tmp && exec \"$@\"")
+            command, home = ["unshare", *found.namespaces, "sh", "-c", mounts, "sandbox", *python], "/tmp"
         command = ["prlimit", f"--cpu={limits.cpu_s}", f"--as={limits.memory_bytes}", f"--fsize={limits.file_bytes}",
                    "--nofile=256", "--core=0", f"--nproc={limits.processes}", "--", *command]
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"}
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"}
         with open(logs / "stdout", "wb") as out, open(logs / "stderr", "wb") as err:
             proc = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     close_fds=True, start_new_session=True)
@@ -96,7 +133,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
                 status, why = proc.wait(timeout=limits.wall_s), None
             except subprocess.TimeoutExpired:
                 status, why = None, f"did not finish within {limits.wall_s:g} s"
-            _kill_all(proc, uid, own_user and not own_pids)
+            _kill_all(proc, uid, found.own_user and not found.own_pids)
             status = proc.wait() if status is None else status
         stdout, stderr = (_read(logs / name, limits.output_chars) for name in ("stdout", "stderr"))
     why = why or _reason(status, limits)
@@ -114,7 +151,7 @@ def _kill_all(proc: subprocess.Popen, uid: int, whole_user: bool) -> None:
     if whole_user:
         subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "kill", "-9", "-1"],
                        capture_output=True, timeout=10, check=False)
-    if isolation()[0]:  # the kernel kills a namespace's processes asynchronously: return once they are gone
+    if isolation().own_user:  # the kernel kills a namespace's processes asynchronously: return once they are gone
         deadline = time.monotonic() + 10
         while _alive(uid) and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -122,6 +122,7 @@ def check_rl(config: Config) -> None:
         source.encode(tokenizer, rl)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
+    check_sandbox(config, source.all_tools)
     check_rollout_engine(config, rl.max_new_tokens or source.max_new_tokens)
     try:
         checkpoint = CheckpointManager(Path(config.train.out_dir) / "checkpoints").resolve(config.train.resume)
@@ -129,6 +130,22 @@ def check_rl(config: Config) -> None:
             CheckpointManager.check_holds(checkpoint, ["critic"])
     except CheckpointError as exc:
         raise PreflightError(str(exc)) from exc
+
+
+def check_sandbox(config: Config, tools: dict) -> None:
+    """The ``python`` tool beside rollout ranks needs a sandbox without the job's network: their batches travel
+    through the job's store, which a program on the same network could rewrite. Where this machine can make no
+    network namespace (:func:`syncwise.sandbox.isolation`), refused in one line."""
+    from ..sandbox import isolation
+    from ..tools import BUILTIN_TOOLS
+
+    if config.dist.rollout_ranks and any(tool.fn is BUILTIN_TOOLS["python"] for tool in tools.values()) \
+            and not isolation().own_network:
+        raise PreflightError(
+            f"rl.tools: python beside dist.rollout_ranks={config.dist.rollout_ranks} needs a sandbox with no network "
+            "of its own, and this machine makes no network namespace (unshare --net, as root or in a user "
+            "namespace): its programs could reach the job's store, which carries the rollout ranks' batches; run "
+            "without rollout ranks here, or where namespaces are allowed")
 
 
 def check_rollout_engine(config: Config, max_new_tokens: int) -> None:

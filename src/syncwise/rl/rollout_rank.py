@@ -34,6 +34,7 @@ from transformers import CONFIG_MAPPING
 from ..config import Config
 from ..runtime.distributed import DistInfo
 from ..runtime.roles import JobRoles
+from ..runtime.signed_store import SECRET_ENV, SignedStore, job_secret
 from .batches import ScoredBatches
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
 from .rollout.channel import RolloutChannel
@@ -47,15 +48,16 @@ def share_network(roles: JobRoles, hf_config) -> None:
     """Trainer 0: the config of the network the weights fit (LoRA merged: the plain model's), for the rollout
     ranks to build their engine from."""
     if roles.job_rank == 0:
-        roles.store.set(HF_CONFIG_KEY, hf_config.to_json_string())
+        SignedStore(roles.store, job_secret()).set(HF_CONFIG_KEY, hf_config.to_json_string())
 
 
 def rollout_ranks_line(config: Config, trainers: int) -> str:
     """The trainers' first line's words for the rollouts."""
     last = trainers + config.dist.rollout_ranks - 1
     mode = "drawing on" if config.rl.max_staleness else f"{config.rl.off_policy_lag} step(s) ahead"
+    unsigned = "" if job_secret() else f"; their messages in the store unsigned: set {SECRET_ENV} alike on every node"
     return (f"rollouts by {config.dist.rollout_ranks} rollout rank(s) of their own (ranks {trainers}-{last}, "
-            f"{config.rl.rollout_engine}, {mode}; weights from trainer 0 after each step)")
+            f"{config.rl.rollout_engine}, {mode}; weights from trainer 0 after each step{unsigned})")
 
 
 def run_rollout_rank(config: Config, info: DistInfo, roles: JobRoles) -> None:
@@ -64,7 +66,7 @@ def run_rollout_rank(config: Config, info: DistInfo, roles: JobRoles) -> None:
     tokenizer = load_tokenizer(config)
     source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools, rl.environment)
     source.encode(tokenizer, rl)
-    fields = json.loads(roles.store.get(HF_CONFIG_KEY).decode())
+    fields = json.loads(SignedStore(roles.store, job_secret()).get(HF_CONFIG_KEY).decode())
     hf_config = CONFIG_MAPPING[fields["model_type"]].from_dict(fields)
     rollout = Rollout(config, tokenizer, source, hf_config, info, end_token_ids(config.model.path))
     channel = RolloutChannel(roles, info.device, config.dist.timeout_s)

@@ -41,6 +41,7 @@ from typing import Any
 from .errors import notes_of
 from .rank_server import Gate, Worker, check_in_server, rank_context, rank_environment
 from .signals import STOP_SIGNALS, JobStopped, StopRequest
+from .signed_store import SECRET_ENV, SignedStore, job_secret, new_secret
 
 REPORT_DIR_ENV = "SYNCWISE_REPORT_DIR"
 DEBUG_ENV = "SYNCWISE_DEBUG"
@@ -194,10 +195,15 @@ def free_port() -> int:
 def _host_store():
     """The job's rendezvous store, hosted here as torchrun's agent hosts it: bound to a port the kernel picks
     and held, so another job starting on this machine at the same moment cannot take it (a port chosen free
-    and then bound by rank 0 can be taken in between)."""
+    and then bound by rank 0 can be taken in between). On loopback only: ``TCPStore`` given a port listens on
+    every interface whatever host it is told, so it is handed a socket bound to 127.0.0.1 instead."""
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1024)
+    port = listener.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 GO_KEY = "syncwise/go"  # set in the job's store once the launcher's checks have passed
@@ -219,7 +225,8 @@ def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any] 
     if gated:  # imported; nothing else happens until the launcher's checks pass (else it kills this rank)
         import torch.distributed as dist
 
-        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=GO_TIMEOUT_S)).get(GO_KEY)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=GO_TIMEOUT_S))
+        SignedStore(store, job_secret()).get(GO_KEY)
     leave(rank_main(fn, *args))
 
 
@@ -332,6 +339,7 @@ def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any, gate: 
     os.environ[REPORT_DIR_ENV] = str(folder)
     context = rank_context(fn.module if isinstance(fn, Worker) else fn.__module__)
     environment = dict(os.environ)
+    environment.setdefault(SECRET_ENV, new_secret())  # what the ranks sign their messages in the store with
     processes = [context.Process(target=_local_entry, args=(r, nproc, store.port, fn, args, environment,
                                                             gate is not None)) for r in range(nproc)]
     try:
@@ -339,7 +347,7 @@ def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any, gate: 
             supervisor.start()
             if gate is not None:  # a signal meanwhile is the supervisor's: the ranks adopt it at their first step
                 check_in_server(context, gate, environment)
-                store.set(GO_KEY, "1")
+                SignedStore(store, environment[SECRET_ENV].encode()).set(GO_KEY, "1")
             supervisor.wait()
         reports = [ErrorReport(**json.loads(p.read_text())) for p in sorted(folder.glob("rank*.json"))]
     finally:

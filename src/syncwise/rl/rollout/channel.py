@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...runtime.roles import JobRoles, weights_group
+from ...runtime.signed_store import SignedStore, job_secret
 from .queue import ScoredBatch
 
 END = "end"
@@ -61,7 +62,7 @@ class RolloutChannel:
 
     def __init__(self, roles: JobRoles, device: torch.device, timeout_s: float):
         self.roles, self.device = roles, device
-        self.store = dist.PrefixStore("rollout_ranks", roles.store)
+        self.store = SignedStore(dist.PrefixStore("rollout_ranks", roles.store), job_secret())
         self.group = weights_group(roles, device, timeout_s)
         self.sent = 0  # trainers: messages sent (by trainer 0; the others count along)
         self.last = Transfer()

@@ -1,0 +1,72 @@
+"""Messages through the job's store, signed with a secret only the job's ranks hold.
+
+The rendezvous store (a ``TCPStore``) has no authentication: anything that reaches its port can write any key. The
+local launcher binds it to loopback, and the ``python`` tool's sandbox has no network of its own, but another
+process of the machine could still connect. So what the ranks tell each other through it -- the launcher's go,
+the rollout ranks' messages, weights' descriptions, scored batches and snapshots -- carries an HMAC-SHA256 of its
+key and value under the job's secret (:data:`SECRET_ENV`: the local launcher makes one per job; under torchrun,
+set the same value on every node), and a value that does not verify stops the job in one line naming its key.
+The sandbox never sees the secret: its environment is empty and, as root, it runs as a uid that cannot read the
+ranks' ``/proc/<pid>/environ``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+
+import torch.distributed as dist
+
+SECRET_ENV = "SYNCWISE_JOB_SECRET"
+_MAC_BYTES = hashlib.sha256().digest_size
+
+
+class ForgedMessage(RuntimeError):
+    """A value in the job's store that the job did not write."""
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def job_secret() -> bytes | None:
+    """This rank's job secret (None: unset, as under torchrun without :data:`SECRET_ENV`)."""
+    value = os.environ.get(SECRET_ENV, "")
+    return value.encode() if value else None
+
+
+class SignedStore:
+    """``set`` / ``get`` of a ``dist.Store`` with each value signed and checked (plain where ``secret`` is None);
+    ``check``, ``add`` and ``delete_key`` as the store has them (a counter cannot be signed: the rollout ranks' read
+    counts only decide when a message's keys are deleted)."""
+
+    def __init__(self, store: dist.Store, secret: bytes | None):
+        self.store, self.secret = store, secret
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value: bytes | str) -> None:
+        value = value.encode() if isinstance(value, str) else value
+        self.store.set(key, value if self.secret is None else self._mac(key, value) + value)
+
+    def get(self, key: str) -> bytes:
+        raw = self.store.get(key)
+        if self.secret is None:
+            return raw
+        mac, value = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+        if len(raw) < _MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, value)):
+            raise ForgedMessage(f"the job's store held {key!r} not signed by this job: something outside the job wrote "
+                                f"it (another process on this machine or network); the job stops rather than use it")
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.store.add(key, amount)
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(key)
