@@ -24,7 +24,7 @@ def test_sft_job_on_two_local_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fsdp2 on 2 rank(s), sync.mode=auto" in proc.stdout
     # Default budget (90% of RAM) is ample for this model: auto measures, then keeps params unsharded.
-    assert "auto sync (measured peak" in proc.stdout and "=> deferred_unsharded" in proc.stdout
+    assert "auto sync (measured " in proc.stdout and "=> deferred_unsharded" in proc.stdout
     assert "step   3/3 loss" in proc.stdout
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["train/step"] for r in rows] == [1, 2, 3]

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import _rank_main, run_distributed
-from syncwise.runtime.launcher import _host_store, launch_local
+from syncwise.runtime.job_store import host_store
+from syncwise.runtime.launcher import launch_local
 from syncwise.runtime.signals import StopRequest, stopped
 
 
@@ -98,7 +99,7 @@ def test_a_signal_while_the_launcher_starts_its_ranks_stops_every_rank(monkeypat
 def test_the_rendezvous_port_is_the_launchers_from_before_any_rank_starts():
     """The launcher hosts the job's store (as torchrun's agent does) on a port it holds: another job starting at
     the same moment cannot take it between choosing it and a rank binding it."""
-    store = _host_store()
+    store = host_store()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other, pytest.raises(OSError):
         other.bind(("127.0.0.1", store.port))
     store.set("k", "v")

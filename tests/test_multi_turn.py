@@ -191,6 +191,29 @@ def noisy(text: str) -> str:
     print(text)
     print("second line", file=sys.stderr)
     return "ok"
+
+release = threading.Event()
+
+def stall() -> str:
+    """Wait, blocked in C (a lock's wait), until the test lets go.
+    """
+    release.wait()
+    return "done"
+
+halfway = threading.Barrier(2)
+
+def halves(who: str) -> str:
+    """Print a line in two halves while another call prints, then a line left unfinished.
+
+    Args:
+        who: Which call.
+    """
+    print(f"{who}: first half", end="")
+    halfway.wait(timeout=60)  # both calls have printed their first halves
+    print(", second half")
+    halfway.wait(timeout=60)
+    print(f"{who} unfinished", end="")
+    return "ok"
 '''
 
 
@@ -198,8 +221,10 @@ def noisy(text: str) -> str:
 def runner_tools(tmp_path):
     path = tmp_path / "runner_tools.py"
     path.write_text(RUNNER_TOOLS)
-    tools = load_tools([f"{path}:{name}" for name in ("exits", "retries", "meet", "answer", "noisy")])
-    return tools, tools["retries"].fn.__globals__
+    tools = load_tools([f"{path}:{name}" for name in ("exits", "retries", "meet", "answer", "noisy", "stall",
+                                                       "halves")])
+    yield tools, tools["retries"].fn.__globals__
+    tools["stall"].fn.__globals__["release"].set()  # no blocked call outlives its test
 
 
 def test_a_tool_that_exits_is_its_error_and_the_job_goes_on(runner_tools):
@@ -506,3 +531,299 @@ def test_an_environment_opens_the_episode_holds_its_state_and_scores_it():
                                   [t.env_reward for t in trajectories], "CountingEpisode")
     assert parts["CountingEpisode"] == [2.0, 2.0] and parts["calls_made"] == [1.0, 1.0]
     assert totals == [3.0, 3.0]  # #### 4 is not 89: 0, + 1 from the reward function, + the episode's 2
+
+
+# Environment classes written to TRL's environment_factory contract, the way issue 62's review found them failing.
+TRL_ENVS = '''
+import asyncio
+import sqlite3
+import threading
+import time
+
+MEETING = threading.Barrier(2, timeout=30)  # two episodes' calls that must run at the same time
+RELEASE = threading.Event()  # a blocked call (in C: a lock's wait) goes on once set
+
+
+class Walker:
+    def reset(self, **row) -> None:
+        self.at = 0
+
+    def move(self, by: int) -> str:
+        """Move along.
+
+        Args:
+            by: How far.
+        """
+        here = self.at
+        time.sleep(0.01)  # I/O between the read and the write
+        self.at = here + by
+        return f"at {self.at}"
+
+    def meet(self) -> str:
+        """Wait for another episode's call to meet this one.
+        """
+        MEETING.wait()
+        return "met"
+
+
+class Ledger:
+    def reset(self, **row) -> None:
+        self.db = sqlite3.connect(":memory:")  # bound to the thread that opened it
+        self.db.execute("create table t (x integer)")
+
+    def put(self, x: int) -> str:
+        """Store a number.
+
+        Args:
+            x: The number.
+        """
+        self.db.execute("insert into t values (?)", (x,))
+        return str(self.db.execute("select sum(x) from t").fetchone()[0])
+
+    def get_reward(self) -> float:
+        return float(self.db.execute("select count(*) from t").fetchone()[0])
+
+
+class Remote:
+    async def reset(self, **row) -> str:
+        await asyncio.sleep(0)
+        self.seen = []
+        return " Connected."
+
+    async def look(self, where: str) -> str:
+        """Look somewhere.
+
+        Args:
+            where: The place.
+        """
+        await asyncio.sleep(0.001)
+        self.seen.append(where)
+        return f"{where}: nothing"
+
+    async def get_reward(self) -> float:
+        await asyncio.sleep(0)
+        return float(len(self.seen))
+
+
+class Door:
+    def reset(self, **row) -> None:
+        self.opened = []
+
+    def close(self, door: str) -> str:
+        """Close a door.
+
+        Args:
+            door: Which.
+        """
+        return f"closed {door}"
+
+    def get_metrics(self, detail: str) -> str:
+        """Read the room's meters.
+
+        Args:
+            detail: Which meter.
+        """
+        return f"{detail}: 0"
+
+    @staticmethod
+    def helper(x: int) -> int:
+        return x
+
+    @classmethod
+    def rules(cls, topic: str) -> str:
+        """The rules.
+
+        Args:
+            topic: Of what.
+        """
+        return f"rules of {topic}"
+
+    @property
+    def metrics(self) -> dict:
+        return {"doors": 2.0}
+
+
+class Hangs:
+    def reset(self, **row) -> None:
+        pass
+
+    def stall(self) -> str:
+        """Wait (blocked in C until the test lets go).
+        """
+        RELEASE.wait()
+        return "done"
+
+    def get_reward(self):
+        return None
+
+
+class NotFinite:
+    def reset(self, **row) -> None:
+        pass
+
+    def poke(self) -> str:
+        """Poke.
+        """
+        return "ok"
+
+    def get_reward(self) -> float:
+        return float("nan")
+'''
+
+
+@pytest.fixture()
+def trl_envs(tmp_path):
+    path = tmp_path / "trl_envs.py"
+    path.write_text(TRL_ENVS)
+    from syncwise.rl.env.classes import EnvironmentClass
+
+    specs = {name: EnvironmentClass(f"{path}:{name}") for name in ("Walker", "Ledger", "Remote", "Door", "Hangs",
+                                                                   "NotFinite")}
+    yield specs
+    specs["Hangs"].cls.stall.__globals__["RELEASE"].set()  # no blocked call outlives its test
+
+
+def _episode(spec, **row):
+    from syncwise.rl.env.classes import ClassEpisode
+
+    episode = ClassEpisode(spec)
+    return episode, episode.start(row)
+
+
+@pytest.mark.parametrize("workers", [8, 1])
+def test_one_episodes_calls_run_in_order_and_episodes_side_by_side(trl_envs, workers):
+    """Issue 62 (3): three move() calls of one turn (read, 10 ms of I/O, write) ended at 100, not 111, with the
+    default rl.tool_workers: TRL runs a turn's calls in order. Two episodes' calls still run at once (each waits
+    to meet the other: run one after the other, both would break the barrier)."""
+    first, _ = _episode(trl_envs["Walker"])
+    second, _ = _episode(trl_envs["Walker"])
+    calls = [(first.tools(), "move", {"by": by}) for by in (1, 10, 100)]
+    calls += [(second.tools(), "move", {"by": by}) for by in (5, 50)]
+    answers = ToolRunner(ToolLimits(timeout_s=30, workers=workers)).run(calls)
+    assert [a.content for a in answers] == ["at 1", "at 11", "at 111", "at 5", "at 55"]
+    if workers > 1:
+        met = ToolRunner(ToolLimits(timeout_s=60, workers=workers)).run([(first.tools(), "meet", {}),
+                                                                         (second.tools(), "meet", {})])
+        assert [a.content for a in met] == ["met", "met"]
+    for episode in (first, second):
+        episode.close()
+
+
+@pytest.mark.parametrize("workers", [8, 1])
+def test_what_reset_opens_works_in_the_tools_and_the_reward(trl_envs, workers):
+    """Issue 62 (4): a sqlite connection opened in reset failed on every query ("SQLite objects created in a thread
+    can only be used in that same thread"), exit 0, reward 0. The episode's reset, tools and reward share a thread."""
+    episode, _ = _episode(trl_envs["Ledger"])
+    runner = ToolRunner(ToolLimits(timeout_s=30, workers=workers))
+    answers = runner.run([(episode.tools(), "put", {"x": x}) for x in (2, 3)])
+    answers += runner.run([(episode.tools(), "put", {"x": 4})])  # the next turn
+    assert [(a.content, a.error) for a in answers] == [("2", None), ("5", None), ("9", None)]
+    assert episode.reward() == 3.0
+    episode.close()
+
+
+def test_async_tools_reset_and_reward_are_awaited(trl_envs):
+    """Issue 62 (5): an async tool's answer was '<coroutine object ...>' (counted non_text, 'never awaited'
+    warnings) and an async get_reward crashed the rank. Awaited on the episode's own event loop."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        episode, opening = _episode(trl_envs["Remote"])
+        answers = ToolRunner(ToolLimits(timeout_s=30)).run([(episode.tools(), "look", {"where": w})
+                                                            for w in ("left", "right")])
+        reward = episode.reward()
+        episode.close()
+    assert opening == " Connected."
+    assert [(a.content, a.error) for a in answers] == [("left: nothing", None), ("right: nothing", None)]
+    assert reward == 2.0
+    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_a_method_named_close_or_get_metrics_is_a_tool_as_in_trl(trl_envs):
+    """Issue 62 (6): a tool named close was hidden from the model, then called with no arguments after scoring.
+    TRL's contract: every public method but reset and get_reward is a tool (a class method too, a static method
+    not); syncwise's own clean-up is the context manager's exit, its metrics a ``metrics`` property."""
+    from syncwise.rl.env.classes import tool_methods
+
+    door = trl_envs["Door"]
+    assert sorted(door.schemas) == ["close", "get_metrics", "rules"] == tool_methods(door.cls)
+    episode, _ = _episode(door)
+    answers = ToolRunner(ToolLimits(timeout_s=30)).run([(episode.tools(), "close", {"door": "front"}),
+                                                        (episode.tools(), "rules", {"topic": "doors"})])
+    assert [a.content for a in answers] == ["closed front", "rules of doors"]
+    assert episode.metrics() == {"doors": 2.0} and episode.reward() is None
+    episode.close()  # calls no tool: no TypeError about a missing 'door'
+
+
+def test_a_tool_that_keeps_hanging_is_called_no_more_and_threads_stay_bounded(trl_envs, runner_tools):
+    """Issue 62 (7): a tool blocked past rl.tool_timeout_s left its thread, ~5.5 per rank per step, until
+    'can't start new thread' escaped the runner. Now a tool with ``workers`` calls still hanging is not called
+    again (counted as hung) until they end; an episode stuck in a call answers its later calls at once; a thread
+    that cannot be started is the call's answer."""
+    tools, _ = runner_tools
+    runner = ToolRunner(ToolLimits(timeout_s=0.2, workers=3))
+    before = threading.active_count()
+    errors = []
+    for _ in range(6):  # six turns, a call each, a turn apart by more than a call's time (a cancel's grace)
+        errors.append(runner.run([(tools, "stall", {})])[0].error)
+        time.sleep(0.3)
+    assert errors == ["timeout"] * 3 + ["hung"] * 3, errors
+    assert threading.active_count() - before == 3  # the three calls still blocked (rl.tool_workers), no more
+    episode, _ = _episode(trl_envs["Hangs"])
+    first, second = runner.run([(episode.tools(), "stall", {}), (episode.tools(), "stall", {})])
+    assert (first.error, second.error) == ("timeout", "timeout")  # the second queued behind it, never run late
+    time.sleep(0.3)
+    third = runner.run([(episode.tools(), "stall", {})])[0]
+    assert third.error == "hung" and "this episode's earlier call of stall still hangs" in third.content
+    assert episode.reward() is None  # its state is mid-call: not asked
+    tools["stall"].fn.__globals__["release"].set()  # the blocked calls return; their threads end
+    deadline = time.monotonic() + 30
+    while threading.active_count() > before + 1 and time.monotonic() < deadline:  # + the episode's own
+        time.sleep(0.01)
+    assert runner.run([(tools, "stall", {})])[0].error is None  # no longer hanging: called again
+    episode.close()
+
+
+def test_a_thread_that_cannot_start_is_the_calls_answer(runner_tools, monkeypatch):
+    tools, _ = runner_tools
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    result = ToolRunner(ToolLimits(timeout_s=5)).run([(tools, "answer", {"kind": "none"})])[0]
+    assert (result.error, result.content) == ("exception", "error: answer could not be started: can't start new thread")
+
+
+def test_get_reward_none_is_no_reward_and_a_non_finite_one_is_named(trl_envs):
+    """Issue 62 (8): None (TRL's 'no reward') crashed with an unnamed TypeError; NaN was reported as
+    'batch['advantages']: 7 non-finite value(s)'."""
+    from syncwise.rl.env.scoring import score_samples
+
+    hangs, _ = _episode(trl_envs["Hangs"])
+    assert hangs.reward() is None
+    totals, parts = score_samples([], [{"prompt": "p"}], ["r", "s"], 2, None, [None, 1.5], "Hangs")
+    assert totals == [0.0, 1.5] and parts["Hangs"] == [0.0, 1.5]  # nothing added for the episode without one
+    nan, _ = _episode(trl_envs["NotFinite"])
+    with pytest.raises(ValueError) as info:
+        nan.reward()
+    assert str(info.value) == ("rl.environment: NotFinite.get_reward() returned nan; a reward must be a finite number "
+                               "(None for no reward)")
+    for episode in (hangs, nan):
+        episode.close()
+
+
+def test_calls_side_by_side_print_whole_lines_each_with_its_tool(runner_tools, monkeypatch):
+    """Issue 62 (11): a tool's prints from calls side by side merged onto one line despite the prefix."""
+    import io
+    import sys
+
+    tools, _ = runner_tools
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    ToolRunner(ToolLimits(timeout_s=30, workers=2)).run([(tools, "halves", {"who": "a"}),
+                                                          (tools, "halves", {"who": "b"})])
+    assert sorted(out.getvalue().splitlines()) == [
+        "[tool halves] a unfinished", "[tool halves] a: first half, second half",
+        "[tool halves] b unfinished", "[tool halves] b: first half, second half"]

@@ -186,6 +186,7 @@ class _RecordingLLM:
         self.calls.append(("wake_up", tags))
 
 
+@NEEDS_VLLM  # sample() builds vLLM's SamplingParams
 @pytest.mark.parametrize("level", [0, 1, 2])
 def test_sleep_mode_wakes_the_weights_reloads_them_then_wakes_the_kv_cache(level):
     import torch

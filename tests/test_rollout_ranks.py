@@ -173,10 +173,27 @@ def test_a_batch_written_into_the_store_by_anyone_but_the_job_is_refused():
     (["dist.nproc=4", "dist.rollout_ranks=3", "rl.off_policy_lag=1"],
      "dist.rollout_ranks=3 of dist.nproc=4: at least as many ranks must train"),
     (["dist.rollout_ranks=-1"], "dist.rollout_ranks"),
+    # issue 62 (10): an explicit synchronous request was taken for "unset" and ran at lag 1 without a word
+    (["dist.nproc=4", "dist.rollout_ranks=2", "rl.off_policy_lag=0"],
+     "dist.rollout_ranks=2 with rl.off_policy_lag=0: rollout ranks sample while the trainers train"),
+    # issue 62 (11): accepted silently before
+    (["rl.partial_chunk_tokens=8"], "rl.partial_chunk_tokens=8 is the round of a partial rollout: it needs "
+                                    "rl.max_staleness >= 1"),
+    (["rl.off_policy_lag=5", "train.steps=5"], "rl.off_policy_lag=5 with train.steps=5: every step would train on "
+                                               "the initial policy's samples"),
 ])
 def test_rollout_ranks_refuse_what_they_cannot_run(overrides, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_explicit_lag_of_0_beside_rollout_ranks_is_one_line_and_exit_2():
+    from cli_harness import run_cli
+
+    proc = run_cli(["train", "dist.nproc=4", "dist.rollout_ranks=2", "rl.off_policy_lag=0"])
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "rl.off_policy_lag=0" in proc.stderr and "rl.max_staleness >= 1" in proc.stderr
 
 
 def test_rollout_ranks_resolve_the_lag_and_its_loss():

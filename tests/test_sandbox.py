@@ -126,10 +126,10 @@ def _connect_code(port: int) -> str:
 def test_the_program_reaches_no_server_neither_on_loopback_nor_the_jobs_store():
     """Issue 62 (1): a loopback server of this process and the job's rendezvous store (hosted as the launcher hosts
     it, on loopback only) are out of the program's reach -- its network namespace has no route anywhere."""
-    from syncwise.runtime.launcher import _host_store
+    from syncwise.runtime.job_store import host_store
 
     server = _loopback_server()
-    store = _host_store()
+    store = host_store()
     try:
         for port in (server.getsockname()[1], store.port):
             reached = _tool(_connect_code(port))
@@ -141,9 +141,9 @@ def test_the_program_reaches_no_server_neither_on_loopback_nor_the_jobs_store():
 def test_the_jobs_store_listens_on_loopback_only():
     """Issue 62 (1): the local launcher's store was on every interface (``*:<port>``), though it asked for
     127.0.0.1: any host reaching the machine could write to it. Read from the kernel's table of listening sockets."""
-    from syncwise.runtime.launcher import _host_store
+    from syncwise.runtime.job_store import host_store
 
-    store = _host_store()
+    store = host_store()
     rows = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:

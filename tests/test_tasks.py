@@ -64,11 +64,11 @@ def test_guess_number_answers_the_range_left_and_scores_fewer_guesses_higher():
     game.reset(low=10, high=20, secret=17, prompt="ignored: every column reaches reset")
     assert [game.guess(15), game.guess(18), game.guess(17), game.guess(3)] == [
         "higher: 16 to 20", "lower: 16 to 17", "correct", "already found"]
-    assert game.get_reward() == pytest.approx(0.8) and game.get_metrics() == {"solved": 1.0, "guesses": 3.0}
+    assert game.get_reward() == pytest.approx(0.8) and game.metrics == {"solved": 1.0, "guesses": 3.0}
     lost = GuessNumber()
     lost.reset(1, 8, 5)
     lost.guess(1)
-    assert lost.get_reward() == 0.0 and lost.get_metrics() == {"solved": 0.0, "guesses": 1.0}
+    assert lost.get_reward() == 0.0 and lost.metrics == {"solved": 0.0, "guesses": 1.0}
 
 
 def test_guess_number_demonstrations_are_games_the_environment_plays_without_binary_search():

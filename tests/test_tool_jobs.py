@@ -48,8 +48,9 @@ def add(a: int, b: int) -> str:
     return str(a + b)
 '''
 # An environment class as TRL's GRPOTrainer docs write one for environment_factory (reset(**kwargs), get_reward,
-# public methods as tools) -- written to TRL's contract, not to syncwise's API; get_metrics and close are
-# syncwise's extras (the test counts them in a file, as a user's class might log)
+# public methods as tools) -- written to TRL's contract, not to syncwise's API; the metrics property and the
+# context manager's exit are syncwise's extras, under names TRL takes for no tool (the test counts the exits in a
+# file, as a user's class might log)
 TRL_ENV = '''
 import json
 import os
@@ -64,10 +65,14 @@ class AdderEnv:
     def get_reward(self) -> float:
         return 1.0 if self.calls == 1 else 0.0
 
-    def get_metrics(self) -> dict:
+    @property
+    def metrics(self) -> dict:
         return {"calls": self.calls}
 
-    def close(self) -> None:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
         with open(os.environ["ENV_LOG"], "a") as log:
             log.write(json.dumps({"closed": self.calls}) + "\\n")
 
@@ -223,8 +228,8 @@ def test_a_tool_that_exits_or_hangs_in_a_retry_loop_is_cut_off_and_counted(folde
 
 def test_an_environment_class_written_for_trl_trains_unchanged(folder):
     """rl.environment with a class written to TRL's environment_factory contract (and no rl.tools): one instance
-    per conversation, its method the tool, get_reward a reward of its own beside rl.reward_fn's, get_metrics
-    logged as env/, every episode closed once scored."""
+    per conversation, its method the tool, get_reward a reward of its own beside rl.reward_fn's, its metrics
+    property logged as env/, every episode's context exited once scored."""
     proc = _train(folder, "environment", "train.steps=2", "rl.tools=[]", "rl.environment=adder_env.py:AdderEnv")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "multi-turn with environment AdderEnv: tools add (hermes calls" in proc.stdout

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from cli_harness import run_cli
 from syncwise.config import load_config, packaged_config
 from syncwise.metrics import read_jsonl
-from syncwise.runtime.launcher import free_port
+from syncwise.runtime.job_store import free_port
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 SHORT = ["train.progress=false", "rl.prompts_per_rank=4", "rl.samples_per_prompt=4", "optim.warmup_steps=0"]

@@ -236,8 +236,11 @@ class CheckpointManager:
             raise CheckpointError(f"{meta}: unreadable ({exc})") from exc
         self.check_holds(path, others or {}, saved)
         state = _state_of(engine, others)
+        reader = SafeFileSystemReader(str(path / "dcp"))
         try:
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(path / "dcp")), planner=SafeLoadPlanner())
+            # read here first: torch 2.11's dcp.load swallows the reader's error and says only "metadata is None"
+            reader.read_metadata()
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
         # DCP raises many kinds for truncated, missing or unsafe files; its CheckpointException (a
         # BaseException) carries the ranks' tracebacks, whose last line is the cause.
         except (Exception, CheckpointException) as exc:

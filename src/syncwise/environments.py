@@ -1,6 +1,6 @@
 """Built-in environments for ``rl.environment`` (``syncwise.environments:GuessNumber``), written to TRL's
 ``environment_factory`` contract as a user's would be: one instance per conversation, ``reset(**row)``, public
-methods the tools, ``get_reward()`` and ``get_metrics()``.
+methods the tools, ``get_reward()``; and syncwise's ``metrics`` property (a name TRL never takes for a tool).
 
 ``GuessNumber`` is a task whose episodes need several calls and state: find a hidden number from
 higher / lower answers (``syncwise sft --write-example-data DIR --task guess_number`` writes the SFT chats and
@@ -47,5 +47,6 @@ class GuessNumber:
             return 0.0
         return max(1.0 - GUESS_PENALTY * (self.guesses - 1), 0.1)
 
-    def get_metrics(self) -> dict[str, float]:
+    @property
+    def metrics(self) -> dict[str, float]:
         return {"solved": float(self.solved), "guesses": float(self.guesses)}

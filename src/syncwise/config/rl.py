@@ -127,8 +127,8 @@ class RLConfig:
     tool_max_chars: int = 4096  # a tool's answer is cut to this many characters (the cut said in it)
     tool_workers: int = 8  # a turn's calls over all conversations run side by side, this many at a time
     # An environment class, "file.py:Class" or "package.module:Class", written to TRL's environment_factory
-    # contract (syncwise.rl.env.classes): one instance per conversation, reset(**row), its public methods the
-    # tools, get_reward() one more reward, get_metrics() logged as env/<name>, close() after scoring
+    # contract (syncwise.rl.env.classes): one instance per conversation, reset(**row), its public methods but
+    # reset and get_reward the tools, get_reward() one more reward; a metrics property logged as env/<name>
     environment: str | None = None
     # What samples the responses (syncwise.rl.rollout.front): compact -- each prompt prefilled once, ended
     # sequences dropped, only drawn tokens' log-probs kept (syncwise.rl.rollout.compact); generate -- Hugging Face
@@ -175,8 +175,9 @@ class RLConfig:
     kl_in_reward: float = 0.0
     # Off-policy steps with a fixed lag (verl's one-step-off-policy, prime-rl's async level): step t trains on
     # samples drawn by the policy of step t - k (the first k steps on the initial policy's). Each rank keeps the
-    # k batches drawn ahead in its checkpoint; rl.loss.off_policy weighs the staleness in. 0: synchronous.
-    off_policy_lag: int = 0
+    # k batches drawn ahead in its checkpoint; rl.loss.off_policy weighs the staleness in. 0: synchronous. Unset
+    # (null): 1 with dist.rollout_ranks (unless rl.max_staleness), else 0 -- resolved where config.yaml records it.
+    off_policy_lag: int | None = None
     # Partial rollouts carried across steps (AReaL's bounded staleness, colocated): each step samples in rounds
     # of rl.partial_chunk_tokens tokens until rl.prompts_per_rank groups have finished; the groups still
     # sampling continue after the refresh under the new weights (each token keeps the version that drew it),
@@ -204,7 +205,8 @@ class RLConfig:
         positive("rl.samples_per_prompt", self.samples_per_prompt)
         non_negative("rl.warm_start_steps", self.warm_start_steps)
         non_negative("rl.balance_min_gain", self.balance_min_gain)
-        non_negative("rl.off_policy_lag", self.off_policy_lag, "0: synchronous")
+        if self.off_policy_lag is not None:
+            non_negative("rl.off_policy_lag", self.off_policy_lag, "0: synchronous")
         self._validate_partial()
         if self.warm_start_steps and self.dataset:
             raise ConfigError("rl.warm_start_steps: needs a built-in task's demonstrations, not rl.dataset")
@@ -265,6 +267,9 @@ class RLConfig:
         non_negative("rl.max_staleness", self.max_staleness, "0: synchronous")
         non_negative("rl.partial_chunk_tokens", self.partial_chunk_tokens, "0: a quarter of the response limit")
         if not self.max_staleness:
+            if self.partial_chunk_tokens:
+                raise ConfigError(f"rl.partial_chunk_tokens={self.partial_chunk_tokens} is the round of a partial "
+                                  "rollout: it needs rl.max_staleness >= 1 (without it every response is drawn whole)")
             return
         if self.off_policy_lag:
             raise ConfigError("rl.max_staleness and rl.off_policy_lag: choose one -- partial rollouts with bounded "

@@ -52,15 +52,29 @@ class Config:
             raise ConfigError(f"rl.tool_step_timeout_s={self.rl.tool_step_timeout_s:g} must be less than "
                               f"dist.timeout_s={self.dist.timeout_s:g}: the other ranks wait for this one's tools at "
                               f"the next collective, which gives up after dist.timeout_s")
-        # rollout ranks draw partial rollouts on with rl.max_staleness, else whole batches a fixed lag ahead
-        if self.dist.rollout_ranks and not self.rl.is_off_policy:  # resolved here: config.yaml records it
-            self.rl.off_policy_lag = 1  # one step off-policy (verl's, prime-rl's default): sampling overlaps training
+        self._resolve_lag()
         loss = self.rl.loss  # the autos resolved here: what runs is what config.yaml records
         if loss.off_policy == "auto":
             loss.off_policy = "decoupled" if self.rl.is_off_policy and not loss.corrects_rollout else "none"
         if loss.rollout_is == "auto":  # off_policy's weight covers the sampler's mismatch too
             loss.rollout_is = "token" if self.sampler_differs and not loss.corrects_behavior else "none"
         return self
+
+    def _resolve_lag(self) -> None:
+        """``rl.off_policy_lag`` unset: 1 with rollout ranks that draw whole batches (one step off-policy, verl's and
+        prime-rl's default: sampling overlaps training), else 0; set, it must fit the job (resolved here: config.yaml
+        records it)."""
+        rl, ranks = self.rl, self.dist.rollout_ranks
+        if rl.off_policy_lag is None:
+            rl.off_policy_lag = 1 if ranks and not rl.max_staleness else 0
+        elif ranks and not rl.is_off_policy:
+            raise ConfigError(f"dist.rollout_ranks={ranks} with rl.off_policy_lag=0: rollout ranks sample while the "
+                              "trainers train, so every step trains on what an older policy drew; set "
+                              "rl.off_policy_lag >= 1 (whole batches a fixed lag ahead) or rl.max_staleness >= 1 "
+                              "(partial rollouts drawn on), or leave both unset for a lag of 1")
+        if rl.off_policy_lag >= self.train.steps:
+            raise ConfigError(f"rl.off_policy_lag={rl.off_policy_lag} with train.steps={self.train.steps}: every step "
+                              "would train on the initial policy's samples; use a lag below train.steps")
 
     def _validate_training(self) -> Config:
         """The model, engine, sync, optim and dist sections, and the rules between them (also the critic's,

@@ -33,8 +33,8 @@ from transformers import CONFIG_MAPPING
 
 from ..config import Config
 from ..runtime.distributed import DistInfo
+from ..runtime.job_store import SECRET_ENV, SignedStore, job_secret
 from ..runtime.roles import JobRoles
-from ..runtime.signed_store import SECRET_ENV, SignedStore, job_secret
 from .batches import ScoredBatches
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
 from .rollout.channel import RolloutChannel

@@ -160,7 +160,7 @@ def rollout_rank_metrics(rollout_rank_s: torch.Tensor, transfer: Any) -> dict[st
 
 
 def env_metrics(per_episode: list[dict[str, float]], info: DistInfo, timeout_s: float) -> dict[str, float]:
-    """``env/<name>``: each number an environment's ``get_metrics()`` gave, its mean over the step's episodes
+    """``env/<name>``: each number an environment's ``metrics`` gave, its mean over the step's episodes
     that gave it, over every rank (the names agreed first: an episode may give some only sometimes)."""
     import torch.distributed as dist
 

@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -33,15 +32,14 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
 from .errors import notes_of
-from .rank_server import Gate, Worker, check_in_server, rank_context, rank_environment
+from .job_store import SECRET_ENV, host_store, new_secret, say_go, wait_for_go
+from .rank_server import Gate, Worker, check_in_server, end_rank_server, rank_context, rank_environment
 from .signals import STOP_SIGNALS, JobStopped, StopRequest
-from .signed_store import SECRET_ENV, SignedStore, job_secret, new_secret
 
 REPORT_DIR_ENV = "SYNCWISE_REPORT_DIR"
 DEBUG_ENV = "SYNCWISE_DEBUG"
@@ -186,30 +184,6 @@ def error_lines(report: ErrorReport, world_size: int) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 # The local launcher
 # ------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _host_store():
-    """The job's rendezvous store, hosted here as torchrun's agent hosts it: bound to a port the kernel picks
-    and held, so another job starting on this machine at the same moment cannot take it (a port chosen free
-    and then bound by rank 0 can be taken in between). On loopback only: ``TCPStore`` given a port listens on
-    every interface whatever host it is told, so it is handed a socket bound to 127.0.0.1 instead."""
-    import torch.distributed as dist
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1024)
-    port = listener.getsockname()[1]
-    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
-
-
-GO_KEY = "syncwise/go"  # set in the job's store once the launcher's checks have passed
-GO_TIMEOUT_S = 3600.0  # the checks read the user's files (a prompt file is tokenised whole): never cut short
-
-
 def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any] | Worker, args: tuple,
                  environment: dict[str, str], gated: bool = False) -> None:
     # Forked with SIGINT / SIGTERM blocked (see rank_preload), so that a Ctrl-C while it was still importing
@@ -223,10 +197,7 @@ def _local_entry(local_rank: int, nproc: int, port: int, fn: Callable[..., Any] 
     if isinstance(fn, Worker):
         fn = fn.load()
     if gated:  # imported; nothing else happens until the launcher's checks pass (else it kills this rank)
-        import torch.distributed as dist
-
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=GO_TIMEOUT_S))
-        SignedStore(store, job_secret()).get(GO_KEY)
+        wait_for_go(port)
     leave(rank_main(fn, *args))
 
 
@@ -332,7 +303,7 @@ def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any, gate: 
     their work only once they pass, and if they raise the ranks are killed (they have done nothing) and the
     exception goes on to the caller.
     """
-    store = _host_store()  # lives until the ranks have ended
+    store = host_store()  # lives until the ranks have ended
     # Each rank gets its share of the cores; oversubscribing threads slows CPU runs several-fold.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     folder = Path(tempfile.mkdtemp(prefix="syncwise-reports-"))
@@ -347,7 +318,7 @@ def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any, gate: 
             supervisor.start()
             if gate is not None:  # a signal meanwhile is the supervisor's: the ranks adopt it at their first step
                 check_in_server(context, gate, environment)
-                SignedStore(store, environment[SECRET_ENV].encode()).set(GO_KEY, "1")
+                say_go(store, environment[SECRET_ENV])
             supervisor.wait()
         reports = [ErrorReport(**json.loads(p.read_text())) for p in sorted(folder.glob("rank*.json"))]
     finally:
@@ -402,7 +373,10 @@ def launch(fn: Callable[..., Any] | Worker, nproc: int, payload: dict, gate: Gat
     from .distributed import launched_by_torchrun  # torch: only once a job really starts
 
     if not launched_by_torchrun():
-        return launch_local(fn, nproc, payload, gate=gate).exit_code
+        try:
+            return launch_local(fn, nproc, payload, gate=gate).exit_code
+        finally:
+            end_rank_server()
     if gate is not None:
         gate()
     leave(rank_main(fn.load() if isinstance(fn, Worker) else fn, payload))

@@ -12,9 +12,11 @@ The server's preload is :mod:`.rank_preload`, then the job's module.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,3 +99,22 @@ def rank_environment(environment: dict[str, str]) -> None:
     threads = environment.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
+
+
+def end_rank_server() -> None:
+    """End the processes a local job left beside its ranks, and wait until they are gone: this process's fork
+    server (killed: the ranks it forked have ended, and its interpreter's teardown with torch loaded took ~3 s,
+    still running after the shell had its prompt back) and multiprocessing's resource tracker (it ends when its
+    pipe closes). For a command's one job (:func:`~.launcher.launch`); a process that launches many keeps its
+    server."""
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            server._stop()  # closes its pipe, reaps it, removes its socket
+    with contextlib.suppress(ChildProcessError, OSError, AttributeError):
+        resource_tracker._resource_tracker._stop()

@@ -1,23 +1,51 @@
 """``rl.environment=my_env.py:MyEnv``: an environment class as TRL's ``environment_factory`` takes it, run
-unchanged. One instance per conversation (built with no arguments); ``reset(**row)`` starts its episode from
-the dataset row (every column, ``prompt`` included) and may return text, appended to the prompt's last user
-message; every public method but the reserved ones is a tool (its schema from its signature and docstring,
-as ``rl.tools``' functions); ``get_reward()``, if the class has it, scores the episode after its last turn --
-one more reward beside ``rl.reward_fn``'s, at weight 1, logged as ``reward/<ClassName>``; ``get_metrics()``, if
-it has it, returns numbers logged as ``env/<name>`` (the mean over every episode of the step); ``close()``, if
-it has it, is called once the episode is scored, also when anything failed. What a method raises is the
-tool's answer to the model, as for ``rl.tools``."""
+unchanged -- as TRL runs it.
+
+- One instance per conversation (built with no arguments). ``reset(**row)`` starts its episode from the dataset
+  row (every column, ``prompt`` included) and may return text, appended to the prompt's last user message.
+- Its tools are what TRL's are: every public method (instance or class method; not a static method) but ``reset``
+  and ``get_reward`` -- a method named ``close`` or ``get_metrics`` is a tool like any other -- its schema from its
+  signature and docstring, as ``rl.tools``' functions. What a method raises is the tool's answer to the model.
+- ``get_reward()``, if the class has it, scores the episode after its last turn: one more reward beside
+  ``rl.reward_fn``'s, at weight 1, logged as ``reward/<ClassName>``; ``None`` is no reward for that episode (as TRL
+  has it: nothing added); a non-finite number or an exception is an error naming it.
+- ``async def`` tools and an async ``get_reward`` (remote environments' adapters) are awaited.
+- Everything of one episode -- building it, ``reset``, its tools in the order the model called them,
+  ``get_reward``, its metrics and its clean-up -- runs on one thread of the episode's own
+  (:class:`~syncwise.rl.env.threads.OwnThread`), as TRL runs them on one: what ``reset`` opens (a sqlite
+  connection) works in the tools. Different episodes run side by side.
+- syncwise's own additions, under names TRL never takes for a tool: a ``metrics`` attribute or property (a dict
+  of numbers), logged as ``env/<name>`` (its mean over the step's episodes); and, for a class that is a context
+  manager (``__enter__`` / ``__exit__``), the episode runs inside it -- entered before ``reset``, exited once the
+  episode is scored, also when anything failed.
+"""
 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 from .loader import load_function
+from .threads import OwnThread
 from .tools import Tool, tool_schema
 
-# Methods of the class that are not tools
-RESERVED = ("reset", "get_reward", "get_metrics", "close")
+# TRL's: the methods of the class that are not tools
+RESERVED = ("reset", "get_reward")
+
+
+def tool_methods(cls: type) -> list[str]:
+    """The names of ``cls``'s tools as TRL finds them (``inspect.getmembers(instance, inspect.ismethod)`` but
+    ``reset``, ``get_reward`` and private names): instance methods and class methods, not static methods, not
+    properties or other attributes."""
+    names = []
+    for name in dir(cls):
+        if name.startswith("_") or name in RESERVED:
+            continue
+        member = inspect.getattr_static(cls, name)
+        if isinstance(member, classmethod) or (inspect.isfunction(member) and not isinstance(member, staticmethod)):
+            names.append(name)
+    return names
 
 
 class EnvironmentClass:
@@ -31,8 +59,7 @@ class EnvironmentClass:
         if not callable(getattr(cls, "reset", None)):
             raise ValueError(f"rl.environment: {path!r} has no reset method (reset(**row) starts an episode)")
         self.cls, self.name = cls, cls.__name__
-        methods = [name for name, member in inspect.getmembers(cls, inspect.isfunction)
-                   if not name.startswith("_") and name not in RESERVED]
+        methods = tool_methods(cls)
         if not methods:
             raise ValueError(f"rl.environment: {path!r} has no tool methods (public methods besides "
                              f"{', '.join(RESERVED)}); the model needs something to call")
@@ -41,6 +68,7 @@ class EnvironmentClass:
         self.reset_needs = [name for name, p in inspect.signature(cls.reset).parameters.items()
                             if name != "self" and p.default is p.empty
                             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        self.context_manager = callable(getattr(cls, "__enter__", None)) and callable(getattr(cls, "__exit__", None))
 
     @property
     def scores(self) -> bool:
@@ -62,29 +90,62 @@ class EnvironmentClass:
 
 class ClassEpisode:
     """One conversation's instance of an :class:`EnvironmentClass`, as the
-    :class:`~syncwise.rl.env.base.Environment` protocol."""
+    :class:`~syncwise.rl.env.base.Environment` protocol, everything of it on its own thread."""
 
     def __init__(self, spec: EnvironmentClass, functions: dict[str, Tool] | None = None):
-        self.spec, self.instance = spec, spec.cls()
-        own = {name: Tool(name, getattr(self.instance, name), schema) for name, schema in spec.schemas.items()}
+        self.spec = spec
+        self.thread = OwnThread(f"syncwise-episode-{spec.name}")
+        self.instance = self.thread.call(spec.cls)
+        self.entered = False
+        own = {name: Tool(name, getattr(self.instance, name), schema, self.thread)
+               for name, schema in spec.schemas.items()}
         self._tools = {**(functions or {}), **own}  # rl.tools' functions beside the episode's methods
 
     def start(self, row: dict[str, Any]) -> str | None:
-        opening = self.instance.reset(**row)
+        if self.spec.context_manager:
+            self.thread.call(self.instance.__enter__)
+            self.entered = True
+        opening = self.thread.call(self.instance.reset, **row)
         return None if opening is None else str(opening)
 
     def tools(self) -> dict[str, Tool]:
         return self._tools
 
     def reward(self) -> float | None:
+        """``get_reward()``'s number; None where the class has none, where it says None (TRL: no reward), or
+        where a call of the episode still hangs on its thread (its state is mid-call: nothing to ask)."""
         get_reward = getattr(self.instance, "get_reward", None)
-        return None if get_reward is None else float(get_reward())
+        if get_reward is None or self.thread.stuck_in() is not None:
+            return None
+        where = f"rl.environment: {self.spec.name}.get_reward()"
+        try:
+            value = self.thread.call(get_reward)
+        except Exception as exc:  # the user's code: any exception
+            raise ValueError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+        if value is None:
+            return None
+        try:
+            number = float(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where} returned {value!r}, not a number (None for no reward)") from exc
+        if not math.isfinite(number):
+            raise ValueError(f"{where} returned {number}; a reward must be a finite number (None for no reward)")
+        return number
 
     def metrics(self) -> dict[str, float]:
-        get_metrics = getattr(self.instance, "get_metrics", None)
-        return {} if get_metrics is None else {str(k): float(v) for k, v in dict(get_metrics()).items()}
+        """The ``metrics`` attribute's numbers (a method of that name is a tool, as TRL has it: not read)."""
+        if self.thread.stuck_in() is not None:
+            return {}
+        found = self.thread.call(getattr, self.instance, "metrics", None)
+        if found is None or callable(found):
+            return {}
+        return {str(k): float(v) for k, v in dict(found).items()}
 
     def close(self) -> None:
-        close = getattr(self.instance, "close", None)
-        if close is not None:
-            close()
+        """The episode is over: its context exited (a context-manager class), its thread ended."""
+        try:
+            if self.entered and self.thread.stuck_in() is None:
+                self.entered = False
+                self.thread.call(self.instance.__exit__, None, None, None)
+        finally:
+            self.thread.close()

@@ -21,7 +21,7 @@ Built in (:mod:`syncwise.tools`): ``rl.tools=[calculator]``, exact arithmetic on
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import inspect
 import json
 import queue
@@ -34,9 +34,10 @@ from typing import Any
 
 from ...tools import BUILTIN_TOOLS
 from .loader import load_function
+from .threads import Job, OwnThread
 
 # What a tool call can go wrong with (each counted as rollout/tool_errors/<kind>; their sum: rollout/tool_errors)
-ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "exception", "timeout", "step_timeout", "non_text")
+ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "exception", "timeout", "step_timeout", "hung", "non_text")
 # What a call's answer can be beside an error (counted, not errors): JSON (a dict, None, a number), cut
 ANSWER_KINDS = ("json_answers", "truncated_answers")
 
@@ -46,6 +47,7 @@ class Tool:
     name: str
     fn: Callable[..., Any]
     schema: dict[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
+    thread: OwnThread | None = None  # the thread it must run on (an episode's own); None: a thread per call
 
 
 def tool_schema(fn: Callable[..., Any], label: str) -> dict[str, Any]:
@@ -101,10 +103,6 @@ class ToolLimits:
     workers: int = 8  # calls at a time
 
 
-class ToolCancelled(BaseException):
-    """Raised in an abandoned call's thread: a BaseException, so the tool's ``except Exception`` lets it by."""
-
-
 # One call: the tools of its episode, the name called, the arguments as parsed
 Call = tuple[dict[str, Tool], str, Any]
 
@@ -115,58 +113,103 @@ class ToolRunner:
     def __init__(self, limits: ToolLimits):
         self.limits = limits
         self.spent = 0.0  # this step's seconds in tools (wall clock, however many ran at once)
+        # calls given up on whose threads still run (blocked in C): per tool (its function, whichever episode's
+        # instance it is bound to), pruned as they come back
+        self.hanging: dict[Any, list[Job]] = {}
         ToolOutput.install()
 
     def new_step(self) -> None:
         self.spent = 0.0
 
     def run(self, calls: list[Call]) -> list[ToolResult]:
-        """Every call's result, in order: up to ``workers`` at a time (over every episode of the rank), each
-        within the call's limit and all within what is left of the step's."""
+        """Every call's result, in order: up to ``workers`` at a time (over every episode of the rank; one
+        episode's calls one after another, on its own thread), each within the call's limit and all within what
+        is left of the step's."""
         started = time.perf_counter()
         step_deadline = started + max(self.limits.step_timeout_s - self.spent, 0.0)
         results: list[ToolResult | None] = [None] * len(calls)
         finished: queue.Queue = queue.Queue()
-        waiting = list(range(len(calls)))
-        running: dict[int, tuple[threading.Thread, float, float]] = {}  # index -> (thread, start, deadline)
-        while waiting or running:
-            while waiting and len(running) < self.limits.workers:
-                i = waiting.pop(0)
-                now = time.perf_counter()
-                tools, name, arguments = calls[i]
-                early = _check(tools, name, arguments)
-                if early is not None:
-                    results[i] = early
-                elif now >= step_deadline:
-                    results[i] = self._step_spent(name)
-                else:
-                    thread = threading.Thread(target=_call, args=(i, tools[name], arguments, finished), daemon=True,
-                                              name=f"syncwise-tool-{name}")
-                    running[i] = (thread, now, min(now + self.limits.timeout_s, step_deadline))
-                    thread.start()
+        lanes: dict[int, list[int]] = {}  # an episode's own thread (or a call of a plain function alone) -> calls
+        for i, (tools, name, _) in enumerate(calls):
+            thread = tools[name].thread if name in tools else None
+            lanes.setdefault(id(thread) if thread is not None else -1 - i, []).append(i)
+        running: dict[int, tuple[Job, OwnThread, float, float]] = {}  # lane -> (its call, thread, start, deadline)
+        while any(lanes.values()) or running:
+            for lane, waiting in lanes.items():
+                if len(running) >= self.limits.workers:
+                    break
+                while waiting and lane not in running:
+                    self._start(calls, waiting.pop(0), lane, results, finished, running, step_deadline)
             if not running:
                 continue
             try:
-                i, value, failure = finished.get(timeout=max(min(d for _, _, d in running.values())
-                                                              - time.perf_counter(), 0.0))
+                job = finished.get(timeout=max(min(d for *_, d in running.values()) - time.perf_counter(), 0.0))
             except queue.Empty:
-                self._expire(calls, running, results, step_deadline)
+                self._expire(calls, lanes, running, results, step_deadline)
                 continue
-            if i in running:  # not abandoned already
-                _, start, _ = running.pop(i)
-                results[i] = self._answer(value, failure, time.perf_counter() - start)
+            lane, i = job.tag
+            if lane in running and running[lane][0] is job:  # not given up on already
+                start = running.pop(lane)[2]
+                results[i] = self._answer(job.value, job.failure, time.perf_counter() - start)
         self.spent += time.perf_counter() - started
         return results
 
-    def _expire(self, calls, running, results, step_deadline: float) -> None:
-        """Abandon the calls past their deadline: their answer is the limit they ran into."""
+    def _start(self, calls: list[Call], i: int, lane: int, results: list, finished: queue.Queue,
+               running: dict, step_deadline: float) -> None:
+        """Call ``i`` started on its thread, or answered at once: it cannot run, the step's budget is spent, or
+        what it would run on still hangs in an earlier call."""
+        tools, name, arguments = calls[i]
         now = time.perf_counter()
-        for i, (thread, start, deadline) in list(running.items()):
+        results[i] = _check(tools, name, arguments)
+        if results[i] is not None:
+            return
+        if now >= step_deadline:
+            results[i] = self._step_spent(name)
+            return
+        tool = tools[name]
+        results[i] = self._hangs(tool)
+        if results[i] is not None:
+            return
+        thread = tool.thread or OwnThread(f"syncwise-tool-{name}")
+        try:
+            job = thread.submit(tool.fn, report_to=finished, tag=(lane, i), around=lambda: ToolOutput.calling(name),
+                                **arguments)
+        except RuntimeError as exc:  # no thread to be had (the machine's limit): the call's answer, not the job's end
+            results[i] = ToolResult(f"error: {name} could not be started: {exc}", "exception", 0.0)
+            return
+        if tool.thread is None:
+            thread.close()  # its one call, then it ends
+        running[lane] = (job, thread, now, min(now + self.limits.timeout_s, step_deadline))
+
+    def _hangs(self, tool: Tool) -> ToolResult | None:
+        """The answer for a call not made because an earlier one still hangs -- cancelled a call's time ago or more
+        and not back (blocked in C): this episode's own thread is stuck in one, or ``workers`` of this tool's calls
+        are (a tool that keeps hanging is called no more until they end: its threads stay bounded)."""
+        grace = self.limits.timeout_s  # a cancelled call that has not stopped within a call's time again hangs
+        if tool.thread is not None and (stuck := tool.thread.stuck_in(grace)) is not None:
+            return ToolResult(f"error: {tool.name} was not called: this episode's earlier call of {stuck.tag[2]} "
+                              f"still hangs, cancelled past rl.tool_timeout_s={self.limits.timeout_s:g} s", "hung", 0.0)
+        key = _function_of(tool)
+        alive = self.hanging[key] = [job for job in self.hanging.get(key, []) if not job.done.is_set()]
+        now = time.perf_counter()
+        if sum(now - job.cancelled_at >= grace for job in alive) >= self.limits.workers:
+            return ToolResult(f"error: {tool.name} was not called: {len(alive)} of its earlier calls still hang, "
+                              f"cancelled past rl.tool_timeout_s={self.limits.timeout_s:g} s", "hung", 0.0)
+        return None
+
+    def _expire(self, calls: list[Call], lanes: dict, running: dict, results: list, step_deadline: float) -> None:
+        """Give up on the calls past their deadline: their answer is the limit they ran into; each is cancelled
+        where Python can stop it, and one still running is counted as hanging."""
+        now = time.perf_counter()
+        for lane, (job, thread, start, deadline) in list(running.items()):
             if now < deadline:
                 continue
-            del running[i]
-            _raise_in(thread, ToolCancelled)  # abandoned: stopped where Python can stop it
+            del running[lane]
+            i = job.tag[1]
             name = calls[i][1]
+            job.abandoned, job.cancelled_at, job.tag = True, now, (lane, i, name)
+            thread.cancel(job)
+            self.hanging.setdefault(_function_of(calls[i][0][name]), []).append(job)
             if deadline < start + self.limits.timeout_s:  # the step's budget ran out first
                 results[i] = self._step_spent(name, now - start)
             else:
@@ -204,6 +247,11 @@ def run_tool(tools: dict[str, Tool], name: str, arguments: Any, timeout_s: float
     return ToolRunner(ToolLimits(timeout_s=timeout_s)).run([(tools, name, arguments)])[0]
 
 
+def _function_of(tool: Tool) -> Any:
+    """What a tool runs, the same for every episode's instance (a bound method's function)."""
+    return getattr(tool.fn, "__func__", tool.fn)
+
+
 def _check(tools: dict[str, Tool], name: str, arguments: Any) -> ToolResult | None:
     """The answer for a call that cannot run (no such tool, arguments that do not fit), else None."""
     tool = tools.get(name)
@@ -220,34 +268,14 @@ def _check(tools: dict[str, Tool], name: str, arguments: Any) -> ToolResult | No
     return None
 
 
-def _call(i: int, tool: Tool, arguments: dict, finished: queue.Queue) -> None:
-    """One call, on its own thread: whatever it raises (SystemExit too) is its failure."""
-    try:
-        ToolOutput.current.name = tool.name
-        try:
-            value, failure = tool.fn(**arguments), None
-        except ToolCancelled:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - a tool's exit, or anything else, is its answer
-            value, failure = None, exc
-        finally:
-            ToolOutput.current.name = None
-        finished.put((i, value, failure))
-    except ToolCancelled:
-        return  # abandoned: its answer was given already
-
-
-def _raise_in(thread: threading.Thread, exception: type[BaseException]) -> None:
-    """Raise ``exception`` in ``thread`` at its next bytecode (CPython's asynchronous exception)."""
-    if thread.ident is not None and thread.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exception))
-
-
 class ToolOutput:
     """``sys.stdout`` / ``sys.stderr`` as a tool's thread sees them: each line it prints says which tool
-    printed it (the job's own lines pass as they are). Installed once per process."""
+    printed it, written whole (a line begun by one call never takes another's text: calls side by side print
+    line by line), the last unfinished one at the call's end; the job's own lines pass as they are. Installed
+    once per process."""
 
     current = threading.local()
+    _lock = threading.Lock()
 
     def __init__(self, stream):
         self.stream = stream
@@ -259,18 +287,34 @@ class ToolOutput:
             if not isinstance(stream, cls) and stream is not None:
                 setattr(sys, attr, cls(stream))
 
+    @classmethod
+    @contextlib.contextmanager
+    def calling(cls, name: str):
+        """Within the block this thread's prints are tool ``name``'s; what is left of a line is written at its end."""
+        cls.current.name, cls.current.pending = name, {}
+        try:
+            yield
+        finally:
+            pending, cls.current.name, cls.current.pending = cls.current.pending, None, {}
+            for stream, text in pending.items():
+                if text:
+                    stream._write_lines(name, text + "\n")
+
     def write(self, text: str) -> int:
         name = getattr(self.current, "name", None)
         if name is None:
             return self.stream.write(text)
-        out = []
-        for piece in text.splitlines(keepends=True):
-            if getattr(self.current, "line_start", True):  # per thread: each call's own lines
-                out.append(f"[tool {name}] ")
-            out.append(piece)
-            self.current.line_start = piece.endswith("\n")
-        self.stream.write("".join(out))
+        pending = self.current.pending
+        whole, _, rest = (pending.get(self, "") + text).rpartition("\n")
+        pending[self] = rest
+        if whole:
+            self._write_lines(name, whole + "\n")
         return len(text)
+
+    def _write_lines(self, name: str, text: str) -> None:
+        lines = "".join(f"[tool {name}] {line}" for line in text.splitlines(keepends=True))
+        with self._lock:
+            self.stream.write(lines)
 
     def __getattr__(self, attr: str):
         return getattr(self.stream, attr)

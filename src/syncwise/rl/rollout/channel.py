@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...runtime.job_store import SignedStore, job_secret
 from ...runtime.roles import JobRoles, weights_group
-from ...runtime.signed_store import SignedStore, job_secret
 from .queue import ScoredBatch
 
 END = "end"

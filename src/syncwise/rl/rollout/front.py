@@ -93,11 +93,12 @@ class RolloutResult:
         for episode in self.episodes:
             try:
                 episode.close()
-            except Exception as exc:  # noqa: BLE001 - the user's close(): the others still close
+            except Exception as exc:  # noqa: BLE001 - the user's clean-up (__exit__): the others still close
                 errors.append(exc)
         self.episodes = []
         if errors:
-            raise RuntimeError(f"rl.environment: close() raised {type(errors[0]).__name__}: {errors[0]}") from errors[0]
+            raise RuntimeError(f"rl.environment: the episode's __exit__ raised {type(errors[0]).__name__}: "
+                               f"{errors[0]}") from errors[0]
 
     @property
     def responses(self) -> list[Any]:

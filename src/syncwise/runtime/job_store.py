@@ -1,8 +1,10 @@
-"""Messages through the job's store, signed with a secret only the job's ranks hold.
+"""The job's rendezvous store: hosted on loopback by the local launcher (:func:`host_store`), the launcher's go to
+the ranks once its checks have passed (:func:`say_go`, :func:`wait_for_go`), and messages signed with a secret only
+the job's ranks hold (:class:`SignedStore`).
 
-The rendezvous store (a ``TCPStore``) has no authentication: anything that reaches its port can write any key. The
-local launcher binds it to loopback, and the ``python`` tool's sandbox has no network of its own, but another
-process of the machine could still connect. So what the ranks tell each other through it -- the launcher's go,
+The store (a ``TCPStore``) has no authentication: anything that reaches its port can write any key. The local
+launcher binds it to loopback, and the ``python`` tool's sandbox has no network of its own, but another process of
+the machine could still connect. So what the ranks tell each other through it -- the launcher's go,
 the rollout ranks' messages, weights' descriptions, scored batches and snapshots -- carries an HMAC-SHA256 of its
 key and value under the job's secret (:data:`SECRET_ENV`: the local launcher makes one per job; under torchrun,
 set the same value on every node), and a value that does not verify stops the job in one line naming its key.
@@ -16,10 +18,14 @@ import hashlib
 import hmac
 import os
 import secrets
+import socket
+from datetime import timedelta
 
 import torch.distributed as dist
 
 SECRET_ENV = "SYNCWISE_JOB_SECRET"
+GO_KEY = "syncwise/go"  # set in the job's store once the launcher's checks have passed
+GO_TIMEOUT_S = 3600.0  # the checks read the user's files (a prompt file is tokenised whole): never cut short
 _MAC_BYTES = hashlib.sha256().digest_size
 
 
@@ -70,3 +76,32 @@ class SignedStore:
 
     def delete_key(self, key: str) -> bool:
         return self.store.delete_key(key)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def host_store() -> dist.TCPStore:
+    """The job's rendezvous store, hosted here as torchrun's agent hosts it: bound to a port the kernel picks
+    and held, so another job starting on this machine at the same moment cannot take it (a port chosen free
+    and then bound by rank 0 can be taken in between). On loopback only: ``TCPStore`` given a port listens on
+    every interface whatever host it is told, so it is handed a socket bound to 127.0.0.1 instead."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1024)
+    port = listener.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
+
+
+def say_go(store: dist.Store, secret: str) -> None:
+    """The launcher: its checks have passed, the ranks may start their work."""
+    SignedStore(store, secret.encode()).set(GO_KEY, "1")
+
+
+def wait_for_go(port: int) -> None:
+    """A rank: wait until the launcher says go (this rank's job secret checks it is the launcher's)."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=GO_TIMEOUT_S))
+    SignedStore(store, job_secret()).get(GO_KEY)
