@@ -20,8 +20,10 @@ import os
 import secrets
 import socket
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:  # torch only once a job starts: the command line answers --help and config errors without it
+    import torch.distributed as dist
 
 SECRET_ENV = "SYNCWISE_JOB_SECRET"
 GO_KEY = "syncwise/go"  # set in the job's store once the launcher's checks have passed
@@ -89,6 +91,8 @@ def host_store() -> dist.TCPStore:
     and held, so another job starting on this machine at the same moment cannot take it (a port chosen free
     and then bound by rank 0 can be taken in between). On loopback only: ``TCPStore`` given a port listens on
     every interface whatever host it is told, so it is handed a socket bound to 127.0.0.1 instead."""
+    import torch.distributed as dist
+
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(1024)
@@ -103,5 +107,7 @@ def say_go(store: dist.Store, secret: str) -> None:
 
 def wait_for_go(port: int) -> None:
     """A rank: wait until the launcher says go (this rank's job secret checks it is the launcher's)."""
+    import torch.distributed as dist
+
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=GO_TIMEOUT_S))
     SignedStore(store, job_secret()).get(GO_KEY)

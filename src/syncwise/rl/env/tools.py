@@ -187,7 +187,7 @@ class ToolRunner:
         are (a tool that keeps hanging is called no more until they end: its threads stay bounded)."""
         grace = self.limits.timeout_s  # a cancelled call that has not stopped within a call's time again hangs
         if tool.thread is not None and (stuck := tool.thread.stuck_in(grace)) is not None:
-            return ToolResult(f"error: {tool.name} was not called: this episode's earlier call of {stuck.tag[2]} "
+            return ToolResult(f"error: {tool.name} was not called: this episode's earlier call of {stuck.fn.__name__} "
                               f"still hangs, cancelled past rl.tool_timeout_s={self.limits.timeout_s:g} s", "hung", 0.0)
         key = _function_of(tool)
         alive = self.hanging[key] = [job for job in self.hanging.get(key, []) if not job.done.is_set()]
@@ -207,7 +207,7 @@ class ToolRunner:
             del running[lane]
             i = job.tag[1]
             name = calls[i][1]
-            job.abandoned, job.cancelled_at, job.tag = True, now, (lane, i, name)
+            job.abandoned, job.cancelled_at = True, now
             thread.cancel(job)
             self.hanging.setdefault(_function_of(calls[i][0][name]), []).append(job)
             if deadline < start + self.limits.timeout_s:  # the step's budget ran out first
