@@ -93,3 +93,20 @@ def test_the_tools_recipe_runs_as_written(tmp_path):
     assert "multi-turn with environment GuessNumber: tools guess" in proc.stdout
     rows = [json.loads(line) for line in (tmp_path / "runs" / "grpo_guess" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all("env/guesses" in r and "env/solved" in r for r in rows)
+
+
+def test_the_quickstart_prints_the_readme_numbers(tmp_path):
+    """Issue 62 (9): the README's default-job numbers had gone stale (0.379 -> 0.926 quoted, 0.373 -> 0.888
+    printed). `syncwise train` as `make demo` runs it, in a scratch folder: its summary line is the README's, in
+    the quoted output and in the text (the job times nothing it decides from: the same numbers every run; 0.005
+    left for another CPU's vector width)."""
+    text = README.read_text()
+    quoted = re.search(r"mean reward: first 10 steps ([\d.]+), last 10 steps ([\d.]+);", text).groups()
+    said = re.search(r"\*\*mean reward ([\d.]+) over the first 10 steps, ([\d.]+) over the last 10\*\*", text).groups()
+    assert quoted == said
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "train"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = re.search(r"mean reward: first 10 steps ([\d.]+), last 10 steps ([\d.]+);", proc.stdout).groups()
+    for got, want in zip(printed, quoted, strict=True):
+        assert abs(float(got) - float(want)) <= 0.005, (printed, quoted)
