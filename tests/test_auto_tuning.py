@@ -84,11 +84,43 @@ def test_a_smaller_budget_moves_the_choice_to_a_smaller_cap_or_the_fused_head(ru
     assert tight[0] <= mid[0] and (tight[1] == 1.0 or tight[0] < mid[0])
 
 
-def test_the_predicted_peak_of_the_choice_is_within_10_percent_of_the_measured(runs):
-    for budget, steps in runs[0]["runs"].items():
-        chosen = steps[1]  # the step after the decision is measured (sync.peak_every=1)
-        assert chosen["memory/peak_measured"] == 1
-        assert chosen["memory/predicted_peak_bytes"] == pytest.approx(chosen["memory/peak_bytes"], rel=0.10), budget
+def test_the_step_after_each_decision_peaks_at_most_at_its_prediction_and_within_10_percent(runs):
+    """Issue 59 (3): a prediction below the peak is the out-of-memory surprise auto exists to prevent. For the step
+    after each decision -- every budget, the job again, with its caps timed, and the step after stepping down --
+    predicted / measured is in [1.00, 1.10] (the peak of the measured steps; a step on trial is not measured)."""
+    for rank in runs:
+        decided = [steps[1] for steps in rank["runs"].values()] + [rank["again"][1], rank["timed"][1]]
+        stepped = rank["stepped"]
+        decided += [stepped[i + 1] for i, s in enumerate(stepped[:-1]) if "stepping down" in s["sync/decision"]]
+        for step in decided:
+            assert step["memory/peak_measured"] == 1
+            ratio = step["memory/predicted_peak_bytes"] / step["memory/peak_bytes"]
+            assert 1.0 <= round(ratio, 3) <= 1.10, (ratio, step["sync/mode"], step["engine/max_tokens_per_micro_batch"])
+
+
+def test_a_micro_batch_that_took_more_than_the_model_scales_the_model_up_never_down():
+    """Where the measured micro-batch took more than the activation model gives it (a GPU allocator's rounding, a
+    kernel's copies), every setting's activations are scaled up by that ratio; where it took less, the model stays
+    (its error differs by setting: scaled down, the chosen setting was predicted below its peak)."""
+    import torch
+
+    from syncwise.engine.tuning import ActivationModel, Tuning
+    from syncwise.models import preset_config
+
+    def tuning() -> Tuning:
+        model = ActivationModel(preset_config("qwen2-tiny"), "float32", False, 1024, True, False, 1000, 2000)
+        return Tuning((False, True), True, True, True, 0.0, model, None, 2, 1, (1024, 256), torch.float32,
+                      torch.device("cpu"), 60.0)
+
+    under = tuning()
+    modelled = under.activation_bytes(512, True)
+    under._scale_to((512, int(modelled * 1.3)), True)
+    assert under.activations.scale == pytest.approx(1.3, rel=1e-6) and under.activations.measured_ratio > 1.29
+    assert under.activation_bytes(2048, False) == pytest.approx(1.3 * tuning().activation_bytes(2048, False), rel=1e-6)
+    over = tuning()
+    over._scale_to((512, int(modelled * 0.8)), True)
+    assert over.activations.scale == 1.0 and over.activations.measured_ratio == pytest.approx(0.8, rel=1e-6)
+    assert over.activation_bytes(2048, False) == tuning().activation_bytes(2048, False)
 
 
 def test_a_later_peak_over_the_budget_steps_down_and_never_back_up(runs):

@@ -110,3 +110,7 @@ def test_the_quickstart_prints_the_readme_numbers(tmp_path):
     printed = re.search(r"mean reward: first 10 steps ([\d.]+), last 10 steps ([\d.]+);", proc.stdout).groups()
     for got, want in zip(printed, quoted, strict=True):
         assert abs(float(got) - float(want)) <= 0.005, (printed, quoted)
+    # issue 59 (3): the step after auto's decision peaks at most at its prediction, and within 10% of it
+    decided = [json.loads(line) for line in (tmp_path / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()][1]
+    assert decided["memory/peak_measured"] == 1
+    assert 1.0 <= round(decided["memory/predicted_peak_bytes"] / decided["memory/peak_bytes"], 3) <= 1.10

@@ -66,6 +66,8 @@ class MemoryGovernor:
         self._state_to_come = 0  # optimizer state not yet allocated when the metered step began
         self._measure_next = False  # a true peak of the first step in a newly chosen setting
         self._layer_sample: tuple[int, int] | None = None  # (bytes, tokens) one decoder layer saved, first step
+        # (positions, bytes) the largest micro-batch of the step auto decides from took over what was in use before it
+        self._microbatch_sample: tuple[int, int] | None = None
         self.auto: AutoSync | None = None
         self.tuning = tuning  # the LM head's path and the token cap, where auto chooses them too
         self.own_budget = 0  # this rank's budget; auto uses the minimum over ranks
@@ -135,9 +137,17 @@ class MemoryGovernor:
             return None, 0
         if isinstance(meter, CalibratingMeter):
             self._layer_sample = meter.layer.sample
+        if meter is not None and self.auto is not None and not self.auto.decided:
+            self._microbatch_sample = meter.largest_microbatch()
         if meter is not None:
-            peak = meter.peak + self._state_to_come
-            backward = meter.backward_peak + self._state_to_come if meter.backward_peak is not None else peak
+            # the optimizer state the first step creates in its optimizer step: absent from its forward/backward
+            # peak (added), present in the optimizer step's own (as measured; adding it there counted it twice:
+            # torch 2.11's AdamW peaked in its first step and auto's floor came out 1.7x the next step's peak)
+            if meter.backward_peak is None:
+                peak = backward = meter.peak + self._state_to_come
+            else:
+                backward = meter.backward_peak + self._state_to_come
+                peak = max(backward, meter.peak)
             result.metrics[BACKWARD_PEAK] = float(backward)
             return peak, 1
         n = result.num_microbatches
@@ -175,8 +185,8 @@ class MemoryGovernor:
         decisions, current = len(self.auto.decisions), self.auto.mode
         shape = None
         if not self.auto.decided:  # sized from this step (and its decoder layer's measured activations)
-            shape = (self.tuning.shape(batch, n, largest_tokens, self._layer_sample) if self.tuning
-                     else StepShape.fixed(n))
+            shape = (self.tuning.shape(batch, n, largest_tokens, self._layer_sample, self._microbatch_sample,
+                                       current.fused_head) if self.tuning else StepShape.fixed(n))
         activations = self.tuning.activation_bytes(largest_tokens, current.fused_head) if self.tuning else 0
         trial = False
         if self.auto.decided:
@@ -191,8 +201,10 @@ class MemoryGovernor:
             held = peak - activations  # what the measured step held besides its micro-batch's activations
             if held > budget:
                 raise ValueError(self._budget_error(budget, held, "parameters, gradients, optimizer state, buffers"))
-            next_mode = self.auto.decide(peak, current, shape, activations, backward_peak=backward_peak,
-                                         measured_microbatches=n)
+            ratio = self.tuning.activations.measured_ratio if self.tuning and self.tuning.activations else 0.0
+            source = f"measured (activations {ratio:.2f}x the model's)" if ratio else "measured"
+            next_mode = self.auto.decide(peak, current, shape, activations, source=source,
+                                         backward_peak=backward_peak, measured_microbatches=n)
         if next_mode != current:  # the base of the estimated steps, until a step measures it
             self.base_peak = self.auto.peak_of(next_mode) - self.estimator.peak_extra_bytes(
                 next_mode.choice, self.auto.shape.microbatches[next_mode.cap])
