@@ -195,3 +195,33 @@ def test_bench_rl_profile_has_the_default_step_beside_the_fixed_ones(tmp_path):
                   "the defaults (LM head and token cap auto)"):
         assert label in text
     assert text.count("aten::mm") >= 3 and text.count("Self CPU time total") == 3
+
+
+def test_the_gpu_workload_runs_its_parts_on_a_cpu(tmp_path):
+    """Issue 59 (4): `syncwise bench --workload gpu` is written to run first time on a GPU; here every part but
+    CUDA itself runs (--quick on a machine without CUDA): the engine rows -- the defaults, fixed caps with either
+    head, activation checkpointing, padded rows and the hand-written loop -- with tokens/s, useful FLOP/s against
+    the GEMM rate of the same run and auto's prediction, then the GRPO rows; one report. Without --quick, one
+    line and exit 2."""
+    from cli_harness import run_cli
+    from syncwise.jobs.bench.gpu import DEFAULTS, GPU_CONFIGS
+
+    refused = run_cli(["bench", "--workload", "gpu", "--out", str(tmp_path / "no")])
+    assert refused.returncode == 2 and refused.stderr.startswith("syncwise: error: bench --workload gpu needs a CUDA")
+    out = tmp_path / "gpu"
+    command = [sys.executable, "-m", "syncwise", "bench", "--workload", "gpu", "--quick", "--out", str(out)]
+    proc = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads((out / "bench_gpu.json").read_text())
+    assert data["cuda_tests"] == {"skipped": "no CUDA device: the CPU check"}
+    rows = {r["config"]: r for r in data["records"]}
+    assert list(rows) == list(GPU_CONFIGS)
+    for r in rows.values():
+        assert r["step_s"] > 0 and r["real_tokens_per_s"] > 0 and 0 < r["fraction_of_gemm"] < 1
+        assert r["useful_flops_per_s"] == pytest.approx(r["useful_flops_per_step"] / r["step_s"])
+    assert 1.0 <= round(rows[DEFAULTS]["predicted_over_measured"], 3) <= 1.10
+    assert list(data["grpo"]) == ["compact sampler, balanced"]
+    table = (out / "bench_gpu.md").read_text()
+    assert "| qwen2-tiny | hand-written packed FSDP2 loop" in table and "GRPO steps" in table
+    assert "the defaults' real tokens/s over the hand-written loop's" in table

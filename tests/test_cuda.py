@@ -1,9 +1,7 @@
 """On a CUDA device (skipped elsewhere): NCCL, the allocator's peak every step, CPU offload of FSDP2
-parameters -- whose gradient norm must travel on the device, since NCCL takes no CPU tensor.
-
-The GPU machine lent to this project has torch 2.11, below the supported floor (fsdp_internals.MIN_TORCH);
-``SYNCWISE_TEST_TORCH_FLOOR=1`` lowers the floor inside these ranks so the CUDA paths can still be
-exercised there."""
+parameters -- whose gradient norm must travel on the device, since NCCL takes no CPU tensor -- and packed rows
+through torch's variable-length kernel (on torch 2.11, which takes no ``enable_gqa``, with the key / value heads
+repeated). ``syncwise bench --workload gpu`` runs them first."""
 
 from __future__ import annotations
 
@@ -20,12 +18,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def cuda_suite(info) -> dict:
-    import os
-
-    from syncwise.sync import fsdp_internals
-
-    if os.environ.get("SYNCWISE_TEST_TORCH_FLOOR") == "1":
-        fsdp_internals.MIN_TORCH = fsdp_internals.torch_version()
     out = {"device": str(info.device)}
     params = {}
     for offload in (False, True):

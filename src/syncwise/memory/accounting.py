@@ -230,7 +230,8 @@ class PeakMeter:
         # each micro-batch's (positions, its own peak over what was in use when it began): what its activations
         # and the bytes in flight beside them really took, as the allocator or the tracker counts them
         self.microbatches: list[tuple[int, int]] = []
-        self._open: tuple[int, int] | None = None  # the micro-batch under way: (positions, in use at its start)
+        # the micro-batch under way: (positions, in use at its start, gradient bytes at its start)
+        self._open: tuple[int, int, int] | None = None
         self._earlier_peak = 0  # the block's peak before the micro-batch under way
 
     @staticmethod
@@ -266,7 +267,7 @@ class PeakMeter:
             self._tracker.reset_mod_stats()
         self._earlier_peak = self._peak_so_far()
         self._restart_peak()
-        self._open = (positions, self._in_use())
+        self._open = (positions, self._in_use(), grad_bytes(self.model))
 
     def mark_backward_end(self) -> None:
         """The forward/backward peak so far: what the step's setting (sync mode, head, micro-batch size)
@@ -275,14 +276,18 @@ class PeakMeter:
         self.backward_peak = self._peak_so_far()
 
     def largest_microbatch(self) -> tuple[int, int] | None:
-        """(positions, its peak over what was in use at its start) of the micro-batch with the most positions
-        (of those alike, the last: the first also allocates the step's gradients), None if none was measured."""
+        """(positions, its peak over what was in use at its start, less the gradients it left) of the micro-batch
+        with the most positions (of those alike, the last), None if none was measured."""
         return max(reversed(self.microbatches), key=lambda m: m[0], default=None)
 
     def _close_microbatch(self) -> None:
+        """The micro-batch's own peak, less the gradients it created that stay (the step's first micro-batch
+        allocates them, or a deferred one its accumulators): those are the sync mode's bytes, not activations --
+        counted as activations, a small model's tiny batch measured 1.8x the activation model."""
         if self._open is not None:
-            positions, start = self._open
-            self.microbatches.append((positions, max(self._current_peak() - start, 0)))
+            positions, start, grads = self._open
+            left = max(grad_bytes(self.model) - grads, 0)
+            self.microbatches.append((positions, max(self._current_peak() - start - left, 0)))
             self._open = None
 
     def _peak_so_far(self) -> int:

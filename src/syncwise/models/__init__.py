@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from ..config import LoraConfig, ModelConfig
 from .lora import apply_lora, base_model_of
 
-# Tiny shapes for CPU jobs, tests and benchmarks.
+# Tiny shapes for CPU jobs, tests and benchmarks; and two real ones for a GPU.
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.43M params: tests.
     "qwen2-test": dict(
@@ -50,6 +50,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-test": dict(
         model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    ),
+    # Real shapes, random weights (bench --workload gpu): Qwen2.5-0.5B and -1.5B as their configs have them.
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32768,
+        rope_theta=1000000.0,
+    ),
+    "qwen2.5-1.5b": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=32768,
+        rope_theta=1000000.0,
     ),
 }
 _COMMON = dict(max_position_embeddings=512, tie_word_embeddings=False)

@@ -86,19 +86,22 @@ class HandWrittenPackedLoop:
     (``set_requires_gradient_sync`` / ``set_reshard_after_backward`` / ``set_reshard_after_forward``), a
     token-mean ``log_softmax`` + ``gather`` loss, clipping at 1.0 and AdamW. No metering, audit or metrics."""
 
-    def __init__(self, preset: str, mode: str, max_tokens: int, info: DistInfo):
-        from torch.distributed.fsdp import fully_shard
+    def __init__(self, preset: str, mode: str, max_tokens: int, info: DistInfo, model: torch.nn.Module | None = None,
+                 param_dtype: torch.dtype = torch.float32):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from ...data import attention
         from ...models import decoder_layers
 
         cfg = load_config(None, [f"model.preset={preset}"])
-        self.model = build_model(cfg.model).to(info.device)
+        self.model = (model if model is not None else build_model(cfg.model)).to(info.device)
         attention.register()
         self.model.set_attn_implementation(attention.NAME)
+        # bf16 compute, fp32 master weights and reduction: as the engine's model.param_dtype=bfloat16
+        mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for layer in decoder_layers(self.model):
-            fully_shard(layer)
-        fully_shard(self.model)
+            fully_shard(layer, mp_policy=mixed)
+        fully_shard(self.model, mp_policy=mixed)
         if mode == "deferred_unsharded":  # as the engine with sync.unsharded_forward: never reshard after forward
             self.model.set_reshard_after_forward(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr)
