@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from dist_harness import run_distributed
 from scenarios_faults import bad_input_suite, missing_rank, nonfinite_suite
+from syncwise.models.loading import read_safetensors
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
@@ -79,6 +79,7 @@ def test_missing_rank_is_a_timeout_error_naming_rank_and_operation(tmp_path):
 GATE_REWARD = """
 import os, time
 from pathlib import Path
+from syncwise.models.loading import read_safetensors
 from syncwise.rl.env.tasks import TASKS
 
 _score = TASKS["target"]().reward_fn
@@ -140,7 +141,7 @@ def test_rank_killed_mid_run_restarts_from_latest_and_matches(tmp_path):
     stdout, stderr = job.communicate(timeout=600)
     assert job.returncode == 0, stderr[-3000:]
     assert "resumed from" in stdout, "the restarted workers continued from a checkpoint"
-    a = load_file(str(tmp_path / "clean" / "export" / "model.safetensors"))
-    b = load_file(str(out / "export" / "model.safetensors"))
+    a = read_safetensors(tmp_path / "clean" / "export")
+    b = read_safetensors(out / "export")
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from cli_harness import run_cli
 from syncwise.metrics import read_jsonl
+from syncwise.models.loading import read_safetensors
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 PPO = ["rl.algorithm=ppo", "train.progress=false", "rl.prompts_per_rank=4", "rl.samples_per_prompt=4",
@@ -35,7 +36,7 @@ def _train(out: Path, *overrides: str, check: bool = True) -> subprocess.Complet
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(folder / "model.safetensors"))
+    return read_safetensors(folder)
 
 
 @pytest.fixture(scope="module")

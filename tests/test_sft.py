@@ -18,6 +18,7 @@ from dist_harness import run_distributed
 from numerics import FP32_RTOL, assert_close
 from scenarios_sft import sft_suite
 from syncwise.metrics import read_jsonl
+from syncwise.models.loading import read_safetensors
 from syncwise.sft.tasks import write_example_data
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -82,8 +83,8 @@ def test_resume_mid_epoch_is_bit_identical(user):
     for a, b in zip(full, split, strict=True):  # (the first run also evaluated at its own end, step 5)
         for key in ("loss", "train/grad_norm", "token_accuracy", "data/epoch", *(("eval/loss",) * ("eval/loss" in a))):
             assert a[key] == b[key], (a["train/step"], key)
-    want, got = load_file(user["root"] / "full" / "export" / "model.safetensors"), load_file(
-        user["root"] / "split" / "export" / "model.safetensors")
+    want, got = read_safetensors(user["root"] / "full" / "export"), read_safetensors(
+        user["root"] / "split" / "export")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
@@ -102,7 +103,7 @@ def test_export_chats_with_transformers(user):
         out = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert out.shape[1] > prompt["input_ids"].shape[1]
     start = load_file(user["data"] / "model" / "model.safetensors")
-    trained = load_file(export / "model.safetensors")
+    trained = read_safetensors(export)
     assert any(not torch.equal(start[k], trained[k]) for k in start)
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from cli_harness import run_cli
 from syncwise.config import load_config, packaged_config
 from syncwise.metrics import read_jsonl
+from syncwise.models.loading import read_safetensors
 from syncwise.runtime.job_store import free_port
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -36,7 +36,7 @@ def _train(out: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedPr
 
 
 def _weights(export: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(export / "model.safetensors"))
+    return read_safetensors(export)
 
 
 @pytest.fixture(scope="module")

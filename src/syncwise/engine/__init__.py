@@ -71,7 +71,7 @@ class Engine:
         self.config = config.validate()
         self.info = info or init_distributed(config.dist.backend, config.dist.timeout_s)
         self.sync_mode = SyncMode(config.sync.mode)  # as configured; may be AUTO
-        raw = model if model is not None else build_model(config.model)
+        raw = model if model is not None else build_model(config.model, deferred=True)
         # What this model supports (packing, its attention kernel, the fused head, LoRA), decided once.
         self.features = features or model_features(raw, config, self.info.device, self.info.is_main)
         sharded = config.engine.strategy in SHARDED_STRATEGIES
@@ -299,11 +299,12 @@ class Engine:
             return full
         return self.features.lora_merge.merged(full)
 
-    def full_weights_by_unit(self) -> Iterator[dict[str, torch.Tensor]]:
+    def full_weights_by_unit(self, merge: bool = True) -> Iterator[dict[str, torch.Tensor]]:
         """Collective (every rank must consume it all): the model's unsharded weights one wrapping unit at a
-        time, keyed as the plain Hugging Face model's (LoRA merged) -- for refreshing the rollout copy with
-        one unit's extra memory instead of the whole model's (see :mod:`syncwise.engine.weights`)."""
-        return full_weights_by_unit(self.wrapped, self.features.lora_merge)
+        time, keyed as the plain Hugging Face model's (LoRA merged; ``merge=False``: peft's keys) -- for
+        refreshing the rollout copy and writing the export with one unit's extra memory instead of the whole
+        model's (see :mod:`syncwise.engine.weights`)."""
+        return full_weights_by_unit(self.wrapped, self.features.lora_merge if merge else None)
 
     def engine_state(self) -> dict[str, Any]:
         """Everything else a resumed run needs to continue exactly (JSON-serialisable): the step count, the LR

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import SHARDED_STRATEGIES, EngineConfig, ModelConfig
 from ..models import decoder_layer_classes, decoder_layers
+from ..models.loading import materialize, pending_of
 from ..runtime.distributed import rank_and_world
 from ..sync import fsdp_internals as fsdp
 
@@ -60,7 +61,9 @@ def wrap_model(
     device: torch.device,
     mesh: DeviceMesh | None,
 ) -> WrappedModel:
-    """Wrap ``model`` (fp32, on CPU, same weights on every rank) according to ``engine_cfg.strategy``."""
+    """Wrap ``model`` (fp32, on CPU, same weights on every rank; or built on the meta device by
+    ``build_model(..., deferred=True)``: filled here, once sharded under FSDP2) according to
+    ``engine_cfg.strategy``."""
     _, world_size = rank_and_world()
     strategy = engine_cfg.strategy
     if engine_cfg.cpu_offload and device.type == "cpu":
@@ -69,6 +72,8 @@ def wrap_model(
         raise ValueError("engine.cpu_offload=true needs a CUDA device: on CPU, parameters are already in host memory")
     if engine_cfg.activation_checkpointing:
         checkpoint_decoder_layers(model)
+    if strategy != "fsdp2":  # a model built on the meta device, filled whole before wrapping (FSDP2: once sharded)
+        materialize(model, device if strategy != "fsdp1" else torch.device("cpu"), say=rank_and_world()[0] == 0)
     if strategy == "none":
         if world_size > 1:
             raise ValueError(
@@ -122,9 +127,10 @@ def _wrap_fsdp2(
         reshard_after_forward=engine_cfg.reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
     )
+    deferred = pending_of(model) is not None  # built on the meta device: materialised once sharded
     if engine_cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    else:
+    elif not deferred:
         model.to(device)
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
@@ -134,6 +140,8 @@ def _wrap_fsdp2(
     if engine_cfg.reshard_after_forward:
         del root_kwargs["reshard_after_forward"]
     fully_shard(model, **root_kwargs)
+    if deferred:  # each rank allocates and fills only its own shards
+        materialize(model, torch.device("cpu") if engine_cfg.cpu_offload else device, say=rank_and_world()[0] == 0)
     fsdp.init_root(model)
     return model
 

@@ -74,40 +74,45 @@ def preset_config(name: str, **overrides: Any):
     return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
-def build_model(cfg: ModelConfig, value_head: bool = False, **config_overrides: Any) -> PreTrainedModel:
+def build_model(cfg: ModelConfig, value_head: bool = False, deferred: bool = False,
+                **config_overrides: Any) -> PreTrainedModel:
     """Instantiate the model in fp32 on CPU, with identical weights on every rank (seeded init), and its LoRA
     adapters when ``cfg.lora.rank`` > 0 (see :mod:`syncwise.models.lora`). ``config_overrides`` adjust a
     preset (e.g. ``vocab_size`` to match a tokenizer).
+
+    ``deferred``: for an engine that wraps it (:class:`~syncwise.engine.Engine`), a model from ``cfg.path``'s
+    safetensors, or a preset of :data:`DEFERRED_FROM_PARAMS` parameters or more, is built on the meta device and
+    filled once wrapped, each rank reading or drawing only its own shards (:mod:`syncwise.models.loading`); a
+    small preset (milliseconds on the CPU) and a checkpoint without safetensors are built whole as before.
 
     ``value_head``: PPO's critic -- the same architecture with a one-output linear head on the final hidden
     states instead of the LM head (transformers' ``...ForTokenClassification`` with ``num_labels=1``, as
     verl builds its critic; ``outputs.logits`` is then [B, T, 1], one value per position). The decoder comes
     from ``cfg.path`` (or the preset's seeded init: the policy's own initial weights); the head starts at
     zero (:func:`value_head_of`)."""
+    from .loading import defer, parameters_on_meta, safetensors_of
+
     off = cfg.dropout == "off"
     auto_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     head = {"num_labels": 1} if value_head else {}
     if cfg.path:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # a per-tensor loading bar in every rank breaks into the job's lines
-        extra = dropout_free(AutoConfig.from_pretrained(cfg.path, local_files_only=True)) if off else {}
-        verbosity = hf_logging.get_verbosity()
-        if value_head:  # "score.weight newly initialized; lm_head.weight unused": both meant
-            hf_logging.set_verbosity_error()
-        try:
-            model = auto_class.from_pretrained(
-                cfg.path, local_files_only=True, dtype=torch.float32,
-                attn_implementation=cfg.attn_implementation, **extra, **head,
-            )
-        finally:
-            hf_logging.set_verbosity(verbosity)
+        hf_config = AutoConfig.from_pretrained(cfg.path, local_files_only=True, **head)
     else:
         hf_config = preset_config(cfg.preset, **config_overrides, **head)
+    if off:
+        for key, value in dropout_free(hf_config).items():
+            setattr(hf_config, key, value)
+    on_meta = deferred and (bool(safetensors_of(cfg.path)) if cfg.path else _preset_params(hf_config)
+                            >= DEFERRED_FROM_PARAMS)
+    if on_meta:
         hf_config._attn_implementation = cfg.attn_implementation
-        if off:
-            for key, value in dropout_free(hf_config).items():
-                setattr(hf_config, key, value)
+        with parameters_on_meta():
+            model = auto_class.from_config(hf_config, dtype=torch.float32)
+        model.tie_weights()
+    elif cfg.path:
+        model = _from_pretrained(auto_class, cfg, hf_config, value_head)
+    else:
+        hf_config._attn_implementation = cfg.attn_implementation
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             model = auto_class.from_config(hf_config, dtype=torch.float32)
@@ -119,15 +124,43 @@ def build_model(cfg: ModelConfig, value_head: bool = False, **config_overrides: 
         # Zero: the first values are 0 everywhere, so the first advantages are the plain (whitened) returns
         # rather than returns minus a random head's noise (std ~0.3 for a 256-wide model), and the
         # decoder's first gradient is not pushed by a random projection.
-        nn.init.zeros_(value_head_of(model).weight)
-        if value_head_of(model).bias is not None:
-            nn.init.zeros_(value_head_of(model).bias)
+        score = value_head_of(model)
+        for name, param in list(score.named_parameters(recurse=False)):
+            setattr(score, name, nn.Parameter(torch.zeros(param.shape), requires_grad=param.requires_grad))
     model = apply_lora(model, cfg.lora, cfg.seed, value_head=value_head_name(model) if value_head else None)
     if off:  # LoRA's dropout, and any dropout layer the config does not name
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
+    if on_meta:
+        return defer(model, cfg.path, cfg.seed, float(getattr(hf_config, "initializer_range", 0.02)))
     return model
+
+
+# A preset from this many parameters is built on the meta device and initialised on the job's device (seeded
+# per tensor); below it, whole on the CPU with the global seed, as every earlier run had it.
+DEFERRED_FROM_PARAMS = 100_000_000
+
+
+def _preset_params(hf_config) -> int:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _from_pretrained(auto_class, cfg: ModelConfig, hf_config, value_head: bool) -> PreTrainedModel:
+    """The model of ``cfg.path`` in full on the CPU, through transformers (a checkpoint without safetensors)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a per-tensor loading bar in every rank breaks into the job's lines
+    verbosity = hf_logging.get_verbosity()
+    if value_head:  # "score.weight newly initialized; lm_head.weight unused": both meant
+        hf_logging.set_verbosity_error()
+    try:
+        return auto_class.from_pretrained(cfg.path, local_files_only=True, dtype=torch.float32, config=hf_config,
+                                          attn_implementation=cfg.attn_implementation)
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def value_config(hf_config):
@@ -179,7 +212,7 @@ def uninitialised_model(
 def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
     """Classes named in ``_no_split_modules`` that occur in the model: the per-layer FSDP units (also once
     wrapped: FSDP2 gives each unit a subclass of its own, ``FSDPLlamaDecoderLayer``)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+    names = set(getattr(unwrapped_model(model), "_no_split_modules", None) or [])  # DDP's / FSDP1's .module too
     classes = {type(m) for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)}
     if not classes:
         raise ValueError(

@@ -25,7 +25,7 @@ from ..config import LoraConfig
 from .names import unwrapped_name
 
 ADAPTER = "default"  # peft's name for the one adapter syncwise builds
-_PEFT_PREFIX = "base_model.model."  # peft's prefix on the adapted model's state-dict keys
+PEFT_PREFIX = "base_model.model."  # peft's prefix on the adapted model's state-dict keys
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0, value_head: str | None = None) -> nn.Module:
@@ -156,7 +156,7 @@ class LoraMerge:
                 if leaf == "weight" and deltas:
                     value = (value.float() + self._delta(layer, state).float()).to(value.dtype)
                 key = f"{layer}.{leaf}"
-            out[key.removeprefix(_PEFT_PREFIX)] = value
+            out[key.removeprefix(PEFT_PREFIX)] = value
         return out
 
     def _layer_of(self, key: str) -> tuple[str | None, str]:
@@ -180,7 +180,7 @@ class LoraMerge:
 def plain_key(key: str) -> str:
     """A peft model's state-dict key as the plain model's (its prefix and ``base_layer`` dropped; a key of a
     model without adapters stays as it is)."""
-    return key.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+    return key.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 def is_adapter_output(key: str) -> bool:

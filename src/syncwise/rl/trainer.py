@@ -94,13 +94,13 @@ class RLTrainer:
         # Dropout off unless kept on purpose: the ratio, the old log-probs and the KL must see the network the
         # sampler drew from (model.dropout=auto is off here)
         model_cfg = replace(config.model, dropout="keep" if config.model.dropout == "keep" else "off")
-        self.engine = Engine(config, build_model(model_cfg, **overrides), info,
+        self.engine = Engine(config, build_model(model_cfg, deferred=True, **overrides), info,
                              total_steps=train.steps * updates_per_step + rl.warm_start_steps)
         # The KL reference: a frozen copy of the initial model, or with LoRA the policy's own base model with
         # its adapters switched off (no second model in memory).
         self.reference = None
         if self.uses_reference and not self.engine.features.lora:
-            self.reference = Engine(config, build_model(model_cfg, **overrides), info, trainable=False)
+            self.reference = Engine(config, build_model(model_cfg, deferred=True, **overrides), info, trainable=False)
         # PPO: the value model, trained through its own engine over the same mini-batches
         self.critic = (Critic(config, info, train.steps * updates_per_step, **overrides)
                        if rl.algorithm == "ppo" else None)

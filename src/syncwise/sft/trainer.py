@@ -57,7 +57,7 @@ class SFTTrainer:
         self.total_steps = sft.steps or self.order.steps_for(sft.epochs, sft.batch_size, sft.batch_tokens,
                                                              info.world_size)
         model_config = replace(config.model, path=self.model_path)  # the arith_chat task brings its own model
-        self.engine = Engine(config, build_model(model_config), info, total_steps=self.total_steps)
+        self.engine = Engine(config, build_model(model_config, deferred=True), info, total_steps=self.total_steps)
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
         self.resumed_from = self.checkpoints.resolve(sft.resume)
         self.start, self.position = 0, 0

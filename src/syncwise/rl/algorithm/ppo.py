@@ -135,7 +135,7 @@ class Critic:
         # dropout as the actor's: the values of the forward-only pass are those the value loss clips around
         model_cfg = replace(model_cfg, dropout="keep" if model_cfg.dropout == "keep" else "off")
         self.model_path = model_cfg.path
-        model = build_model(model_cfg, value_head=True, **config_overrides)
+        model = build_model(model_cfg, value_head=True, deferred=True, **config_overrides)
         self.engine = Engine(self.config, model, info, total_steps=total_steps)
         self.engine.governor.name = "critic"  # its auto decisions are printed as the critic's
         self.loss_fn = make_value_loss(ValueLossConfig(clip=config.critic.cliprange_value))

@@ -1,0 +1,291 @@
+"""A model built where it will live: on the meta device, wrapped, then each rank's own part filled in place.
+
+Building the whole model on every rank's CPU before FSDP shards it costs host memory that grows with the rank count
+(8 ranks of a 7B model: 8 x 28 GB at start) and time (a 0.5B preset: 6-9 s per engine). Here the model is built with
+its parameters on the meta device (no memory; buffers computed at construction, such as the rotary tables, are
+real), wrapped as always (FSDP2 / HSDP shard it on the meta device), then materialised on the job's device
+(``to_empty``) and filled, each rank writing only its own shards:
+
+- from ``model.path``'s safetensors (one file or several with their index) through DCP's Hugging Face reader,
+  which reads each rank's slices of each tensor from the files and casts them to the master dtype on the way (a
+  bf16 checkpoint into fp32 weights) -- the same values ``from_pretrained`` gives, bit for bit;
+- a preset's weights seeded per tensor by its name (normal with the config's ``initializer_range``, norms 1,
+  biases 0), each drawn whole on the device one tensor at a time and sliced, so every rank and every world size
+  sees the same initial weights;
+- what was computed at build (LoRA adapters drawn from ``model.seed``, a critic's zero value head) copied back.
+
+Tied weights stay one tensor (loaded once, from the checkpoint's name for it). Under FSDP1, DDP or a single process
+the model is filled before wrapping, a whole copy per rank (what those strategies hold anyway) read tensor by
+tensor: never two copies. :func:`preflight_weights` compares the checkpoint's tensors with the model's before any
+rank starts (one line naming the tensor and the file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .names import unwrapped_name
+
+ATTR = "_syncwise_pending"  # where a model built on the meta device keeps what it still needs
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class Pending:
+    """What a model built on the meta device needs once it is wrapped (``kept`` and ``buffers`` by state-dict key)."""
+
+    source: str | None  # a model directory with safetensors, or None: seeded initialisation
+    seed: int
+    init_std: float
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)  # computed at build: LoRA adapters, a value head
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # as built: rotary tables, embedding scales
+    report: dict[str, Any] = field(default_factory=dict)  # filled by materialize: what it read, seconds, host peak
+
+
+def pending_of(model: nn.Module) -> Pending | None:
+    return getattr(model, ATTR, None)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Within the block, every parameter a module registers is moved to the meta device as it is registered;
+    buffers stay real (computed at construction from the config: rotary tables)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def defer(model: nn.Module, source: str | None, seed: int, init_std: float) -> nn.Module:
+    """``model`` (its base weights on the meta device; adapters or a value head possibly real) made all meta, with
+    what it needs to be filled once wrapped: the real values it had kept, its buffers, where its weights come from."""
+    reset_host_peak()
+    pending = Pending(source, seed, init_std, report={"started": time.perf_counter()})
+    pending.buffers = {unwrapped_name(k): v.detach().clone() for k, v in model.named_buffers() if not v.is_meta}
+    buffers = {k for k, _ in model.named_buffers()}
+    pending.kept = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
+                    if k not in buffers and not v.is_meta}
+    moved: dict[int, nn.Parameter] = {}  # a tied parameter stays one
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and not param.is_meta:
+                if id(param) not in moved:
+                    moved[id(param)] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                module._parameters[name] = moved[id(param)]
+    setattr(model, ATTR, pending)
+    return model
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device | str, say: bool = False) -> None:
+    """Allocate the (wrapped or not) meta model's tensors on ``device`` -- each rank its own shards under FSDP2 --
+    and fill them: buffers and kept values copied back, the checkpoint's tensors read (each rank its slices),
+    the rest initialised. ``say``: print the one line of what it did (rank 0)."""
+    pending = pending_of(model)
+    if pending is None:
+        return
+    model.to_empty(device=device)
+    _tie_again(model)
+    for name, buffer in model.named_buffers():
+        if unwrapped_name(name) in pending.buffers:
+            buffer.copy_(pending.buffers[unwrapped_name(name)])
+    present = set(checkpoint_tensors(pending.source)) if pending.source is not None else set()
+    requests: dict[str, torch.Tensor] = {}
+    for names, tensor in tensor_groups(model):
+        if names[0] in pending.kept:
+            copy_full(tensor, pending.kept[names[0]].to(device))
+        elif pending.source is not None:  # a tied weight: read once, under the name the checkpoint has for it
+            key = next((checkpoint_key(n) for n in names if checkpoint_key(n) in present), checkpoint_key(names[0]))
+            requests[key] = tensor
+        else:
+            copy_full(tensor, seeded_value(names[0], tuple(tensor.shape), pending, device))
+    if requests:
+        read_checkpoint(requests, pending.source)
+    pending.report |= {"seconds": time.perf_counter() - pending.report.pop("started"), "host_peak": host_peak(),
+                       "tensors": len(requests), "source": pending.source}
+    delattr(model, ATTR)
+    if say:
+        print(f"syncwise: {load_line(pending.report)}", flush=True)
+
+
+def load_line(report: dict[str, Any]) -> str:
+    what = (f"{report['tensors']} tensors of {report['source']} read into this rank's shards" if report["source"]
+            else "initialised on the device, seeded per tensor")
+    peak = f"; host peak at load {report['host_peak'] / 2**30:.2f} GiB (rank 0)" if report.get("host_peak") else ""
+    return f"model built on the meta device, {what} in {report['seconds']:.1f} s{peak}"
+
+
+def read_checkpoint(requests: dict[str, torch.Tensor], path: str) -> None:
+    """Fill ``requests`` (checkpoint key -> this rank's tensor, a DTensor shard or a whole tensor) from the
+    safetensors in ``path``: DCP's Hugging Face reader reads each rank's slices and casts them to the tensor's
+    dtype (collective where a process group exists)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    dcp.load(requests, storage_reader=HuggingFaceStorageReader(path))
+
+
+def checkpoint_key(key: str) -> str:
+    """A model's state-dict key as a Hugging Face checkpoint names it (peft's prefix and ``base_layer`` dropped)."""
+    from .lora import plain_key
+
+    return plain_key(key)
+
+
+def copy_full(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the whole tensor ``full`` into ``target``: itself, or this rank's part of it (a DTensor shard)."""
+    if hasattr(target, "to_local"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = target.to_local()
+        shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
+        if local.numel():
+            local.copy_(full[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))])
+        return
+    target.copy_(full)
+
+
+def seeded_value(key: str, shape: tuple[int, ...], pending: Pending, device: torch.device | str) -> torch.Tensor:
+    """A preset's initial value of tensor ``key``: drawn whole on ``device`` from a generator seeded by the model's
+    seed and the tensor's name -- the same on every rank and at every world size. Norms' weights 1, biases 0,
+    the rest normal with the config's ``initializer_range`` (what transformers' ``_init_weights`` does)."""
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return torch.zeros(shape, device=device)
+    if len(shape) == 1 and "norm" in key:
+        return torch.ones(shape, device=device)
+    seed = (pending.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.empty(shape, device=device).normal_(0.0, pending.init_std, generator=generator)
+
+
+def _tie_again(model: nn.Module) -> None:
+    """A model whose config ties its embeddings must still hold one tensor for both (``to_empty`` of an unwrapped
+    module may allocate two; FSDP2 keeps one): tied again through transformers."""
+    base = getattr(model, "module", model)
+    tie = getattr(base, "tie_weights", None)
+    if tie is not None and not _is_fsdp2(base):
+        tie()
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+# ------------------------------------------------------------------------------------------------
+# The checkpoint's tensors, and the checks before any rank starts
+# ------------------------------------------------------------------------------------------------
+def safetensors_of(path: str | Path) -> list[Path]:
+    """The safetensors files of a model directory (those its index names, or ``model.safetensors``)."""
+    folder = Path(path)
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / name for name in files]
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def checkpoint_tensors(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """Every tensor of the checkpoint: key -> (its file, shape, dtype name), from the files' headers alone."""
+    from safetensors import safe_open
+
+    found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    for file in safetensors_of(path):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open's handle is no mapping
+                piece = handle.get_slice(key)
+                found[key] = (file, tuple(piece.get_shape()), str(piece.get_dtype()))
+    return found
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model folder's safetensors, one file or several (an export is written a unit a file)."""
+    from safetensors.torch import load_file
+
+    return {key: value for file in safetensors_of(path) for key, value in load_file(str(file)).items()}
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def tensor_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """The model's weights (no buffers, no LoRA adapters' -- those come with the model), each tensor once with
+    every state-dict key it has (a tied embedding has two)."""
+    buffers = {name for name, _ in model.named_buffers()}
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if key not in buffers:
+            groups.setdefault(id(tensor), ([], tensor))[0].append(key)
+    return list(groups.values())
+
+
+def preflight_weights(model: nn.Module, path: str | Path, unused_ok: tuple[str, ...] = ()) -> None:
+    """Compare a (meta) model's tensors with the checkpoint's: a ValueError in one line naming the tensor and the
+    file for a tensor the model needs and the checkpoint lacks, one with another shape or a dtype that is no float,
+    or one the checkpoint has that the model has no place for (``unused_ok``: key prefixes a model may leave unused,
+    e.g. a critic's ``lm_head``)."""
+    tensors = checkpoint_tensors(path)
+    kept = pending_of(model).kept if pending_of(model) is not None else {}
+    where = Path(path) / SAFETENSORS_INDEX if (Path(path) / SAFETENSORS_INDEX).is_file() else Path(path)
+    used: set[str] = set()
+    for names, tensor in tensor_groups(model):
+        if names[0] in kept or ".lora_" in names[0]:
+            continue
+        present = [checkpoint_key(n) for n in names if checkpoint_key(n) in tensors]
+        if not present:
+            raise ValueError(f"model.path: {where} has no tensor {checkpoint_key(names[0])} (the model needs it: "
+                             f"{tuple(tensor.shape)})")
+        used |= set(present)
+        file, shape, dtype = tensors[present[0]]
+        if shape != tuple(tensor.shape):
+            raise ValueError(f"model.path: {file}: tensor {present[0]} has shape {shape}, the model's is "
+                             f"{tuple(tensor.shape)} (a config that does not match the weights?)")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"model.path: {file}: tensor {present[0]} is {dtype}, which does not cast to the float "
+                             f"weights the model trains (a quantised checkpoint?)")
+    unused = sorted(k for k in tensors if k not in used and not k.startswith(unused_ok))
+    if unused:
+        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+        raise ValueError(f"model.path: {tensors[unused[0]][0]}: tensor {unused[0]} has no place in the model{more} "
+                         "(a config that does not match the weights?)")
+
+
+# ------------------------------------------------------------------------------------------------
+# The host's memory at load
+# ------------------------------------------------------------------------------------------------
+def reset_host_peak() -> None:
+    """Start this process's resident-size high-water mark again from here (Linux; elsewhere nothing)."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def host_peak() -> int | None:
+    """This process's resident-size high-water mark (bytes; None where /proc has none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
