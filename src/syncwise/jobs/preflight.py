@@ -45,6 +45,21 @@ def check_model(config: Config) -> None:
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise PreflightError(f"model.path: {path} has no weights ({' or '.join(WEIGHT_FILES[::2])})")
     check_attention(config.model.attn_implementation, AutoConfig.from_pretrained(folder, local_files_only=True))
+    check_weights(config)
+
+
+def check_weights(config: Config) -> None:
+    """``model.path``'s safetensors hold every tensor the model needs, in its shape and a float dtype, and none it
+    has no place for: compared from the files' headers with the model built on the meta device (no memory)."""
+    from ..models import build_model
+    from ..models.loading import preflight_weights, safetensors_of
+
+    if not safetensors_of(config.model.path):
+        return
+    try:
+        preflight_weights(build_model(config.model, deferred=True), config.model.path)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
 
 
 # model.attn_implementation -> the flag a transformers model class sets when it has that kernel

@@ -90,7 +90,7 @@ def build_model(cfg: ModelConfig, value_head: bool = False, deferred: bool = Fal
     verl builds its critic; ``outputs.logits`` is then [B, T, 1], one value per position). The decoder comes
     from ``cfg.path`` (or the preset's seeded init: the policy's own initial weights); the head starts at
     zero (:func:`value_head_of`)."""
-    from .loading import defer, parameters_on_meta, safetensors_of
+    from .loading import defer, parameters_on_meta, placeholders, safetensors_of
 
     off = cfg.dropout == "off"
     auto_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
@@ -127,13 +127,14 @@ def build_model(cfg: ModelConfig, value_head: bool = False, deferred: bool = Fal
         score = value_head_of(model)
         for name, param in list(score.named_parameters(recurse=False)):
             setattr(score, name, nn.Parameter(torch.zeros(param.shape), requires_grad=param.requires_grad))
+    stand_ins = placeholders(model) if on_meta and cfg.lora.rank else set()  # peft builds its adapters on the CPU
     model = apply_lora(model, cfg.lora, cfg.seed, value_head=value_head_name(model) if value_head else None)
     if off:  # LoRA's dropout, and any dropout layer the config does not name
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
     if on_meta:
-        return defer(model, cfg.path, cfg.seed, float(getattr(hf_config, "initializer_range", 0.02)))
+        return defer(model, cfg.path, cfg.seed, float(getattr(hf_config, "initializer_range", 0.02)), stand_ins)
     return model
 
 

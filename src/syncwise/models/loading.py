@@ -74,15 +74,32 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def defer(model: nn.Module, source: str | None, seed: int, init_std: float) -> nn.Module:
-    """``model`` (its base weights on the meta device; adapters or a value head possibly real) made all meta, with
-    what it needs to be filled once wrapped: the real values it had kept, its buffers, where its weights come from."""
+def placeholders(model: nn.Module) -> set[int]:
+    """Every meta parameter replaced by a CPU tensor of its shape that holds no memory (one zero, expanded), tied
+    ones alike: what peft needs to build LoRA adapters beside it on the CPU -- drawing from the generator exactly
+    as it does beside a whole model. Returns their ids (:func:`defer` puts them back on the meta device)."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                if id(param) not in made:
+                    view = torch.zeros((), dtype=param.dtype).expand(param.shape)
+                    made[id(param)] = nn.Parameter(view, requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
+    return {id(p) for p in made.values()}
+
+
+def defer(model: nn.Module, source: str | None, seed: int, init_std: float, stand_ins: set[int] = frozenset()
+          ) -> nn.Module:
+    """``model`` (its base weights on the meta device or ``stand_ins``; adapters or a value head possibly real)
+    made all meta, with what it needs to be filled once wrapped: the real values it had kept, its buffers, where
+    its weights come from."""
     reset_host_peak()
     pending = Pending(source, seed, init_std, report={"started": time.perf_counter()})
     pending.buffers = {unwrapped_name(k): v.detach().clone() for k, v in model.named_buffers() if not v.is_meta}
     buffers = {k for k, _ in model.named_buffers()}
     pending.kept = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
-                    if k not in buffers and not v.is_meta}
+                    if k not in buffers and not v.is_meta and id(v) not in stand_ins}
     moved: dict[int, nn.Parameter] = {}  # a tied parameter stays one
     for module in model.modules():
         for name, param in list(module._parameters.items()):
