@@ -146,7 +146,7 @@ def packing_suite(info) -> dict:
 def activation_checkpointing(info, batch: dict) -> dict:
     """Every sync mode, packed, with and without activation checkpointing: gradients, collectives (strict)
     and the measured peak of one accumulation."""
-    from syncwise.memory.accounting import PeakMeter
+    from syncwise.memory.meter import PeakMeter
 
     out = {}
     for mode in ("per_microbatch", "deferred", "deferred_unsharded"):

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from scenarios import engine_config, full_batch_reference, full_grads, full_params, make_batch
-from syncwise.checkpoint import CheckpointManager, export_hf
+from syncwise.checkpoint import CheckpointManager
 from syncwise.engine import Engine
+from syncwise.export import export_hf
 from syncwise.losses import sft_loss
 from syncwise.models import build_model
 from syncwise.models.lora import adapters_disabled

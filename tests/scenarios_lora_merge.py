@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from scenarios import engine_config
-from syncwise.checkpoint import export_hf
 from syncwise.engine import Engine
+from syncwise.export import export_hf
 from syncwise.models import build_model, uninitialised_model
 
 VOCAB = 384

@@ -5,7 +5,7 @@ from __future__ import annotations
 from scenarios import _fails_on_call, engine_config, full_grads, full_params, make_batch
 from syncwise.engine import Engine
 from syncwise.losses import sft_loss
-from syncwise.memory.accounting import PeakMeter
+from syncwise.memory.meter import PeakMeter
 from syncwise.models import build_model
 from syncwise.sync.fsdp_internals import fsdp2_units
 from syncwise.sync.fsdp_internals import reshard_flags as fsdp2_reshard_flags

@@ -34,6 +34,7 @@ def test_peak_over_budget_steps_down_one_unit_not_to_per_microbatch():
 # micro-batches; activations 10 bytes per token with the fused head, 30 with the logits materialised.
 CAPS = {4096: 1, 2048: 2, 1024: 4}
 DEFERRED_EXTRA = 34000  # every unit's unsharded gradient beyond its shard (with 2+ micro-batches)
+GRADIENT_SHARDS = 34000  # per_microbatch's gradient shards, there from a step's second micro-batch on
 
 
 def _shape(head_seconds: float, timed: bool = False) -> StepShape:
@@ -48,26 +49,34 @@ def _shape(head_seconds: float, timed: bool = False) -> StepShape:
 
 
 def test_head_and_cap_chosen_with_the_mode_fastest_that_fits_and_a_budget_change_moves_the_choice():
+    """Measured: per_microbatch, fused, 8 micro-batches of 512 tokens (5120 bytes of activations), peaking after
+    its first -- beside per_microbatch's gradient shards (34000), which a step of one micro-batch peaks without."""
     deferred, per_microbatch = SyncChoice(SyncMode.DEFERRED), SyncChoice(SyncMode.PER_MICROBATCH)
     first = Setting(per_microbatch, True, 1)
     expected = {
         900_000: Setting(deferred, False, 4096),  # everything fits: deferred, logits materialised, one micro-batch
-        100_000: Setting(deferred, True, 4096),  # the logits (122880) do not fit: fused (40960), one micro-batch
-        35_000: Setting(per_microbatch, True, 2048),  # 4096 tokens do not fit; deferring two (34000 more) neither
-        15_000: Setting(per_microbatch, True, 1024),
-        # nothing fits (the measured step neither): the lowest predicted peak, the measured setting's own
+        60_000: Setting(deferred, True, 4096),  # the logits (122880) do not fit: fused (40960), one micro-batch
+        # nothing fits (the measured step neither): the lowest predicted peak, the measured setting's own -- two
+        # micro-batches would save 20480 of activations and add the gradient shards (34000)
         5_000: first,
     }
     for free, setting in expected.items():
         auto = AutoSync(MODEL, [deferred, per_microbatch], 100_000 + free)
-        # measured: per_microbatch, fused, 512-token micro-batches (5120 bytes of activations)
-        chosen = auto.decide(100_000 + 5120, first, _shape(head_seconds=0.001), measured_activations=5120)
+        chosen = auto.decide(100_000 + 5120, first, _shape(head_seconds=0.001), measured_activations=5120,
+                             measured_microbatches=8)
         assert chosen == setting, (free, chosen.label)
-        assert auto.predicted_peak == 100_000 + auto.extra_bytes(chosen)
+        assert auto.base_peak == 100_000 - GRADIENT_SHARDS
+        assert auto.predicted_peak == auto.base_peak + auto.extra_bytes(chosen)
         if free > 5_000:
             assert auto.predicted_peak <= auto.budget and "=> " + chosen.label in auto.decisions[-1]
-    assert auto.extra_bytes(Setting(deferred, False, 1024)) == DEFERRED_EXTRA + 30 * 1024
+    assert auto.extra_bytes(Setting(deferred, False, 4096)) == 30 * 4096  # one micro-batch: nothing left, no shards
+    assert auto.extra_bytes(Setting(deferred, False, 1024)) == DEFERRED_EXTRA + GRADIENT_SHARDS + 30 * 1024
+    assert auto.extra_bytes(Setting(per_microbatch, True, 2048)) == GRADIENT_SHARDS + 10 * 2048
     assert "nothing fits" in auto.decisions[-1]
+    measured_first = AutoSync(MODEL, [deferred, per_microbatch], 10**6)  # its first micro-batch peaked: no shards
+    measured_first.decide(100_000 + 5120, first, _shape(0.001), measured_activations=5120, measured_microbatches=8,
+                          peak_in_first=True)
+    assert measured_first.base_peak == 100_000
 
 
 def test_a_later_peak_over_budget_steps_down_to_the_next_fastest_setting_that_fits_and_never_back_up():
@@ -87,7 +96,7 @@ def test_the_fused_head_wins_where_its_extra_compute_costs_less_than_the_micro_b
                                    (0.1, Setting(per_microbatch, False, 2048))):
         auto = AutoSync(MODEL, [per_microbatch], 100_000 + 70_000)  # materialised fits at 2048 tokens, not 4096
         chosen = auto.decide(100_000 + 5120, Setting(per_microbatch, True, 1), _shape(head_seconds),
-                             measured_activations=5120)
+                             measured_activations=5120, measured_microbatches=8)
         assert chosen == expected, head_seconds
 
 
@@ -110,7 +119,8 @@ def test_the_chosen_cap_and_the_next_smaller_ones_that_fit_are_timed_and_the_fas
     kept = auto.time_trial(11.0)  # all timed: the fastest, 2048 tokens, from now on
     assert kept == Setting(deferred, False, 2048) and auto.mode == kept and not auto.trials
     assert "auto timed a step at each cap (4096: 15 s, 2048: 10 s, 1024: 11 s)" in auto.decisions[-1]
-    assert auto.predicted_peak == auto.peak_of(kept) < auto.peak_of(chosen)
+    # the kept cap's prediction from now on (two micro-batches: the gradient shards beside the smaller activations)
+    assert auto.predicted_peak == auto.peak_of(kept)
     stepped = auto.observe(10**7, 2)  # a later peak over the budget steps down from the kept cap
     assert auto.candidates.index(stepped) > auto.candidates.index(kept)
 

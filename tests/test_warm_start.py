@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from syncwise.metrics import read_jsonl
+from syncwise.models.loading import read_safetensors
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 COMMON = ["train.progress=false", "rl.prompts_per_rank=4", "rl.samples_per_prompt=4", "optim.warmup_steps=0",
@@ -68,7 +67,7 @@ def test_a_resumed_job_continues_exactly(runs):
         for key in keys:
             assert a[key] == b[key], (key, a["train/step"], a[key], b[key])
     for sub in ("export", "export/critic") if name == "ppo_lora_critic" else ("export",):
-        a, b = (load_file(str(root / run / sub / "model.safetensors")) for run in ("through", "split"))
+        a, b = (read_safetensors(root / run / sub) for run in ("through", "split"))
         assert a.keys() == b.keys()
         for tensor in a:
             assert torch.equal(a[tensor], b[tensor]), (sub, tensor)

@@ -26,8 +26,9 @@ from ..config import SHARDED_STRATEGIES, Config
 from ..data import attention
 from ..data.batching import Batch
 from ..losses import LossFn
-from ..memory.accounting import PeakMeter, resident_bytes, sharded_model_of
+from ..memory.accounting import resident_bytes, sharded_model_of
 from ..memory.autosync import LONGEST, Setting
+from ..memory.meter import PeakMeter
 from ..memory.schedule import unit_traffic
 from ..memory.units import configured_choice, unit_names
 from ..models import build_model

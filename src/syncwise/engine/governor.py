@@ -17,7 +17,6 @@ from torch import nn
 
 from ..config import SyncConfig
 from ..memory.accounting import (
-    PeakMeter,
     ShardedModel,
     format_bytes,
     pending_optimizer_state_bytes,
@@ -26,6 +25,7 @@ from ..memory.accounting import (
 from ..memory.activations import LayerActivationMeter
 from ..memory.autosync import AutoSync, Setting, StepShape
 from ..memory.costs import Links, candidates
+from ..memory.meter import PeakMeter
 from ..models import decoder_layers
 from ..runtime.distributed import agree
 from ..sync.modes import SyncChoice, SyncMode
@@ -34,6 +34,7 @@ from .tuning import Tuning
 
 LARGEST = "batch/largest_microbatch_tokens_max"  # the positions of the step's largest micro-batch
 BACKWARD_PEAK = "memory/backward_peak_bytes_max"  # the peak up to the end of the step's last backward
+PEAK_AFTER_FIRST = "memory/peak_after_first_microbatch_max"  # a rank's deciding step peaked after its first micro-batch
 
 
 class CalibratingMeter(PeakMeter):
@@ -83,7 +84,7 @@ class MemoryGovernor:
             head, cap = tuning.first() if tuning is not None else (None, None)
             first = Setting(SyncChoice(SyncMode.PER_MICROBATCH) if sync_auto else configured, head, cap)
             syncs = candidates(modes, estimator, Links()) if sync_auto else [configured]
-            self.auto = AutoSync(estimator, syncs, self.own_budget, mode=first)
+            self.auto = AutoSync(estimator, syncs, self.own_budget, mode=first, unsharded_forward=cfg.unsharded_forward)
 
     def hold_outside(self, nbytes: int) -> None:
         """Memory this process keeps outside the engine for the whole job (GRPO's rollout copy). CUDA's
@@ -139,6 +140,7 @@ class MemoryGovernor:
             self._layer_sample = meter.layer.sample
         if meter is not None and self.auto is not None and not self.auto.decided:
             self._microbatch_sample = meter.largest_microbatch()
+            result.metrics[PEAK_AFTER_FIRST] = float(not meter.peak_in_first)  # (any rank's: the max over ranks)
         if meter is not None:
             # the optimizer state the first step creates in its optimizer step: absent from its forward/backward
             # peak (added), present in the optimizer step's own (as measured; adding it there counted it twice:
@@ -165,6 +167,7 @@ class MemoryGovernor:
         it); ``seconds``: this rank's time of the step (caps on trial are timed by the slowest rank's)."""
         largest_tokens = int(reduced.pop(LARGEST, 0))
         backward_peak = reduced.pop(BACKWARD_PEAK, None)  # metered steps only (alike on every rank)
+        peak_in_first = reduced.pop(PEAK_AFTER_FIRST, 1.0) == 0.0  # every rank's first micro-batch peaked
         backward_peak = int(backward_peak) if backward_peak is not None else None
         metrics: dict[str, Any] = {
             "memory/retained_grad_bytes": result.retained_grad_bytes,
@@ -204,7 +207,8 @@ class MemoryGovernor:
             ratio = self.tuning.activations.measured_ratio if self.tuning and self.tuning.activations else 0.0
             source = f"measured (activations {ratio:.2f}x the model's)" if ratio else "measured"
             next_mode = self.auto.decide(peak, current, shape, activations, source=source,
-                                         backward_peak=backward_peak, measured_microbatches=n)
+                                         backward_peak=backward_peak, measured_microbatches=n,
+                                         peak_in_first=peak_in_first)
         if next_mode != current:  # the base of the estimated steps, until a step measures it
             self.base_peak = self.auto.peak_of(next_mode) - self.estimator.peak_extra_bytes(
                 next_mode.choice, self.auto.shape.microbatches[next_mode.cap])

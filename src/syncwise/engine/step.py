@@ -22,7 +22,8 @@ from ..losses import (
     takes_fused_head,
     token_log_probs,
 )
-from ..memory.accounting import PeakMeter, grad_bytes, unsharded_param_bytes
+from ..memory.accounting import grad_bytes, unsharded_param_bytes
+from ..memory.meter import PeakMeter
 from ..models import hf_config_of
 from ..models.head import hidden_states_out
 from ..runtime.distributed import collective_timeout

@@ -132,14 +132,22 @@ class AutoSync:
     trials: list[Setting] = field(default_factory=list)  # caps still on trial after the decision
     timed: dict[Setting, float] = field(default_factory=dict)  # a step's seconds in each cap on trial
     said_over_budget: bool = False  # a step over the budget with nothing lower left has been reported
+    unsharded_forward: bool = True  # sync.unsharded_forward: what a mode keeps gathered through its one micro-batch
 
     @property
     def decided(self) -> bool:
         return self.base_peak is not None
 
     def _held_extra(self, choice: SyncChoice, num_microbatches: int) -> int:
-        """What a sync choice adds to the base (:meth:`ShardedModel.peak_extra_bytes`)."""
-        return self.estimator.peak_extra_bytes(choice, num_microbatches, self.root_in_base)
+        """What a sync choice holds at its peak beside its micro-batch's activations, over a step of one
+        micro-batch in ``per_microbatch``: with several, what the earlier micro-batches leave for the one that
+        peaks -- its held extra (:meth:`ShardedModel.peak_extra_bytes`) and ``per_microbatch``'s gradient shards
+        (none exist during a step's first micro-batch: a step of one peaks without them); with one, the
+        parameters the mode keeps gathered from its forward through its backward."""
+        if num_microbatches <= 1:
+            return self.estimator.gathered_through_backward(choice, self.unsharded_forward)
+        return (self.estimator.peak_extra_bytes(choice, num_microbatches, self.root_in_base)
+                + self.estimator.retained_grad_bytes(SyncMode.PER_MICROBATCH, num_microbatches))
 
     def extra_bytes(self, setting: Setting) -> int:
         """What ``setting`` adds to the base: its sync mode's held bytes and its activations."""
@@ -148,23 +156,27 @@ class AutoSync:
 
     def _set_base(
         self, peak: int, backward_peak: int | None, choice: SyncChoice, num_microbatches: int, activations: int,
-        source: str,
+        source: str, peak_in_first: bool = False,
     ) -> str:
         """The base from a measured step run in ``choice`` (its forward/backward peak less that choice's
-        held extra and its largest micro-batch's activations); returns ``source``'s words for the decision."""
+        held extra -- nothing left by earlier micro-batches where its first micro-batch peaked -- and its largest
+        micro-batch's activations); returns ``source``'s words for the decision."""
         backward_peak, source = self._phases(peak, backward_peak, source)
-        self.base_peak = backward_peak - self._held_extra(choice, num_microbatches) - activations
+        held = 0 if peak_in_first else self._held_extra(choice, num_microbatches)
+        self.base_peak = backward_peak - held - activations
         return source
 
     def decide(
         self, measured_peak: int, measured: Setting, shape: StepShape, measured_activations: int = 0,
         source: str = "measured", backward_peak: int | None = None, measured_microbatches: int | None = None,
+        peak_in_first: bool = False,
     ) -> Setting:
         """Take a peak (of a step run in ``measured``, whose largest micro-batch's activations were
         ``measured_activations``, in ``measured_microbatches``; ``source`` says how the peak was obtained;
         ``backward_peak``: the part of it up to the end of the last backward, where it is known) and choose
-        the setting of what follows for a step of ``shape``. The measured setting stays a candidate, the last:
-        a setting that measured within the budget is never left for one predicted over it."""
+        the setting of what follows for a step of ``shape``; ``peak_in_first``: the measured step peaked in its first
+        micro-batch. The measured setting stays a candidate, the last: a setting that measured within the budget
+        is never left for one predicted over it."""
         caps, heads = list(shape.microbatches), shape.heads
         ranked = [Setting(choice, head, cap) for choice in self.syncs for head in heads for cap in caps]
         if shape.seconds is not None and len(ranked) > len(self.syncs):  # head or cap to choose too
@@ -176,7 +188,8 @@ class AutoSync:
             shape = shape.with_measured(measured, n, measured_activations)
         self.shape = shape
         self.candidates, self.ceiling = ranked, 0
-        source = self._set_base(measured_peak, backward_peak, measured.choice, n, measured_activations, source)
+        source = self._set_base(measured_peak, backward_peak, measured.choice, n, measured_activations, source,
+                                peak_in_first)
         chosen = self._choose(reason=f"{source} peak {format_bytes(measured_peak)} in {measured.label}")
         # What a micro-batch's size does to compute is the device's (on a CPU a larger one can be slower per
         # token: caches, memory bandwidth shared by the ranks): with sync.auto_timing the chosen cap and the

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 import yaml
 
-from ..checkpoint import CheckpointManager, export_hf
+from ..checkpoint import CheckpointManager
 from ..config import Config, config_to_dict
 from ..engine import Engine
+from ..export import export_hf
 from ..metrics import TensorBoardLogger, job_history, open_job_log, plot_curves, plot_phases, set_aside
 from ..models import build_model
 from ..models.lora import adapters_disabled

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ..checkpoint import CheckpointManager, export_hf
+from ..checkpoint import CheckpointManager
 from ..config import Config, config_to_dict
 from ..data.sft_dataset import SampleOrder, padded_batch, rank_share
 from ..engine import Engine
+from ..export import export_hf
 from ..losses import sft_loss
 from ..metrics import JsonlLogger, format_step, job_history, open_job_log, plot_curves
 from ..models import build_model

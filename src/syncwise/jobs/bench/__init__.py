@@ -23,6 +23,8 @@ WORKLOADS: dict[str, Workload] = {
     "grpo": Workload("whole GRPO steps on the repeat task, phase by phase (--repeats: rounds)",
                      "syncwise.jobs.bench.grpo:run"),
     "sft": Workload("syncwise sft's steps beside train_batch alone on the same batches", "syncwise.jobs.bench.sft:run"),
+    "load": Workload("loading model.path: every rank whole on its CPU vs built on the meta device, each rank reading "
+                     "its shards (peak host memory per rank, seconds)", "syncwise.jobs.bench.load:run"),
     "gpu": Workload("the one command for a GPU: the CUDA tests, the engine on Qwen2.5-0.5B / -1.5B shapes beside a "
                     "hand-written loop, GRPO steps (--quick on a CPU: its parts, small)",
                     "syncwise.jobs.bench.gpu:run"),
