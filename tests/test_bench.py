@@ -225,3 +225,24 @@ def test_the_gpu_workload_runs_its_parts_on_a_cpu(tmp_path):
     table = (out / "bench_gpu.md").read_text()
     assert "| qwen2-tiny | hand-written packed FSDP2 loop" in table and "GRPO steps" in table
     assert "the defaults' real tokens/s over the hand-written loop's" in table
+
+
+def test_bench_load_workload_quick(tmp_path):
+    """Issue 60: `syncwise bench --workload load --quick`: loading a bf16 model.path whole on every rank (as before)
+    beside each rank reading its own shards from the meta device, per rank. The whole way holds at least the
+    fp32 model on every rank; the meta way at least its shards, and less than the whole way."""
+    out = tmp_path / "bench_load"
+    proc = subprocess.run(
+        [sys.executable, "-m", "syncwise", "bench", "--workload", "load", "--quick", "--out", str(out)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((out / "bench_load.json").read_text())
+    model, rows = result["model"], result["results"]
+    assert list(rows) == ["whole, 2 ranks", "meta, 2 ranks"]
+    whole, meta = rows["whole, 2 ranks"], rows["meta, 2 ranks"]
+    assert whole["seconds"] > 0 and meta["seconds"] > 0
+    assert whole["load_peak_bytes"] >= 0.95 * model["bytes"]
+    assert 0.95 * model["bytes"] / 2 <= meta["load_peak_bytes"] < whole["load_peak_bytes"]
+    assert "meta / whole load peak per rank" in (out / "bench_load.md").read_text()
+    assert "read into this rank's shards" in proc.stdout

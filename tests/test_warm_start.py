@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from syncwise.metrics import read_jsonl
 from syncwise.models.loading import read_safetensors
 

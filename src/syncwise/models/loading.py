@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -94,7 +95,6 @@ def defer(model: nn.Module, source: str | None, seed: int, init_std: float, stan
     """``model`` (its base weights on the meta device or ``stand_ins``; adapters or a value head possibly real)
     made all meta, with what it needs to be filled once wrapped: the real values it had kept, its buffers, where
     its weights come from."""
-    reset_host_peak()
     pending = Pending(source, seed, init_std, report={"started": time.perf_counter()})
     pending.buffers = {unwrapped_name(k): v.detach().clone() for k, v in model.named_buffers() if not v.is_meta}
     buffers = {k for k, _ in model.named_buffers()}
@@ -119,25 +119,30 @@ def materialize(model: nn.Module, device: torch.device | str, say: bool = False)
     pending = pending_of(model)
     if pending is None:
         return
-    model.to_empty(device=device)
-    _tie_again(model)
-    for name, buffer in model.named_buffers():
-        if unwrapped_name(name) in pending.buffers:
-            buffer.copy_(pending.buffers[unwrapped_name(name)])
-    present = set(checkpoint_tensors(pending.source)) if pending.source is not None else set()
-    requests: dict[str, torch.Tensor] = {}
-    for names, tensor in tensor_groups(model):
-        if names[0] in pending.kept:
-            copy_full(tensor, pending.kept[names[0]].to(device))
-        elif pending.source is not None:  # a tied weight: read once, under the name the checkpoint has for it
-            key = next((checkpoint_key(n) for n in names if checkpoint_key(n) in present), checkpoint_key(names[0]))
-            requests[key] = tensor
-        else:
-            copy_full(tensor, seeded_value(names[0], tuple(tensor.shape), pending, device))
-    if requests:
-        read_checkpoint(requests, pending.source)
-    pending.report |= {"seconds": time.perf_counter() - pending.report.pop("started"), "host_peak": host_peak(),
-                       "tensors": len(requests), "source": pending.source}
+    host = HostMemory().start()
+    try:
+        model.to_empty(device=device)
+        _tie_again(model)
+        for name, buffer in model.named_buffers():
+            if unwrapped_name(name) in pending.buffers:
+                buffer.copy_(pending.buffers[unwrapped_name(name)])
+        present = set(checkpoint_tensors(pending.source)) if pending.source is not None else set()
+        requests: dict[str, torch.Tensor] = {}
+        for names, tensor in tensor_groups(model):
+            if names[0] in pending.kept:
+                copy_full(tensor, pending.kept[names[0]].to(device))
+            elif pending.source is not None:  # a tied weight: read once, under the name the checkpoint has for it
+                key = next((checkpoint_key(n) for n in names if checkpoint_key(n) in present), checkpoint_key(names[0]))
+                requests[key] = tensor
+            else:
+                copy_full(tensor, seeded_value(names[0], tuple(tensor.shape), pending, device))
+        if requests:
+            read_checkpoint(requests, pending.source)
+    finally:
+        peak = host.stop()
+    pending.report |= {"seconds": time.perf_counter() - pending.report.pop("started"), "tensors": len(requests),
+                       "source": pending.source,
+                       "host_bytes": peak - host.before if peak is not None else None}
     delattr(model, ATTR)
     if say:
         print(f"syncwise: {load_line(pending.report)}", flush=True)
@@ -146,7 +151,8 @@ def materialize(model: nn.Module, device: torch.device | str, say: bool = False)
 def load_line(report: dict[str, Any]) -> str:
     what = (f"{report['tensors']} tensors of {report['source']} read into this rank's shards" if report["source"]
             else "initialised on the device, seeded per tensor")
-    peak = f"; host peak at load {report['host_peak'] / 2**30:.2f} GiB (rank 0)" if report.get("host_peak") else ""
+    peak = (f"; at most {report['host_bytes'] / 2**30:.2f} GiB of host memory above the process's own (rank 0)"
+            if report.get("host_bytes") is not None else "")
     return f"model built on the meta device, {what} in {report['seconds']:.1f} s{peak}"
 
 
@@ -291,17 +297,44 @@ def preflight_weights(model: nn.Module, path: str | Path, unused_ok: tuple[str, 
 # ------------------------------------------------------------------------------------------------
 # The host's memory at load
 # ------------------------------------------------------------------------------------------------
-def reset_host_peak() -> None:
-    """Start this process's resident-size high-water mark again from here (Linux; elsewhere nothing)."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
+class HostMemory:
+    """This process's peak anonymous resident memory over a span (``start`` .. ``stop``), sampled on a thread every
+    ``every_s``. Anonymous (``RssAnon``): what the process allocated -- not the file pages it maps, which the
+    resident-size high-water mark counts although a safetensors file read through mmap is page cache, shared by
+    every rank and dropped under pressure. Linux; elsewhere ``peak`` stays None."""
+
+    def __init__(self, every_s: float = 0.002):
+        self.every_s = every_s
+        self.before: int | None = None
+        self.peak: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> HostMemory:
+        self.before = self.peak = anonymous_resident_bytes()
+        if self.before is not None:
+            self._thread = threading.Thread(target=self._sample, name="syncwise-host-memory", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> int | None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self.peak = max(self.peak, anonymous_resident_bytes() or 0)
+        return self.peak
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.peak = max(self.peak, anonymous_resident_bytes() or 0)
 
 
-def host_peak() -> int | None:
-    """This process's resident-size high-water mark (bytes; None where /proc has none)."""
+def anonymous_resident_bytes() -> int | None:
+    """This process's anonymous resident memory now (bytes; None where /proc has none)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         return None

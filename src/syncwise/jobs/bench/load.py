@@ -3,10 +3,12 @@
 A ``save_pretrained`` directory of a real shape with random weights (default the Qwen2.5-0.5B shape, fp32: ~2 GB) is
 written once; then, side by side in one run, each way of loading it on each world size is a job of its own on fresh
 local ranks (interleaved: whole, meta; whole, meta; ...): **whole** -- every rank builds the whole model on its CPU
-(``from_pretrained``) and FSDP2 shards it, as before -- and **meta** -- every rank builds the model on the meta device
-and reads only its own shards (:mod:`syncwise.models.loading`). Per rank: the seconds from the build to the last
-shard filled, and the resident-size high-water mark over that span, absolute and above what the process held
-before it (the interpreter and torch); the target is the model's bytes / W plus its largest FSDP unit plus 10%.
+(``from_pretrained``, cast to the fp32 master weights) and FSDP2 shards it, as before -- and **meta** -- every rank
+builds the model on the meta device and reads only its own shards (:mod:`syncwise.models.loading`). The file is
+bf16, as such models ship. Per rank: the seconds from the build to the last shard filled, and the peak anonymous
+resident memory over that span (:class:`~syncwise.models.loading.HostMemory`: the file's mmap'd pages are page
+cache, shared by the ranks), absolute and above what the process held before it (the interpreter and torch); the
+target is the fp32 model's bytes / W plus its largest FSDP unit plus 10%.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def bench_load(spec: LoadBenchSpec) -> int:
 
 
 def _write_model(preset: str, folder: Path) -> dict[str, Any]:
-    """The preset's shape, random weights, fp32, ``save_pretrained`` (once: kept between runs)."""
+    """The preset's shape, random weights, saved in bf16 as such models ship (once: kept between runs); the
+    job trains fp32 master weights (``bytes``)."""
     import torch
 
     from ...config import load_config
@@ -88,7 +91,7 @@ def _write_model(preset: str, folder: Path) -> dict[str, Any]:
     units = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
     root = count_parameters(model) - sum(units)
     if not (folder / "config.json").is_file():
-        model.save_pretrained(folder)
+        model.to(torch.bfloat16).save_pretrained(folder)
     nbytes = count_parameters(model) * torch.float32.itemsize
     return {"preset": preset, "params": count_parameters(model), "bytes": nbytes,
             "largest_unit_bytes": max([root, *units]) * torch.float32.itemsize}
@@ -104,7 +107,7 @@ def load_worker(model_dir: str, way: str, report: str) -> None:
         from ...config import load_config
         from ...engine import Engine
         from ...models import build_model
-        from ...models.loading import host_peak, reset_host_peak
+        from ...models.loading import HostMemory
 
         def config(path: str):
             return load_config(None, [f"model.path={path}", "engine.strategy=fsdp2", "sync.mode=per_microbatch"])
@@ -113,11 +116,11 @@ def load_worker(model_dir: str, way: str, report: str) -> None:
         Engine(warm, build_model(warm.model, deferred=way == "meta"), info)  # the imports, the allocator's pools
         cfg = config(model_dir)
         dist.barrier()
-        reset_host_peak()
-        before = host_peak() or 0
+        host = HostMemory().start()
         started = time.perf_counter()
         Engine(cfg, build_model(cfg.model, deferred=way == "meta"), info)
-        mine = {"seconds": time.perf_counter() - started, "peak": host_peak() or 0, "before": before}
+        seconds = time.perf_counter() - started
+        mine = {"seconds": seconds, "peak": host.stop() or 0, "before": host.before or 0}
         everyone: list = [None] * info.world_size
         dist.all_gather_object(everyone, mine)
         if info.is_main:
@@ -130,7 +133,7 @@ def _table(spec: LoadBenchSpec, facts: dict[str, Any], results: dict[str, dict[s
     gib = 2**30
     lines = [f"Loading model.path: {facts['preset']} shape, {facts['params'] / 1e6:.0f}M parameters, "
              f"{facts['bytes'] / gib:.2f} GiB in fp32 (largest FSDP unit {facts['largest_unit_bytes'] / gib:.2f} GiB), "
-             f"FSDP2; each rank's resident high-water mark from the build to the last shard filled "
+             f"a bf16 file, FSDP2; each rank's peak anonymous resident memory from the build to the last shard filled "
              f"(median seconds of {spec.rounds} round(s), the slowest rank)", "",
              "| way | ranks | seconds | peak per rank GiB | above the process's own GiB | target GiB |",
              "|---|---|---|---|---|---|"]
