@@ -95,6 +95,13 @@ def test_bench_rl_workload_smoke(tmp_path):
         assert 0 < r["fraction_of_gemm_peak"] < 3 and r["fraction_of_gemm_peak"] == pytest.approx(
             r["useful_flops_per_step"] / r["step_time_median_s"] / (r["gemm_flops_per_s"] * 2))
     assert defaults["settle_steps"] == 2 and defaults["settle_s"] > 0  # nothing timed: decide, measure the choice
+    # issue 62 (13): the defaults beside the hand-written loop of their sync mode, in turn, 24 steps each, a line
+    drifted = {r["config"]: r["drift"] for r in records if "drift" in r}
+    assert set(drifted) == {"defaults (sync mode, LM head and token cap auto)",
+                            "hand-written packed loop, 512-token cap, deferred_unsharded"}
+    for d in drifted.values():
+        assert len(d["wall_s"]) == len(d["cpu_s"]) == 24 and set(d["wall"]) >= {"slope_s_per_step", "drift", "flat"}
+    assert "step time over 24 steps in turn: slope" in summary and "rank 0's CPU seconds over 24 steps" in summary
     assert "auto settled in 2 steps" in summary
     assert "hand-written packed loop, 512-token cap: " in summary and "of the GEMM peak" in summary
     flops = {r["useful_flops_per_step"] for r in records if r["data"] == "rl"}
@@ -246,3 +253,18 @@ def test_bench_load_workload_quick(tmp_path):
     assert 0.95 * model["bytes"] / 2 <= meta["load_peak_bytes"] < whole["load_peak_bytes"]
     assert "meta / whole load peak per rank" in (out / "bench_load.md").read_text()
     assert "read into this rank's shards" in proc.stdout
+
+
+def test_a_step_time_slope_and_its_noise():
+    """Issue 62 (13): the drift figure -- the least-squares line's rise over the run relative to the median, and
+    its 95% half-width from the scatter about the line."""
+    from syncwise.jobs.bench.drift import slope_of
+
+    rising = slope_of([7.15, 7.78, 8.53, 9.27, 9.91])  # the issue's first run
+    assert rising["slope_s_per_step"] == pytest.approx(0.7, abs=0.01)
+    assert rising["drift"] == pytest.approx(4 * rising["slope_s_per_step"] / 8.53) and not rising["flat"]
+    flat = slope_of([1.0, 1.2, 0.9, 1.1, 1.0, 0.8, 1.2, 1.0])
+    assert abs(flat["drift"]) < flat["noise"] and flat["flat"]
+    line = slope_of([2.0 + 0.01 * i for i in range(20)])  # no scatter: no noise; +0.19 s over 2.095 s is 9%
+    assert line["noise"] == pytest.approx(0.0, abs=1e-9) and line["drift"] == pytest.approx(0.19 / 2.095)
+    assert not line["flat"]

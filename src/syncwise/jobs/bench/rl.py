@@ -29,6 +29,7 @@ from ...engine import Engine
 from ...models import PRESETS, build_model, count_parameters, preset_config
 from ...models.flops import UsefulFlops
 from ...runtime.distributed import DistInfo, run_rank
+from .drift import drift_lines, in_turn
 from .modes import time_interleaved
 from .report import fmt, machine, write_report
 from .roofline import fraction_of_peak, gemm_rate
@@ -156,13 +157,17 @@ class RLBenchSpec:
     repeats: int = 5
     out_dir: str = "runs/bench_rl"
     hand_written: bool = True  # the hand-written packed loops beside the engine's packed, capped configurations
+    # then the defaults beside the hand-written loop, alternately, for this many steps (after settling): the slope
+    # of each one's step time (issue 62: the engine's drifted up within a run while the loop's stayed flat)
+    drift_steps: int = 24
 
     @classmethod
     def quick(cls, out_dir: str = "runs/bench_rl") -> RLBenchSpec:
         """The small version (about 2 minutes on 2 CPU ranks): the tiny model, 16 sequences per rank, the
         padded reference and the packed configurations without activation checkpointing."""
         configs = [name for name in RL_CONFIGS if "checkpointed" not in name]
-        return cls(presets=["qwen2-tiny"], sequences=16, configs=configs, warmup=1, repeats=2, out_dir=out_dir)
+        return cls(presets=["qwen2-tiny"], sequences=16, configs=configs, warmup=1, repeats=2, out_dir=out_dir,
+                   drift_steps=8)
 
 
 def long_tail_lengths(count: int, rank: int, seed: int = 0) -> torch.Tensor:
@@ -201,6 +206,7 @@ def run_rl_bench(info: DistInfo, spec: RLBenchSpec) -> list[dict[str, Any]]:
                                 "runner": HandWrittenPackedLoop(preset, mode, cap, info),
                                 "batch": batch_of(datasets["rl"], vocab, info.rank)})
         time_interleaved(entries, spec.warmup, spec.repeats, info)
+        drift = _drift(entries, spec.drift_steps, info) if spec.drift_steps else {}
         params = count_parameters(build_model(load_config(None, [f"model.preset={preset}"]).model))
         hf_config = preset_config(preset)
         rate = gemm_rate(hf_config, torch.float32, info.device)  # after the timed steps, on the same threads
@@ -209,12 +215,25 @@ def run_rl_bench(info: DistInfo, spec: RLBenchSpec) -> list[dict[str, Any]]:
                 datasets[entry["data"]].tolist())])
             dist.all_reduce(flops)  # each rank's own sequences
             record = _record(entry, params)
+            if entry["config"] in drift:
+                record["drift"] = drift[entry["config"]]
             record |= {"useful_flops_per_step": float(flops), "gemm_flops_per_s": rate, "fraction_of_gemm_peak":
                        fraction_of_peak(float(flops), record["step_time_median_s"], rate, info.world_size)}
             records.append(record)
             del entry["runner"]
     _add_ratios(records)
     return records
+
+
+def _drift(entries: list[dict[str, Any]], steps: int, info: DistInfo) -> dict[str, dict[str, Any]]:
+    """The defaults and the hand-written loop (of the defaults' sync mode, if run) in turn: :func:`drift.in_turn`."""
+    pair = [e for e in entries if e["config"] == DEFAULTS and e["data"] == "rl"]
+    if not pair:
+        return {}
+    mode = pair[0]["metrics"]["sync/mode"]
+    loops = [e for e in entries if e["config"] in HAND_WRITTEN]
+    pair += sorted(loops, key=lambda e: HAND_WRITTEN[e["config"]][1] != mode)[:1]
+    return in_turn(pair, steps, info)
 
 
 def _record(entry: dict[str, Any], params: int) -> dict[str, Any]:
@@ -324,6 +343,7 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{r['preset']}: defaults / fastest hand-set configuration ({r['best_hand_set']}) real "
                          f"tokens per second {r['defaults_vs_best_hand_set']:.3f} (target >= 0.97); the defaults "
                          f"ran {r['sync_mode']}, {r['microbatches']:g} micro-batch(es)")
+    lines += drift_lines(records)
     engine_rows = [r for r in records if r["data"] == "rl" and r["config"] not in HAND_WRITTEN]
     best = max(engine_rows, key=lambda r: r["real_tokens_per_s"], default=None)
     if best:
