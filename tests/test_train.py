@@ -357,7 +357,7 @@ def test_rollout_ranks_drawing_on_learn_within_their_staleness_and_checkpoint_ev
         indices, posted = [g["index"] for g in pool["groups"]], [*posted, queue["next_step"]]
         assert len(set(indices)) == len(indices) and all(i < pool["admitted"] for i in indices)
         unaccounted += pool["admitted"] - queue["next_step"] * per_step - len(indices)
-        dropped += sum(float(b["decode"][2]) for b in queue["ready"]) + pool["under_way"]["dropped"]
+        dropped += sum(b["decode"]["dropped"] for b in queue["ready"]) + pool["under_way"]["dropped"]
     assert unaccounted * per_prompt == dropped, (unaccounted, dropped)
     # resumed colocated (2 ranks, the same trainers): the batches posted ahead train first, then its own pool
     resumed = tmp_path / "resumed"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..losses import is_maximum
-from ..runtime.distributed import DistInfo, agree
+from ..runtime.distributed import DistInfo, agree, agree_fields
 from .env.tools import ANSWER_KINDS, ERROR_KINDS
 from .rollout.queue import ScoredBatch
 from .rollout.turns import TOOL_COUNTS
@@ -32,47 +32,55 @@ def rollout_stats(
     started, and the samples dropped for age."""
     rewards, lengths = result.rewards.double(), result.response_lengths.double()
     diff = (sampler_log_probs - trainer_log_probs.cpu()).abs() * response_mask
-    parts = sorted(result.reward_parts.items())
     kept = result.kept_mass.double()
-    tool_counts = result.tool_counts if result.tool_counts is not None else torch.zeros(0, dtype=torch.float64)
     stale = (step - result.start_versions).double() if step is not None else torch.zeros(0, dtype=torch.float64)
-    # the decode batch: rows x longest response per engine call (partial rollouts count theirs; one call here)
     longest = float(lengths.max()) if len(lengths) else 0.0
-    decode = (result.decode if result.decode is not None
-              else torch.tensor([float(lengths.sum()), len(lengths) * longest, 0.0, longest]))
-    sums = [rewards.sum(), (rewards**2).sum(), len(rewards), lengths.sum(), (rewards >= 1).sum(), diff.sum(),
-            response_mask.sum(), *counts, result.clipped.sum(), kept.sum(), kept.numel(), *decode.tolist(),
-            stale.sum(), *(values.double().sum() for _, values in parts), *tool_counts]
-    own = [float(diff.max()) if diff.numel() else 0.0, float(stale.max()) if stale.numel() else 0.0]
-    totals, per_rank = agree([float(x) for x in sums], own, "the rollout statistics all-reduce", info.device,
-                             timeout_s)
-    (total, squares, count, length, solved, diff_sum, tokens, uniform_groups, groups, trained, clipped, kept_sum,
-     kept_count, drawn, lockstep, dropped, decode_steps, stale_sum) = totals[:18].tolist()
-    mean = total / count
-    by_function = {f"reward/{name}": float(value) / count
-                   for (name, _), value in zip(parts, totals[18:18 + len(parts)], strict=True)}
+    # the decode batch: rows x longest response per engine call (partial rollouts count theirs; one call here)
+    one_call = {"drawn_tokens": float(lengths.sum()), "lockstep": len(lengths) * longest, "dropped": 0.0,
+                "decode_steps": longest}
+    decode = result.decode if result.decode is not None else one_call
+    uniform_groups, groups, trained = counts
+    fields = {
+        "reward": rewards.sum(), "reward_squares": (rewards**2).sum(), "samples": len(rewards),
+        "response_tokens": lengths.sum(), "solved": (rewards >= 1).sum(), "log_prob_diff": diff.sum(),
+        "trained_tokens": response_mask.sum(), "uniform_groups": uniform_groups, "groups": groups,
+        "trained_samples": trained, "clipped": result.clipped.sum(), "kept_mass": kept.sum(),
+        "kept_tokens": kept.numel(), "staleness": stale.sum(), **{f"decode/{k}": v for k, v in decode.items()},
+        **{f"reward/{name}": values.double().sum() for name, values in result.reward_parts.items()},
+        **({f"tools/{k}": v for k, v in zip(TOOL_COUNTS, result.tool_counts.tolist(), strict=True)}
+           if result.tool_counts is not None else {}),
+    }
+    own = {"log_prob_diff_max": float(diff.max()) if diff.numel() else 0.0,
+           "staleness_max": float(stale.max()) if stale.numel() else 0.0}
+    totals, per_rank = agree_fields({k: float(v) for k, v in fields.items()}, own,
+                                    "the rollout statistics all-reduce", info.device, timeout_s)
+    count, drawn = totals["samples"], totals["decode/drawn_tokens"]
+    mean = totals["reward"] / count
+    by_function = {k: v / count for k, v in totals.items() if k.startswith("reward/")}
+    tools = [totals[f"tools/{k}"] for k in TOOL_COUNTS] if result.tool_counts is not None else []
     return {
-        **(tool_metrics(totals[18 + len(parts):].tolist(), count) if len(tool_counts) else {}),
-        **(by_function if len(parts) > 1 else {}),
-        "response/clipped_fraction": clipped / count,  # cut by rl.max_new_tokens
+        **(tool_metrics(tools, count) if tools else {}),
+        **(by_function if len(by_function) > 1 else {}),
+        "response/clipped_fraction": totals["clipped"] / count,  # cut by rl.max_new_tokens
         "reward/mean": mean,
-        "reward/std": math.sqrt(max(squares / count - mean * mean, 0.0)),
-        "reward/solved_fraction": solved / count,
-        "response/length_mean": length / count,
-        "rollout/response_tokens": length,  # over every rank
+        "reward/std": math.sqrt(max(totals["reward_squares"] / count - mean * mean, 0.0)),
+        "reward/solved_fraction": totals["solved"] / count,
+        "response/length_mean": totals["response_tokens"] / count,
+        "rollout/response_tokens": totals["response_tokens"],  # over every rank
         # how full the engine's decode batch stays, each call run until its longest response: the long tail's cost
-        "rollout/decode_fill": drawn / max(lockstep, 1.0),
-        "rollout/decode_steps": decode_steps / info.world_size,  # per rank: the longest response of each call
-        "rollout/log_prob_diff": diff_sum / max(tokens, 1.0),
-        "rollout/log_prob_diff_max": float(per_rank[:, 0].max()),
+        "rollout/decode_fill": drawn / max(totals["decode/lockstep"], 1.0),
+        "rollout/decode_steps": totals["decode/decode_steps"] / info.world_size,  # per rank: each call's longest
+        "rollout/log_prob_diff": totals["log_prob_diff"] / max(totals["trained_tokens"], 1.0),
+        "rollout/log_prob_diff_max": float(per_rank["log_prob_diff_max"].max()),
         # what rl.top_k/top_p/min_p kept, per token (absent where the engine does not report it: vLLM's)
-        **({"rollout/kept_mass": kept_sum / kept_count} if kept_count else {}),
-        "rollout/uniform_group_fraction": uniform_groups / groups,
-        "rollout/trained_samples": trained,  # over every rank (rl.skip_uniform_groups leaves some out)
+        **({"rollout/kept_mass": totals["kept_mass"] / totals["kept_tokens"]} if totals["kept_tokens"] else {}),
+        "rollout/uniform_group_fraction": totals["uniform_groups"] / totals["groups"],
+        "rollout/trained_samples": totals["trained_samples"],  # over every rank (rl.skip_uniform_groups)
         # partial rollouts: every token sampled this step, also those of groups still in flight
         **({"rollout/drawn_tokens": drawn} if result.decode is not None else {}),
-        **({"rollout/staleness_mean": stale_sum / count, "rollout/staleness_max": float(per_rank[:, 1].max()),
-            "rollout/dropped_stale": dropped} if step is not None else {}),
+        **({"rollout/staleness_mean": totals["staleness"] / count,
+            "rollout/staleness_max": float(per_rank["staleness_max"].max()),
+            "rollout/dropped_stale": totals["decode/dropped"]} if step is not None else {}),
     }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -85,6 +86,23 @@ def agree(
             dist.all_reduce(values)
         values = values.cpu()
     return values[: len(sums)], values[len(sums) :].view(world, len(own))
+
+
+def agree_fields(
+    sums: dict[str, float], own: dict[str, float], what: str, device: torch.device, timeout_s: float
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """:func:`agree` by name: ``sums`` summed over ranks, ``own`` shared (each name -> every rank's value, [world]).
+    The fields travel in the order of their names, with a checksum of the names beside them: ranks that sent
+    different fields (one missing, another added) raise naming ``what``, rather than summing one field into
+    another."""
+    names, mine = sorted(sums), sorted(own)
+    signature = float(zlib.crc32("\0".join([*names, "|", *mine]).encode()))
+    totals, per_rank = agree([float(sums[n]) for n in names], [float(own[n]) for n in mine] + [signature], what,
+                             device, timeout_s)
+    if bool((per_rank[:, -1] != signature).any()):
+        raise RuntimeError(f"{what}: the ranks sent different fields (this rank: {', '.join(names + mine)})")
+    return (dict(zip(names, totals.tolist(), strict=True)),
+            {n: per_rank[:, i] for i, n in enumerate(mine)})
 
 
 def pick_backend(backend: str = "auto") -> str:

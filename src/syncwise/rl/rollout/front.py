@@ -84,8 +84,8 @@ class RolloutResult:
     tool_s: float  # spent in the tools, between the turns
     tool_counts: torch.Tensor | None  # with tools: TOOL_COUNTS summed over the samples
     episodes: list[Environment] = field(default_factory=list)  # with tools, each sample's: open until closed
-    # partial rollouts: [tokens drawn this step, rows x longest per call, dropped, longest per call]
-    decode: torch.Tensor | None = None
+    # partial rollouts (queue.DECODE_FIELDS): tokens drawn this step, rows x longest per call, dropped, decode steps
+    decode: dict[str, float] | None = None
 
     def close_episodes(self) -> None:
         """Every episode is over (scored, or failed): each closed, all of them even where one raises."""
@@ -206,8 +206,8 @@ class Rollout:
             version_now)
         trajectories = [t for group in fill.groups for t in group.trajectories]
         result = RolloutResult({}, trajectories, torch.zeros(0), torch.zeros(0), 0.0, None,
-                               decode=torch.tensor([fill.drawn_tokens, fill.lockstep, fill.dropped,
-                                                    fill.decode_steps], dtype=torch.float64))
+                               decode={"drawn_tokens": float(fill.drawn_tokens), "lockstep": float(fill.lockstep),
+                                       "dropped": float(fill.dropped), "decode_steps": float(fill.decode_steps)})
         if version_now is None:
             self.sampler.release()
         self._batch(result)

@@ -18,6 +18,8 @@ import torch
 
 from .front import RolloutResult
 
+DECODE_FIELDS = ("drawn_tokens", "lockstep", "dropped", "decode_steps")
+
 
 @dataclass
 class ScoredBatch:
@@ -37,7 +39,9 @@ class ScoredBatch:
     tool_counts: torch.Tensor | None  # with tools: TOOL_COUNTS summed over the samples
     tool_s: float
     started: torch.Tensor | None = None  # [B] per sample, the version that drew its first token (None: version)
-    decode: torch.Tensor | None = None  # partial rollouts: [tokens drawn, rows x longest, dropped, longest] per call
+    # partial rollouts' decode batch (:data:`DECODE_FIELDS`): tokens drawn, rows x longest response summed over the
+    # engine calls, samples dropped for age, decode steps
+    decode: dict[str, float] | None = None
     # drawn on a rollout rank: its seconds [sampling, scoring, idle waiting for weights, receiving them]; the last
     # two on the first batch it drew by those weights for this trainer, else 0
     rollout_rank_s: torch.Tensor | None = None
@@ -59,7 +63,10 @@ class ScoredBatch:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> ScoredBatch:
-        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})  # older ones lack the last
+        batch = cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})  # older ones lack the last
+        if isinstance(batch.decode, torch.Tensor):  # a checkpoint of before the fields had names
+            batch.decode = dict(zip(DECODE_FIELDS, batch.decode.tolist(), strict=True))
+        return batch
 
 
 class RolloutQueue:
