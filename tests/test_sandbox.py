@@ -7,6 +7,7 @@ is touched, and nothing the code started runs on. Short limits here (the tool's 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from syncwise.rl.env.tools import Tool, ToolLimits, ToolRunner
-from syncwise.sandbox import SandboxLimits, describe, isolation, run_python
+from syncwise.sandbox import SandboxLimits, _interpreter_under_tmp, describe, isolation, run_python
 from syncwise.tools import BUILTIN_TOOLS
 
 LIMITS = SandboxLimits(wall_s=2.0, cpu_s=2)
@@ -173,7 +174,37 @@ def test_dev_shm_and_tmp_are_private_bounded_and_gone_after_the_call():
     out = run_python(fill, limits)
     assert "/dev/shm full at 8 MiB: No space left on device" in out and "/tmp full at 8 MiB" in out, out
     assert set(os.listdir("/dev/shm")) == before
-    assert run_python("import os\nprint(os.listdir('/dev/shm'), os.listdir('/tmp'))", limits) == "[] []\n"
+    kept = sorted({Path(p).relative_to("/tmp").parts[0] for p in _interpreter_under_tmp()})  # a checkout in /tmp
+    assert run_python("import os\nprint(os.listdir('/dev/shm'), sorted(os.listdir('/tmp')))", limits) == f"[] {kept}\n"
+
+
+@pytest.mark.skipif(not NAMESPACES, reason="no namespaces here: the call's /tmp is the machine's")
+def test_a_job_whose_python_lies_under_tmp_runs_it_there_read_only():
+    """A checkout and its venv under /tmp (as CI clones): the call's private /tmp would hide the interpreter (every
+    call failed with 'setpriv: failed to execute .../.venv/bin/python'). Its folder is mounted there again,
+    read-only, and nothing else of the host's /tmp is."""
+    import subprocess
+    import venv
+
+    root = Path(tempfile.mkdtemp(prefix="syncwise-venv-", dir="/tmp"))
+    try:
+        venv.create(root / "venv", with_pip=False)
+        (root / "secret.txt").write_text("the host's /tmp")
+        module = Path(__file__).resolve().parents[1] / "src" / "syncwise" / "sandbox.py"
+        code = ("import os, sys\nprint(sys.prefix)\nprint(os.listdir(os.path.dirname(sys.prefix)))\n"
+                "try:\n    open(sys.prefix + '/planted', 'w')\nexcept OSError as exc:\n    print(exc.strerror)\n")
+        script = ("import importlib.util, sys\n"
+                  f"spec = importlib.util.spec_from_file_location('sandbox', {str(module)!r})\n"
+                  "sandbox = sys.modules['sandbox'] = importlib.util.module_from_spec(spec)\n"
+                  "spec.loader.exec_module(sandbox)\n"
+                  f"print(sandbox.run_python({code!r}, sandbox.SandboxLimits(wall_s=10, cpu_s=5)), end='')\n")
+        proc = subprocess.run([str(root / "venv" / "bin" / "python"), "-I", "-c", script], capture_output=True,
+                              text=True, timeout=60, cwd="/")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.splitlines() == [str(root / "venv"), "['venv']", "Read-only file system"]
+        assert not (root / "venv" / "planted").exists()
+    finally:
+        shutil.rmtree(root)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="starts the sandbox as an unprivileged user, from root")
@@ -181,7 +212,6 @@ def test_run_by_a_user_without_root_it_still_has_namespaces_of_its_own():
     """A job that does not run as root: the sandbox makes its namespaces in an unprivileged user namespace where
     the kernel allows one, so its network and /dev/shm are its own there too. (The module alone, by a system
     Python an unprivileged user can run: this venv's Python may lie where only root reads.)"""
-    import shutil
     import subprocess
 
     python = shutil.which("python3", path="/usr/bin:/usr/local/bin:/bin")

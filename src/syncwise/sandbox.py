@@ -25,6 +25,7 @@ import contextlib
 import functools
 import itertools
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -79,14 +80,39 @@ def isolation() -> Isolation:
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         return Isolation(own_user, ())
     options = _NAMESPACES if os.geteuid() == 0 else ("--user", "--map-root-user", *_NAMESPACES)
-    # the probe does what a call does: private tmpfs on /tmp and /dev/shm, then the network is unreachable
-    script = ("mount -t tmpfs -o size=1m tmpfs /tmp && mount -t tmpfs -o size=1m tmpfs /dev/shm && "
-              "! (exec 3<>/dev/tcp/127.0.0.1/1) 2>/dev/null")
+    # the probe does what a call does: a folder kept read-only in a private /tmp, a private /dev/shm, then the
+    # network is unreachable
+    script = (_private_scratch(1 << 20, ["/tmp/syncwise-probe"], "/etc") +
+              " && ! (exec 3<>/dev/tcp/127.0.0.1/1) 2>/dev/null")
     try:
         probe = subprocess.run(["unshare", *options, "bash", "-c", script], capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return Isolation(own_user, ())
     return Isolation(own_user, options if probe.returncode == 0 else ())
+
+
+def _interpreter_under_tmp() -> list[str]:
+    """The folders of the job's Python that lie under /tmp (a checkout and its venv there, as CI clones): the private
+    /tmp would hide them, so they are mounted there again, read-only."""
+    folders = (sys.prefix, sys.base_prefix, sys.exec_prefix, Path(sys.executable).parent)
+    found = {str(Path(p).resolve()) for p in folders}
+    under = sorted(p for p in found if Path(p).is_relative_to("/tmp") and p != "/tmp")
+    return [p for p in under if not any(Path(p).is_relative_to(q) and p != q for q in under)]
+
+
+def _private_scratch(size: int, kept: list[str], source: str | None = None) -> str:
+    """The shell commands (in a mount namespace of its own) that give a call private /tmp and /dev/shm tmpfs of
+    ``size`` bytes each, with each folder of ``kept`` (under /tmp) mounted there again read-only -- parked on a
+    transient /dev/shm while /tmp is replaced. ``source``: the probe's stand-in for what is kept."""
+    parked = [f"mkdir /dev/shm/k{i} && mount --bind {shlex.quote(source or path)} /dev/shm/k{i}"
+              for i, path in enumerate(kept)]
+    moved = [f"mkdir -p {shlex.quote(path)} && mount --move /dev/shm/k{i} {shlex.quote(path)} && "
+             f"mount -o remount,bind,ro {shlex.quote(path)}" for i, path in enumerate(kept)]
+    steps = (["mount -t tmpfs -o size=1m tmpfs /dev/shm", *parked] if kept else [])
+    steps += [f"mount -t tmpfs -o size={size},mode=1777 tmpfs /tmp", *moved]
+    steps += ["umount /dev/shm"] if kept else []
+    steps += [f"mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm"]
+    return " && ".join(steps)
 
 
 def describe() -> str:
@@ -120,8 +146,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> str:
         command, home = python, str(work)
         if found.namespaces:  # its folder is its private /tmp (the host's is out of sight there)
             size = max(limits.scratch_bytes, 1 << 20)
-            mounts = (f"mount -t tmpfs -o size={size},mode=1777 tmpfs /tmp && "
-                      f"mount -t tmpfs -o size={size},mode=1777 tmpfs /dev/shm && cd /tmp && exec \"$@\"")
+            mounts = _private_scratch(size, _interpreter_under_tmp()) + ' && cd /tmp && exec "$@"'
             command, home = ["unshare", *found.namespaces, "sh", "-c", mounts, "sandbox", *python], "/tmp"
         command = ["prlimit", f"--cpu={limits.cpu_s}", f"--as={limits.memory_bytes}", f"--fsize={limits.file_bytes}",
                    "--nofile=256", "--core=0", f"--nproc={limits.processes}", "--", *command]
