@@ -77,12 +77,11 @@ def test_a_model_without_the_attention_kernel_is_named_before_any_rank(data, tmp
 
 
 @pytest.mark.parametrize(("arch", "hidden"), [("gpt2", 128), ("gpt2", 256), ("llama", 128)])
-def test_the_first_decided_step_is_predicted_within_12_percent(data, tmp_path, arch, hidden):
+def test_the_first_decided_step_is_predicted_within_10_percent(data, tmp_path, arch, hidden):
     """Issue 38 (7): auto's first decided step on user model directories -- GPT-2 (Conv1D, tanh-GELU,
     LayerNorm, learned positions, dropout kept for SFT) at two widths and a Llama -- peaks at most at its
-    prediction and within 12% of it (issue 59): the first step measures what a real decoder layer keeps (GPT-2's
-    was 12-28% over the Llama-shaped formula's). Not 10%: where auto moves from the first step's fused head to
-    materialised logits, the head it never ran is the model's alone (GPT-2 at 256 wide: 1.104)."""
+    prediction and within 10% of it (issue 59): the first step measures what a real decoder layer keeps (GPT-2's
+    was 12-28% over the Llama-shaped formula's)."""
     from transformers import AutoTokenizer
 
     from user_models import save_model_dir
@@ -94,4 +93,4 @@ def test_the_first_decided_step_is_predicted_within_12_percent(data, tmp_path, a
     decided = read_jsonl(tmp_path / "out" / "metrics.jsonl")[1]  # measured: the first step of the choice
     assert decided["memory/peak_measured"] == 1 and decided["train/num_microbatches"] >= 1
     ratio = decided["memory/predicted_peak_bytes"] / decided["memory/peak_bytes"]  # issue 59: never below
-    assert 1.0 <= round(ratio, 3) <= 1.12, ratio
+    assert 1.0 <= round(ratio, 3) <= 1.10, ratio

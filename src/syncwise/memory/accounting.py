@@ -129,17 +129,19 @@ class ShardedModel:
     def gathered_through_backward(self, mode: SyncMode | SyncChoice, unsharded_forward: bool = True) -> int:
         """In a step of one micro-batch: the parameter bytes ``mode`` keeps gathered from its forward through its
         backward (its last micro-batch's switches: ``deferred_unsharded`` with ``sync.unsharded_forward`` keeps
-        every unit) beyond what ``per_microbatch`` surely has gathered at its peak: the root and one layer (two
-        while a layer's backward prefetches the next, :func:`syncwise.memory.plan.in_flight_bytes`; but a step of
-        one micro-batch can peak where the head's backward begins, one layer gathered -- qwen2-tiny on one rank:
-        counting two predicted 2% under the peak)."""
+        every unit) beyond what ``per_microbatch`` has gathered at its peak: the root and two layers on several ranks
+        (a layer's backward prefetching the next, :func:`syncwise.memory.plan.in_flight_bytes`), the root and one
+        at one rank (FSDP2 prefetches no all-gather there: the CPU tracker's categories on qwen2-tiny, where
+        counting two predicted 2% under the peak).
+        """
         choice = as_choice(mode)
         numels = self._padded[0]
         kept = [u for u in range(1, len(numels))
                 if choice.switches(0, 1, u, unsharded_forward).reshard_after_forward is False]
         if not kept:  # (FSDP2 gathers into buffers of its own at one rank too)
             return 0
-        return max(0, sum(numels[u] for u in kept) - max(numels[1:])) * DTYPE_BYTES[self.param_dtype]
+        in_flight = 2 if self.shard_size > 1 else 1
+        return max(0, sum(numels[u] for u in kept) - in_flight * max(numels[1:])) * DTYPE_BYTES[self.param_dtype]
 
     def peak_extra_bytes(self, mode: SyncMode | SyncChoice, num_microbatches: int, root_in_base: bool = True) -> int:
         """What ``mode`` adds to a ``per_microbatch`` peak: :meth:`extra_bytes` but, where that peak has them
