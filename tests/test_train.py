@@ -558,7 +558,8 @@ def test_a_lagged_step_refreshes_once_draws_ahead_and_lets_the_engine_sleep_afte
     the last -- a sleeping engine cannot sample; later steps draw one batch each; the last steps none."""
     from types import SimpleNamespace
 
-    from syncwise.rl.batches import ScoredBatches
+    from syncwise.rl.batches import DrawAhead
+    from syncwise.rl.drawing import BatchDrawer
     from syncwise.rl.stats import PhaseClock
 
     calls = []
@@ -568,13 +569,13 @@ def test_a_lagged_step_refreshes_once_draws_ahead_and_lets_the_engine_sleep_afte
         return SimpleNamespace(batch={}, log_probs=None, response_lengths=None, clipped=None, kept_mass=None,
                                tool_counts=None, tool_s=0.0, trajectories=[], decode=None)
 
-    config = SimpleNamespace(rl=SimpleNamespace(prompts_per_rank=1, off_policy_lag=2, max_staleness=0),
-                             train=SimpleNamespace(steps=5))
+    config = SimpleNamespace(rl=SimpleNamespace(prompts_per_rank=1))
     source = SimpleNamespace(batch_indices=lambda step, rank, world, count: [step], rows=list(range(9)),
                              prompt_ids=list(range(9)), encoded=SimpleNamespace(tools=[None] * 9))
     rollout = SimpleNamespace(sync_weights=lambda: calls.append("refresh"), generate=generate)
-    batches = ScoredBatches(config, SimpleNamespace(rank=0, world_size=1), rollout, source)
-    batches.score = lambda result, rows: (torch.zeros(1), {}, [])
+    drawer = BatchDrawer(config, (0, 1), rollout, source)
+    drawer.score = lambda result, rows: (torch.zeros(1), {}, [])
+    batches = DrawAhead(drawer, lag=2, steps=5)
     versions = [batches.take(step, PhaseClock()).version for step in range(5)]
     assert versions == [0, 0, 0, 1, 2]  # step t's batch drawn by the policy of step max(t - 2, 0)
     assert calls == ["refresh", ("generate", 0, False), ("generate", 1, False), ("generate", 2, True),

@@ -264,23 +264,10 @@ class RLConfig:
             check(self)
 
     def _validate_partial(self) -> None:
+        """The keys alone; how they combine is the table of rollout modes'
+        (:func:`~syncwise.config.rollout_modes.resolve_rollout_mode`)."""
         non_negative("rl.max_staleness", self.max_staleness, "0: synchronous")
         non_negative("rl.partial_chunk_tokens", self.partial_chunk_tokens, "0: a quarter of the response limit")
-        if not self.max_staleness:
-            if self.partial_chunk_tokens:
-                raise ConfigError(f"rl.partial_chunk_tokens={self.partial_chunk_tokens} is the round of a partial "
-                                  "rollout: it needs rl.max_staleness >= 1 (without it every response is drawn whole)")
-            return
-        if self.off_policy_lag:
-            raise ConfigError("rl.max_staleness and rl.off_policy_lag: choose one -- partial rollouts with bounded "
-                              "staleness, or whole batches drawn a fixed number of steps ahead")
-        if self.tools or self.environment:
-            key = "rl.tools" if self.tools else "rl.environment"
-            raise ConfigError(f"rl.max_staleness with {key}: partial rollouts carry single-turn samples; a "
-                              f"multi-turn job goes off-policy with rl.off_policy_lag")
-        if self.stop:
-            raise ConfigError("rl.max_staleness with rl.stop: a stop string split between two rounds of a partial "
-                              "rollout would go unseen; end responses with the end token, or use rl.off_policy_lag")
 
     @property
     def sequences_in_flight(self) -> int:

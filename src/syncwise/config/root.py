@@ -11,6 +11,7 @@ from .checks import ConfigError
 from .jobs import SFTConfig, TrainConfig
 from .rl import CRITIC_SECTIONS, CriticConfig, RLConfig
 from .rollout_engines import ROLLOUT_ENGINES
+from .rollout_modes import RolloutMode, resolve_rollout_mode
 from .training import SHARDED_STRATEGIES, DistConfig, EngineConfig, ModelConfig, OptimConfig, SyncConfig
 
 
@@ -61,20 +62,14 @@ class Config:
         return self
 
     def _resolve_lag(self) -> None:
-        """``rl.off_policy_lag`` unset: 1 with rollout ranks that draw whole batches (one step off-policy, verl's and
-        prime-rl's default: sampling overlaps training), else 0; set, it must fit the job (resolved here: config.yaml
-        records it)."""
-        rl, ranks = self.rl, self.dist.rollout_ranks
-        if rl.off_policy_lag is None:
-            rl.off_policy_lag = 1 if ranks and not rl.max_staleness else 0
-        elif ranks and not rl.is_off_policy:
-            raise ConfigError(f"dist.rollout_ranks={ranks} with rl.off_policy_lag=0: rollout ranks sample while the "
-                              "trainers train, so every step trains on what an older policy drew; set "
-                              "rl.off_policy_lag >= 1 (whole batches a fixed lag ahead) or rl.max_staleness >= 1 "
-                              "(partial rollouts drawn on), or leave both unset for a lag of 1")
-        if rl.off_policy_lag >= self.train.steps:
-            raise ConfigError(f"rl.off_policy_lag={rl.off_policy_lag} with train.steps={self.train.steps}: every step "
-                              "would train on the initial policy's samples; use a lag below train.steps")
+        """The rollout mode (:mod:`syncwise.config.rollout_modes`: its rules and messages), ``rl.off_policy_lag``
+        resolved with it (config.yaml records it)."""
+        _, self.rl.off_policy_lag = resolve_rollout_mode(self.rl, self.dist.rollout_ranks, self.train.steps)
+
+    @property
+    def rollout_mode(self) -> RolloutMode:
+        """Where each RL step's batch comes from (the config validated: the keys resolved)."""
+        return resolve_rollout_mode(self.rl, self.dist.rollout_ranks, self.train.steps)[0]
 
     def _validate_training(self) -> Config:
         """The model, engine, sync, optim and dist sections, and the rules between them (also the critic's,

@@ -5,7 +5,7 @@ Rollout rank i serves trainers r with r mod M = i, in one of two modes.
 **A fixed lag** (``rl.off_policy_lag`` = k, the exact mode): for each message trainer 0 sends (see
 :mod:`syncwise.rl.rollout.channel`) it loads the weights into its engine as they arrive, then draws each served
 trainer's batches of the steps named, by that version -- the prompts, seeds and scoring the trainer's own
-colocated queue would have used (:meth:`~syncwise.rl.batches.ScoredBatches.draw`, seated as that trainer), so a
+colocated queue would have used (:meth:`~syncwise.rl.drawing.BatchDrawer.draw`, seated as that trainer), so a
 job with rollout ranks trains on exactly the batches the colocated job with the same lag does -- and posts them.
 While the trainers train step t on the batch drawn by version t - k, it draws step t + k's by version t.
 
@@ -26,19 +26,20 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 
 import torch
 from transformers import CONFIG_MAPPING
 
 from ..config import Config
+from ..config.rollout_modes import StalenessBound
 from ..runtime.distributed import DistInfo
 from ..runtime.job_store import SECRET_ENV, SignedStore, job_secret
 from ..runtime.roles import JobRoles
-from .batches import ScoredBatches
+from .drawing import BatchDrawer
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
 from .rollout.channel import RolloutChannel
 from .rollout.front import Rollout
+from .rollout.partial import PartialPool
 from .stats import PhaseClock
 
 HF_CONFIG_KEY = "rollout_ranks/hf_config"  # trainer 0 posts the plain network's config: what the engine builds
@@ -70,9 +71,9 @@ def run_rollout_rank(config: Config, info: DistInfo, roles: JobRoles) -> None:
     hf_config = CONFIG_MAPPING[fields["model_type"]].from_dict(fields)
     rollout = Rollout(config, tokenizer, source, hf_config, info, end_token_ids(config.model.path))
     channel = RolloutChannel(roles, info.device, config.dist.timeout_s)
-    served = {r: ScoredBatches(config, replace(info, rank=r, world_size=roles.trainers), rollout, source)
+    served = {r: BatchDrawer(config, (r, roles.trainers), rollout, source)
               for r in roles.served_by(roles.rollout_index)}
-    if config.rl.max_staleness:
+    if config.rollout_mode.partial:
         draw_on(config, rollout, channel, served)
         return
     number = 0
@@ -85,9 +86,9 @@ def run_rollout_rank(config: Config, info: DistInfo, roles: JobRoles) -> None:
         rollout.sync_weights(channel.receive_weights(number))
         idle_s, weights_s = received - waited, time.perf_counter() - received
         for step in draw.steps:
-            for trainer, batches in served.items():
+            for trainer, drawer in served.items():
                 clock = PhaseClock()
-                scored = batches.draw(step, draw.version, clock, last=step == draw.steps[-1])
+                scored = drawer.draw(step, draw.version, clock, last=step == draw.steps[-1])
                 first = step == draw.steps[0]
                 scored.rollout_rank_s = torch.tensor(
                     [clock.seconds["rollout"] + clock.seconds["tools"], clock.seconds["reward"],
@@ -104,8 +105,9 @@ class Inbox:
     """A rollout rank's messages from the trainers while it draws on: the newest policy, taken between two
     rounds, and what a checkpoint asks for."""
 
-    def __init__(self, config: Config, rollout: Rollout, channel: RolloutChannel, served: dict[int, ScoredBatches]):
-        self.max_staleness, self.rollout, self.channel, self.served = config.rl.max_staleness, rollout, channel, served
+    def __init__(self, config: Config, rollout: Rollout, channel: RolloutChannel, pools: dict[int, PartialPool]):
+        self.bound, self.rollout, self.channel = StalenessBound(config.rl.max_staleness), rollout, channel
+        self.pools = pools  # per served trainer: its partial rollouts (what a snapshot posts)
         self.number, self.version = 0, -1  # the next message; the policy in the engine (-1: none yet)
         self.next_step: dict[int, int] = {}  # per served trainer: the step whose batch it fills next
         self.idle_s = self.weights_s = 0.0  # waiting for the trainers; receiving and loading their weights
@@ -119,7 +121,7 @@ class Inbox:
     def wait_until_due(self, step: int) -> None:
         """Until the policy is recent enough to draw step ``step``'s batch (``rl.max_staleness`` versions
         behind at most; the first weights in any case)."""
-        while self.version < max(step - self.max_staleness, 0):
+        while self.version < self.bound.oldest(step):
             waited = time.perf_counter()
             loading_s = self._take()
             self.idle_s += time.perf_counter() - waited - loading_s
@@ -137,9 +139,9 @@ class Inbox:
             raise TrainersEnded
         self.number += 1
         if draw.snapshot:
-            for trainer, batches in self.served.items():
+            for trainer, pool in self.pools.items():
                 self.channel.post_snapshot(draw.number, trainer, {"next_step": self.next_step[trainer],
-                                                                  "partial_rollouts": batches.pool.state_dict()})
+                                                                  "partial_rollouts": pool.state_dict()})
             return 0.0
         started = time.perf_counter()
         self.rollout.sync_weights(self.channel.receive_weights(draw.number))
@@ -148,14 +150,15 @@ class Inbox:
         return loading_s
 
 
-def draw_on(config: Config, rollout: Rollout, channel: RolloutChannel, served: dict[int, ScoredBatches]) -> None:
+def draw_on(config: Config, rollout: Rollout, channel: RolloutChannel, served: dict[int, BatchDrawer]) -> None:
     """Partial rollouts drawn on for the served trainers, each one's batches in step order (the one furthest
     behind first), each posted as it fills, until the trainers end."""
-    inbox = Inbox(config, rollout, channel, served)
-    for trainer, batches in served.items():  # where each starts: a checkpoint's conversations, or a new job
+    pools = {trainer: drawer.partial_pool() for trainer, drawer in served.items()}
+    inbox = Inbox(config, rollout, channel, pools)
+    for trainer, pool in pools.items():  # where each starts: a checkpoint's conversations, or a new job
         start = channel.start_of(trainer)
         inbox.next_step[trainer] = int(start["next_step"])
-        batches.pool.load_state_dict(start["partial_rollouts"])
+        pool.load_state_dict(start["partial_rollouts"])
     try:
         while True:
             trainer = min(served, key=lambda r: (inbox.next_step[r], r))
@@ -165,7 +168,7 @@ def draw_on(config: Config, rollout: Rollout, channel: RolloutChannel, served: d
             idle, weights = inbox.idle_s, inbox.weights_s
             inbox.wait_until_due(step)
             clock, filling = PhaseClock(), inbox.weights_s
-            scored = served[trainer].draw_partial(step, clock, inbox.newest)
+            scored = served[trainer].draw_partial(pools[trainer], step, clock, inbox.newest)
             # [sampling, scoring, idle, weights]: the weights taken between rounds are no sampling
             scored.rollout_rank_s = torch.tensor([clock.seconds["rollout"] - (inbox.weights_s - filling),
                                                   clock.seconds["reward"], inbox.idle_s - idle,

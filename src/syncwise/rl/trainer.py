@@ -44,7 +44,8 @@ from .algorithm.advantages import grpo_advantages, rloo_advantages
 from .algorithm.balance import samples_that_train
 from .algorithm.losses import describe_correction, make_policy_loss
 from .algorithm.ppo import Critic, ppo_advantages
-from .batches import ScoredBatches
+from .batches import batch_producer
+from .drawing import BatchDrawer
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
 from .rollout.channel import RolloutChannel
 from .rollout.front import Rollout
@@ -118,11 +119,11 @@ class RLTrainer:
         self.resumed_from = self.checkpoints.resolve(train.resume)
         self.start = (int(self.checkpoints.load(self.resumed_from, self.engine, self._others)["step"])
                       if self.resumed_from else 0)
-        self.batches = ScoredBatches(config, info, self.rollout, self.source, self.channel,
-                                     self.engine.full_weights_by_unit)
-        resumes = bool(self.resumed_from) and rl.is_off_policy  # rollout ranks drawing on: told in a new job too
+        drawer = BatchDrawer(config, (info.rank, info.world_size), self.rollout, self.source) if self.rollout else None
+        self.batches = batch_producer(config, info, drawer, self.channel, self.engine.full_weights_by_unit)
+        resumes = bool(self.resumed_from) and config.rollout_mode.off_policy
         rank_state = self.checkpoints.rank_state(self.resumed_from) if resumes else None
-        self.queue_note = self.batches.resume(rank_state, self.start) if resumes or self.batches.streamed else ""
+        self.queue_note = self.batches.start(rank_state, self.start)
         self.history: list[dict[str, Any]] = []
         self.loggers: list[Any] = []
         self.bar = None
@@ -314,8 +315,7 @@ class RLTrainer:
 
     def save(self, done: int) -> Path:
         """Collective: a checkpoint of the state after ``done`` steps (PPO: the critic's beside the actor's)."""
-        ahead = self.batches.state_dict() if self.config.rl.is_off_policy else None
-        return self.checkpoints.save(done, self.engine, {"step": done}, self._others, ahead)
+        return self.checkpoints.save(done, self.engine, {"step": done}, self._others, self.batches.state_dict())
 
     def close_logs(self) -> None:
         if self.bar is not None:

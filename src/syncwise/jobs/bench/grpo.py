@@ -28,6 +28,7 @@ from typing import Any
 
 from ...config import config_to_dict, load_config, packaged_config
 from ...config.rollout_engines import ROLLOUT_ENGINES
+from ...config.rollout_modes import mode_of
 from ...metrics import plot_phase_bars, read_jsonl
 from ...rl.job import train_worker
 from ...rl.stats import PHASES, drawn_tokens
@@ -52,24 +53,27 @@ GRPO_CONFIGS: dict[str, tuple[str, ...]] = {
                                           "sync.mode=per_microbatch"),
     "compact, balanced, padded": ("rl.rollout_engine=compact", "rl.balance_ranks=true", "engine.packing=false"),
     "vLLM, balanced": ("rl.rollout_engine=vllm", "rl.balance_ranks=true"),
-    # partial rollouts (issue 48): the long tail carried to the next step in rounds, new prompts joining
-    "compact, balanced, partial rollouts": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
-                                            "rl.max_staleness=1"),
-    "vLLM, balanced, partial rollouts": ("rl.rollout_engine=vllm", "rl.balance_ranks=true", "rl.max_staleness=1"),
-    # rollout ranks of their own (issue 48): the same trainers, and as many ranks again that only sample, against
-    # the colocated job with the same lag (the same batches); on a CPU every rank shares the machine's cores
-    "compact, balanced, lag 1": ("rl.rollout_engine=compact", "rl.balance_ranks=true", "rl.off_policy_lag=1"),
-    "compact, balanced, lag 1, rollout ranks": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
-                                                "rl.off_policy_lag=1"),
-    # ... drawing partial rollouts on (the fast mode): the newest weights between rounds, at most 1 version behind
-    "compact, balanced, partial rollouts, rollout ranks": ("rl.rollout_engine=compact", "rl.balance_ranks=true",
-                                                           "rl.max_staleness=1"),
-    "vLLM, balanced, partial rollouts, rollout ranks": ("rl.rollout_engine=vllm", "rl.balance_ranks=true",
-                                                        "rl.max_staleness=1"),
 }
-WITH_ROLLOUT_RANKS = ("compact, balanced, lag 1, rollout ranks",  # + as many ranks as train, only sampling
-                      "compact, balanced, partial rollouts, rollout ranks",
-                      "vLLM, balanced, partial rollouts, rollout ranks")
+
+
+def _off_policy_row(engine: str, lag: int = 0, max_staleness: int = 0, rollout_ranks: bool = False
+                    ) -> tuple[str, tuple[str, ...]]:
+    """A row of an off-policy mode, named from the table of rollout modes (``vLLM, balanced, lag 1, rollout
+    ranks``); with rollout ranks, as many as the job has trainers."""
+    words = {"compact": "compact", "vllm": "vLLM"}[engine]
+    mode = mode_of(lag, max_staleness, rollout_ranks)
+    keys = ("rl.max_staleness=" + str(max_staleness)) if max_staleness else f"rl.off_policy_lag={lag}"
+    return f"{words}, balanced, {mode.label(lag)}", (f"rl.rollout_engine={engine}", "rl.balance_ranks=true", keys)
+
+
+# partial rollouts (issue 48): the long tail carried to the next step in rounds, new prompts joining; rollout
+# ranks of their own: the same trainers, and as many ranks again that only sample, against the colocated job with
+# the same lag (the same batches) -- on a CPU every rank shares the machine's cores -- or drawing partial rollouts
+# on (the fast mode): the newest weights between rounds, at most 1 version behind
+OFF_POLICY_ROWS = [("compact", 0, 1, False), ("vllm", 0, 1, False), ("compact", 1, 0, False), ("compact", 1, 0, True),
+                   ("compact", 0, 1, True), ("vllm", 0, 1, True)]  # engine, lag, max_staleness, rollout ranks
+GRPO_CONFIGS.update(_off_policy_row(*row) for row in OFF_POLICY_ROWS)
+WITH_ROLLOUT_RANKS = tuple(_off_policy_row(*row)[0] for row in OFF_POLICY_ROWS if row[3])
 QUICK_CONFIGS = ("generate, unbalanced (before)", "compact sampler, balanced", "compact, balanced, skip uniform groups",
                  "compact, balanced, partial rollouts")
 

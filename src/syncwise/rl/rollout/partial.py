@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ...config.rollout_modes import StalenessBound
 from .base import RolloutEngine, Samples, Trajectory
 
 
@@ -64,7 +65,7 @@ class PartialPool:
 
     def __init__(self, max_staleness: int, groups_per_step: int, n: int, max_new_tokens: int, chunk: int,
                  tokenizer):
-        self.max_staleness, self.groups_per_step, self.n = max_staleness, groups_per_step, n
+        self.bound, self.groups_per_step, self.n = StalenessBound(max_staleness), groups_per_step, n
         self.max_new_tokens, self.tokenizer = max_new_tokens, tokenizer
         self.chunk = min(chunk or max(max_new_tokens // 4, 1), max_new_tokens)
         self.groups: list[Group] = []
@@ -75,13 +76,13 @@ class PartialPool:
     @property
     def capacity(self) -> int:
         """Groups in flight at most: what the next ``max_staleness + 1`` steps can train."""
-        return (self.max_staleness + 1) * self.groups_per_step
+        return (self.bound.versions + 1) * self.groups_per_step
 
     def room(self, step: int, version: int) -> int:
         """Groups in flight at most while step ``step``'s are sampled by the policy of ``version``: what steps
         ``step`` .. ``version + max_staleness`` can train (the capacity colocated, where the version is the
         step's; less on a rollout rank running ahead of the trainers)."""
-        return (version + self.max_staleness - step + 1) * self.groups_per_step
+        return self.bound.steps_drawable(step, version) * self.groups_per_step
 
     @property
     def max_rounds(self) -> int:
@@ -129,7 +130,7 @@ class PartialPool:
     def _drop_stale(self, step: int) -> int:
         """Drop the groups started by a policy more than ``max_staleness`` versions before ``step``, which would
         train them."""
-        kept = [g for g in self.groups if step - g.started <= self.max_staleness]
+        kept = [g for g in self.groups if self.bound.keeps(step, g.started)]
         dropped = (len(self.groups) - len(kept)) * self.n
         self.groups = kept
         return dropped

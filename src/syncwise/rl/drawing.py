@@ -1,0 +1,87 @@
+"""Drawing one trainer's scored batches: its prompts of a step (deterministic: a resumed, lagged or rollout-rank
+run sees the same), sampled (the trainer's ``rollout`` phase) and scored (``reward``) -- whole, or as the
+partial rollouts a :class:`~syncwise.rl.rollout.partial.PartialPool` carries across steps. Every rollout mode
+draws through this (:mod:`syncwise.rl.batches` on a trainer, :mod:`syncwise.rl.rollout_rank` seated as the
+trainer it serves)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..config import Config
+from .env.scoring import score_samples
+from .env.tasks import PromptSource
+from .rollout.front import Rollout, RolloutResult
+from .rollout.partial import PartialPool
+from .rollout.queue import ScoredBatch
+from .stats import PhaseClock
+
+
+class BatchDrawer:
+    """Draws the batches of the trainer at ``seat`` (its rank, the trainers' count) with ``rollout``."""
+
+    def __init__(self, config: Config, seat: tuple[int, int], rollout: Rollout, source: PromptSource):
+        self.config, self.seat, self.rollout, self.source = config, seat, rollout, source
+
+    def partial_pool(self) -> PartialPool:
+        """An empty pool of this trainer's partial rollouts (``rl.max_staleness``)."""
+        rl = self.config.rl
+        return PartialPool(rl.max_staleness, rl.prompts_per_rank, rl.samples_per_prompt, self.rollout.max_new_tokens,
+                           rl.partial_chunk_tokens, self.rollout.tokenizer)
+
+    def draw(self, step: int, version: int, clock: PhaseClock, last: bool = True) -> ScoredBatch:
+        """Step ``step``'s prompts sampled by the policy of version ``version`` and scored; ``last``: the last
+        draw before the update (the engine may sleep after it)."""
+        rl, source = self.config.rl, self.source
+        indices = source.batch_indices(step, self.seat[0], self.seat[1], rl.prompts_per_rank)
+        rows, prompt_ids = [source.rows[i] for i in indices], [source.prompt_ids[i] for i in indices]
+        with clock("rollout"):
+            result = self.rollout.generate(rows, prompt_ids, step, [source.encoded.tools[i] for i in indices],
+                                           release=last, version=version, seat=self.seat)
+        clock.move("rollout", "tools", result.tool_s)  # run between the turns
+        with clock("reward"):
+            rewards, reward_parts, episode_metrics = self.score(result, rows)
+        return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics)
+
+    def draw_partial(self, pool: PartialPool, step: int, clock: PhaseClock,
+                     version_now: Callable[[], int] | None = None) -> ScoredBatch:
+        """Partial rollouts: the pool's rounds until ``rl.prompts_per_rank`` groups have finished
+        (:mod:`syncwise.rl.rollout.partial`), then scored. Colocated (``version_now`` None) every round is by
+        step ``step``'s policy, refreshed before; on a rollout rank ``version_now`` gives the newest policy it
+        has, asked before each round (the weights arrive between rounds)."""
+        if version_now is None:
+            with clock("weight_sync"):
+                self.rollout.sync_weights()
+        with clock("rollout"):
+            result, groups = self.rollout.generate_partial(pool, step, lambda k: self.source.prompt_ids[self.stream(k)],
+                                                           version_now, self.seat)
+        with clock("reward"):
+            rewards, reward_parts, episode_metrics = self.score(result, [self.source.rows[self.stream(g.index)]
+                                                                         for g in groups])
+        # colocated every round drew by this step's policy; drawing on, the newest a round drew by
+        version = step if version_now is None else max((v for t in result.trajectories for v in t.versions),
+                                                       default=step)
+        return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics)
+
+    def stream(self, k: int) -> int:
+        """The row of this trainer's k-th prompt: the synchronous job's, in its order (step k // prompts_per_rank)."""
+        per_step = self.config.rl.prompts_per_rank
+        step, position = divmod(k, per_step)
+        return self.source.batch_indices(step, self.seat[0], self.seat[1], per_step)[position]
+
+    def score(self, result: RolloutResult, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, dict, list]:
+        """Every sample's reward (the weighted total), each source's, and what each episode says about itself;
+        the episodes are closed after, also when scoring fails."""
+        env = self.source.environment
+        try:
+            totals, parts = score_samples(self.source.rewards, rows, result.responses,
+                                          self.config.rl.samples_per_prompt, result.episodes or None,
+                                          [t.env_reward for t in result.trajectories],
+                                          env.name if env is not None else "environment")
+            episode_metrics = [episode.metrics() for episode in result.episodes]
+        finally:
+            result.close_episodes()
+        return torch.tensor(totals), {name: torch.tensor(v) for name, v in parts.items()}, episode_metrics
