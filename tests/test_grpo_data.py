@@ -14,7 +14,8 @@ from syncwise.config import load_config
 from syncwise.rl.env.prompts import encode_prompts
 from syncwise.rl.env.scoring import load_reward_fn, reward_functions, score
 from syncwise.rl.env.tasks import DATASET_MAX_NEW_TOKENS, load_dataset, prompt_source
-from syncwise.rl.rollout.compact import StopStrings, Truncation, sample, truncated_log_probs
+from syncwise.rl.rollout.base import StopStrings
+from syncwise.rl.rollout.compact import Truncation, sample, truncated_log_probs
 from syncwise.sft.tasks import arith_chat_rows, chat_tokenizer
 
 

@@ -102,6 +102,54 @@ def test_a_response_cut_by_the_length_limit_is_done_and_not_ended():
     assert [call[1] for call in engine.calls] == [4, 2]  # the last round asks only for the room left
 
 
+class Chars:
+    def decode(self, tokens, skip_special_tokens=True):
+        return "".join(map(chr, tokens))
+
+
+class TextEngine:
+    """Each sequence's response is ``text`` on from what it has so far, one character a token, stopped as an engine
+    stops: where its own tokens (this call's, the prompt and earlier rounds unseen) contain the stop string."""
+
+    def __init__(self, text: str, stop: str):
+        self.text, self.stop = text, stop
+
+    def sample(self, prompts, n, max_new_tokens, seed):
+        tokens, ended = [], []
+        for sequence in prompts:
+            drawn = ""
+            for char in self.text[len(sequence) - 1:][:max_new_tokens]:  # the prompt is one token
+                drawn += char
+                if self.stop in drawn:
+                    break
+            tokens.append(torch.tensor([ord(c) for c in drawn]))
+            ended.append(self.stop in drawn)
+        logp = [torch.full((len(t),), -0.5) for t in tokens]
+        return Samples(tokens, logp, sum(len(t) for t in tokens), ended, logp)
+
+
+@pytest.mark.parametrize(("text", "kept"), [
+    ("abc##def.....", "abc##"),  # rounds "abc#" | "#def": the string split between them, unseen by the engine
+    ("ab##cdef.....", "ab##"),  # inside one round: the engine's own stop
+    ("abcdefghijkl", "abcdefghijkl"),  # none: cut by the length limit, not ended
+])
+def test_a_stop_string_split_between_two_rounds_ends_the_response_where_it_ends(text, kept):
+    """Issue 61: rl.stop with partial rollouts (refused before: a string split between two rounds went unseen).
+    The response ends with the token that completes the string, its tokens, log-probs and versions cut alike."""
+    from syncwise.rl.rollout.base import StopStrings
+
+    chars = Chars()
+    pool = PartialPool(1, 1, 1, 12, 4, chars, StopStrings(["##"], chars))
+    engine = TextEngine(text, "##")
+    trained = []
+    for step in range(4):
+        trained += pool.fill(engine, step, lambda k: [0], lambda r: r).groups
+    trajectory = trained[0].trajectories[0]
+    assert trajectory.text == kept and trajectory.ended == (kept != text)
+    assert len(trajectory.tokens) == len(trajectory.versions) == len(trajectory.full_log_probs) == len(kept)
+    assert len(trajectory.drawn_log_probs) == len(trajectory.sampled) == len(kept)
+
+
 def test_the_pool_goes_through_a_checkpoint_and_continues_alike(tmp_path):
     lengths = [1 + (k * 5) % 11 for k in range(100)]
     pool, prompt_of = _pool(lengths, staleness=2, per_step=2)
@@ -162,13 +210,13 @@ def test_max_staleness_resolves_the_decoupled_loss_and_refuses_what_it_cannot_ca
     cases = {
         "rl.off_policy_lag=1": "rl.max_staleness and rl.off_policy_lag: choose one",
         "rl.tools=[calculator]": "rl.max_staleness with rl.tools: partial rollouts carry single-turn samples",
-        "rl.stop=[x]": "rl.max_staleness with rl.stop: a stop string split between two rounds",
     }
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             _config("rl.max_staleness=2", override)
     with pytest.raises(ConfigError, match="rl.max_staleness"):
         _config("rl.max_staleness=-1")
+    assert _config("rl.max_staleness=2", "rl.stop=[x]").rl.stop == ["x"]  # issue 61: carried across rounds
 
 
 def test_the_time_model_fits_known_costs_and_projects_fewer_decode_steps_on_a_long_tail():

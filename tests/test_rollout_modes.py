@@ -77,3 +77,16 @@ def test_each_row_is_built_as_its_own_producer():
         drawer = None if on_ranks else BatchDrawer(config, (0, 1), Rollout(), source=None)
         producer = batch_producer(config, info, drawer, channel=object() if on_ranks else None, weights=iter)
         assert type(producer) is expected[name], name
+
+
+def test_a_partial_rollouts_pool_carries_the_jobs_stop_strings():
+    """Issue 61: rl.stop with rl.max_staleness (refused before): the pool checks each round's tokens together with
+    the earlier rounds' (tests/test_partial_rollouts.py), the job's strings handed to it."""
+    from syncwise.rl.drawing import BatchDrawer
+
+    class Rollout:
+        max_new_tokens, tokenizer = 16, None
+
+    config = load_config(None, ["rl.max_staleness=1", "rl.stop=['####', The answer]"])
+    pool = BatchDrawer(config, (0, 1), Rollout(), source=None).partial_pool()
+    assert pool.stop.strings == ["####", "The answer"] and pool.stop.window == len("The answer") + 2

@@ -74,9 +74,6 @@ def resolve_rollout_mode(rl: RLConfig, rollout_ranks: int, steps: int) -> tuple[
         key = "rl.tools" if rl.tools else "rl.environment"
         raise ConfigError(f"rl.max_staleness with {key}: partial rollouts carry single-turn samples; a multi-turn "
                           "job goes off-policy with rl.off_policy_lag")
-    if max_staleness and rl.stop:
-        raise ConfigError("rl.max_staleness with rl.stop: a stop string split between two rounds of a partial "
-                          "rollout would go unseen; end responses with the end token, or use rl.off_policy_lag")
     if lag is None:
         lag = 1 if rollout_ranks and not max_staleness else 0
     elif rollout_ranks and not (lag or max_staleness):

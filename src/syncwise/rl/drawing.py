@@ -14,6 +14,7 @@ import torch
 from ..config import Config
 from .env.scoring import score_samples
 from .env.tasks import PromptSource
+from .rollout.base import StopStrings
 from .rollout.front import Rollout, RolloutResult
 from .rollout.partial import PartialPool
 from .rollout.queue import ScoredBatch
@@ -29,8 +30,9 @@ class BatchDrawer:
     def partial_pool(self) -> PartialPool:
         """An empty pool of this trainer's partial rollouts (``rl.max_staleness``)."""
         rl = self.config.rl
+        tokenizer = self.rollout.tokenizer
         return PartialPool(rl.max_staleness, rl.prompts_per_rank, rl.samples_per_prompt, self.rollout.max_new_tokens,
-                           rl.partial_chunk_tokens, self.rollout.tokenizer)
+                           rl.partial_chunk_tokens, tokenizer, StopStrings(rl.stop, tokenizer))
 
     def draw(self, step: int, version: int, clock: PhaseClock, last: bool = True) -> ScoredBatch:
         """Step ``step``'s prompts sampled by the policy of version ``version`` and scored; ``last``: the last

@@ -70,6 +70,30 @@ class RolloutEngine(Protocol):
         """A few words for the job's first line."""
 
 
+class StopStrings:
+    """Whether a response's text contains one of the stop strings (decoded as it grows: only its tail)."""
+
+    def __init__(self, strings: list[str], tokenizer):
+        self.strings, self.tokenizer = list(strings), tokenizer
+        # enough trailing tokens to hold the longest stop string (a token is at least one character)
+        self.window = max((len(s) for s in self.strings), default=0) + 2
+
+    def __bool__(self) -> bool:
+        return bool(self.strings)
+
+    def hit(self, tokens: list[int]) -> bool:
+        tail = self.tokenizer.decode(tokens[-self.window:], skip_special_tokens=False)
+        return any(s in tail for s in self.strings)
+
+    def first_end(self, tokens: list[int], start: int) -> int | None:
+        """A stop string begun before token ``start`` and completed after it (a partial rollout's rounds: the
+        engine saw the tokens from ``start`` only): the length up to the token that completes it, or None."""
+        for end in range(start + 1, min(len(tokens), start + self.window) + 1):
+            if self.hit(tokens[:end]):
+                return end
+        return None
+
+
 @dataclass
 class Trajectory:
     """One sample, however many turns it took: its prompt, and after it every token (sampled, or the template's text
@@ -116,6 +140,12 @@ class Trajectory:
         self.add(tokens, sampled=True, full=samples.full_log_probs[k][: len(tokens)].float().tolist(), drawn=drawn,
                  version=version)
         return tokens, ended
+
+    def cut(self, length: int) -> None:
+        """Only the first ``length`` tokens kept (what came after a stop string a round's sample ran past)."""
+        del self.tokens[length:], self.versions[length:], self.sampled[length:], self.full_log_probs[length:]
+        if self.drawn_log_probs is not None:
+            del self.drawn_log_probs[length:]
 
     def state(self) -> dict[str, Any]:
         """Plain lists, numbers and strings (a checkpoint loads it with ``weights_only``)."""

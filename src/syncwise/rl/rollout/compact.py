@@ -29,7 +29,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from ...engine.step import positions_of
-from .base import Samples
+from .base import Samples, StopStrings
 
 COMPACT_FRACTION = 8  # compact when at least 1/8 of the active sequences have ended
 
@@ -66,22 +66,6 @@ def truncated_log_probs(log_p: torch.Tensor, cut: Truncation) -> torch.Tensor:
         floor = log_p.max(dim=-1, keepdim=True).values + math.log(cut.min_p)
         log_p = log_p.masked_fill(log_p < floor, float("-inf"))
     return log_p.log_softmax(dim=-1)
-
-
-class StopStrings:
-    """Whether a response's text contains one of the stop strings (decoded as it grows: only its tail)."""
-
-    def __init__(self, strings: list[str], tokenizer):
-        self.strings, self.tokenizer = list(strings), tokenizer
-        # enough trailing tokens to hold the longest stop string (a token is at least one character)
-        self.window = max((len(s) for s in self.strings), default=0) + 2
-
-    def __bool__(self) -> bool:
-        return bool(self.strings)
-
-    def hit(self, tokens: list[int]) -> bool:
-        tail = self.tokenizer.decode(tokens[-self.window:], skip_special_tokens=False)
-        return any(s in tail for s in self.strings)
 
 
 def left_padded(prompts: list[torch.Tensor], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,8 @@ import torch
 
 from ...engine.weights import load_by_unit
 from ...models import uninitialised_model
-from .base import RolloutSetup, Samples
-from .compact import StopStrings, Truncation, left_padded, sample
+from .base import RolloutSetup, Samples, StopStrings
+from .compact import Truncation, left_padded, sample
 
 
 class LocalCopy:

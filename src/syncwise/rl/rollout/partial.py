@@ -11,7 +11,8 @@ sampler's state is the sequence itself) -- each token keeping the version that d
 synchronous job's order, are admitted at a round's start while at most ``(max_staleness + 1) x
 prompts_per_rank`` groups are in flight (AReaL's capacity rule; by a policy k versions behind the step, k fewer
 steps' worth), and a group started more than ``max_staleness`` versions before the step that would train it is
-dropped and counted.
+dropped and counted. A stop string (``rl.stop``) split between two rounds ends the response where it ends: the
+engine saw its round's tokens only, so the pool checks them with the earlier rounds' tail.
 
 The pool is part of the rank's checkpoint (plain lists, loaded with ``weights_only``): a resumed job continues
 the conversations it held, losing no sample and repeating none.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...config.rollout_modes import StalenessBound
-from .base import RolloutEngine, Samples, Trajectory
+from .base import RolloutEngine, Samples, StopStrings, Trajectory
 
 
 @dataclass
@@ -64,9 +65,9 @@ class PartialPool:
     """This rank's groups in flight, finished or not, in admission order."""
 
     def __init__(self, max_staleness: int, groups_per_step: int, n: int, max_new_tokens: int, chunk: int,
-                 tokenizer):
+                 tokenizer, stop: StopStrings | None = None):
         self.bound, self.groups_per_step, self.n = StalenessBound(max_staleness), groups_per_step, n
-        self.max_new_tokens, self.tokenizer = max_new_tokens, tokenizer
+        self.max_new_tokens, self.tokenizer, self.stop = max_new_tokens, tokenizer, stop
         self.chunk = min(chunk or max(max_new_tokens // 4, 1), max_new_tokens)
         self.groups: list[Group] = []
         self.admitted = 0  # prompts taken from the stream so far
@@ -138,7 +139,13 @@ class PartialPool:
     def _take(self, trajectory: Trajectory, samples: Samples, k: int, version: int) -> int:
         """Sample ``k`` appended to the trajectory (cut to its room); done where it ended or filled its room.
         Returns the tokens taken."""
+        before = len(trajectory.tokens)
         tokens, ended = trajectory.take(samples, k, self.max_new_tokens, version)
+        if self.stop and before:  # the engine saw this round's tokens only: a string begun in an earlier round
+            end = self.stop.first_end(trajectory.tokens, before)
+            if end is not None:
+                trajectory.cut(end)
+                tokens, ended = tokens[: end - before], True
         if ended or len(trajectory.tokens) >= self.max_new_tokens:
             trajectory.done, trajectory.ended = True, ended
             trajectory.counts["turns"] = 1
