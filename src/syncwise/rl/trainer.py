@@ -42,11 +42,13 @@ from ..runtime.roles import JobRoles
 from ..runtime.signals import stopped
 from .algorithm.advantages import grpo_advantages, rloo_advantages
 from .algorithm.balance import samples_that_train
-from .algorithm.losses import describe_correction, make_policy_loss
+from .algorithm.losses import make_policy_loss
+from .algorithm.mini_batches import mini_batches
 from .algorithm.ppo import Critic, ppo_advantages
 from .batches import batch_producer
 from .drawing import BatchDrawer
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
+from .job_log import first_line, print_summary
 from .rollout.channel import RolloutChannel
 from .rollout.front import Rollout
 from .rollout_rank import rollout_ranks_line, share_network
@@ -167,23 +169,10 @@ class RLTrainer:
             if not self.resumed_from:
                 set_aside(self.out_dir / "tensorboard")
             self.loggers.append(TensorBoardLogger(self.out_dir / "tensorboard"))
-        prompts = self.source.encoded
-        notes = "".join([", through the chat template" if prompts.templated else "",
-                         f", {prompts.truncated} cut to rl.max_prompt_length" if prompts.truncated else "",
-                         f", {prompts.dropped} longer dropped" if prompts.dropped else ""])
-        print(
-            f"syncwise train: {rl.algorithm.upper()} on {rl.dataset or 'task ' + rl.task} "
-            f"({len(self.source.rows)} prompts{notes}), "
-            f"{config.engine.strategy} on {self.info.world_size} rank(s), {rl.prompts_per_rank} prompts x "
-            f"{rl.samples_per_prompt} samples per rank, responses up to "
-            f"{rl.max_new_tokens or self.source.max_new_tokens} tokens, sync.mode={config.sync.mode}; "
-            f"{self.rollout.describe() if self.rollout else rollout_ranks_line(config, self.info.world_size)}, "
-            f"{describe_correction(config)}"
-            + (f"; {self.critic.describe()}" if self.critic is not None else "")
-            + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else "")
-            + self.queue_note + log_note,
-            flush=True,
-        )
+        rollout_words = self.rollout.describe() if self.rollout else rollout_ranks_line(config, self.info.world_size)
+        print(first_line(config, self.info.world_size, self.source, rollout_words,
+                         self.critic.describe() if self.critic is not None else "", self.resumed_from, self.start)
+              + self.queue_note + log_note, flush=True)
         if train.progress:
             from tqdm import tqdm
 
@@ -231,7 +220,7 @@ class RLTrainer:
                 batch["values"] = self.critic.values(batch)
             kl = batch["old_log_probs"] - batch["ref_log_probs"] if rl.kl_in_reward else None  # verl's "kl" (k1)
             batch["advantages"], batch["returns"], critic_metrics = ppo_advantages(batch, self.config, self.info, kl)
-        parts = list(self._mini_batches(batch, step))
+        parts = list(mini_batches(batch, self.config.rl, self.config.train.seed, step, self.info.rank))
         if self.critic is not None:
             with clock("critic_update"):
                 critic_metrics.update(self.critic.update(parts))
@@ -293,18 +282,6 @@ class RLTrainer:
         with adapters_disabled(self.engine.model):
             return self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
 
-    def _mini_batches(self, batch: dict[str, torch.Tensor], step: int):
-        """Each epoch, this rank's samples in an order seeded by (seed, step, epoch, rank) -- a resumed run
-        repeats it -- split into ``rl.mini_batches`` parts; with one mini-batch, the whole batch."""
-        rl, size = self.config.rl, batch["input_ids"].shape[0]
-        for epoch in range(rl.epochs):
-            order = torch.arange(size)
-            if rl.mini_batches > 1:
-                seed = ((self.config.train.seed * 1_000_003 + step) * 1009 + epoch) * 101 + self.info.rank
-                order = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
-            for part in order.tensor_split(rl.mini_batches):
-                yield {key: value[part] for key, value in batch.items()}
-
     def _log(self, metrics: dict[str, Any]) -> None:
         for logger in self.loggers:
             logger.log(metrics)
@@ -335,7 +312,7 @@ class RLTrainer:
             history = job_history(self.out_dir / "metrics.jsonl")
             plot_curves(history, self.out_dir / "curves.png")
             plot_phases(history, self.out_dir / "phases.png", [f"time/{phase}_s" for phase in PHASES])
-            _print_summary(history, self.out_dir)
+            print_summary(history, self.out_dir)
 
     def run(self) -> list[dict[str, Any]]:
         """Train from the start (or the resumed) step to ``train.steps``; rank 0 returns every step's metrics.
@@ -379,13 +356,3 @@ def run_rl(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]]
     """Train; rank 0 returns (and logs) every step's metrics."""
     return RLTrainer(config, info or init_distributed(config.dist.backend, config.dist.timeout_s)).run()
 
-
-def _print_summary(history: list[dict[str, Any]], out_dir: Path) -> None:
-    window = min(10, len(history))
-    first = sum(m["reward/mean"] for m in history[:window]) / window
-    last = sum(m["reward/mean"] for m in history[-window:]) / window
-    print(
-        f"mean reward: first {window} steps {first:.3f}, last {window} steps {last:.3f}; "
-        f"metrics {out_dir / 'metrics.jsonl'}, plot {out_dir / 'curves.png'}",
-        flush=True,
-    )
