@@ -34,8 +34,7 @@ class RolloutMode:
     on_rollout_ranks: bool  # sampled by ranks of their own (dist.rollout_ranks), fetched by the trainers
     partial: bool  # partial rollouts carried across steps (rl.max_staleness), else whole batches
     exact: bool  # a rerun trains on the same batches (no timing decides which policy draws what)
-    words: str  # the mode in a few words (bench rows, the first line); {lag}: rl.off_policy_lag
-    summary: str
+    words: str  # the mode in a few words (bench rows); {lag}: rl.off_policy_lag
 
     @property
     def off_policy(self) -> bool:
@@ -46,16 +45,11 @@ class RolloutMode:
 
 
 ROLLOUT_MODES: dict[str, RolloutMode] = {mode.name: mode for mode in (
-    RolloutMode("synchronous", False, False, True, "synchronous",
-                "each step's batch drawn by the step's policy, then trained"),
-    RolloutMode("lag", False, False, True, "lag {lag}",
-                "each batch drawn rl.off_policy_lag steps ahead on this rank (its queue)"),
-    RolloutMode("partial", False, True, True, "partial rollouts",
-                "partial rollouts in rounds on this rank, the unfinished groups carried to the next step"),
-    RolloutMode("lag_on_rollout_ranks", True, False, True, "lag {lag}, rollout ranks",
-                "rollout ranks draw each batch rl.off_policy_lag steps ahead by the policy the trainers send"),
-    RolloutMode("drawn_on_rollout_ranks", True, True, False, "partial rollouts, rollout ranks",
-                "rollout ranks draw partial rollouts on, taking the newest weights between rounds"),
+    RolloutMode("synchronous", False, False, True, "synchronous"),
+    RolloutMode("lag", False, False, True, "lag {lag}"),
+    RolloutMode("partial", False, True, True, "partial rollouts"),
+    RolloutMode("lag_on_rollout_ranks", True, False, True, "lag {lag}, rollout ranks"),
+    RolloutMode("drawn_on_rollout_ranks", True, True, False, "partial rollouts, rollout ranks"),
 )}
 
 

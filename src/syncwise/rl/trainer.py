@@ -355,4 +355,3 @@ class RLTrainer:
 def run_rl(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]]:
     """Train; rank 0 returns (and logs) every step's metrics."""
     return RLTrainer(config, info or init_distributed(config.dist.backend, config.dist.timeout_s)).run()
-
