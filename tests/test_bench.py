@@ -12,14 +12,18 @@ import pytest
 from syncwise.memory.schedule import expected_collectives
 
 
+def _bench(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``syncwise bench *args`` in a process of its own, offline; it must succeed (its stderr's tail if not)."""
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "bench", *args], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
 def test_bench_smoke(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run(
-        [sys.executable, "-m", "syncwise", "bench", "--presets", "qwen2-test", "--microbatches", "2", "3",
-         "--warmup", "1", "--repeats", "2", "--seq-len", "16", "--out", str(out)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _bench("--presets", "qwen2-test", "--microbatches", "2", "3", "--warmup", "1", "--repeats", "2", "--seq-len", "16",
+           "--out", str(out))
     data = json.loads((out / "bench.json").read_text())
     records = data["records"]
     configs = {(r["microbatches"], r["config"]) for r in records}
@@ -59,12 +63,8 @@ def test_bench_rl_workload_smoke(tmp_path):
     """`syncwise bench --workload rl`: every configuration on the long-tailed and the uniform data, with real
     tokens per second, padding fraction and measured peaks (ratios are measured, not asserted here)."""
     out = tmp_path / "bench_rl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "syncwise", "bench", "--workload", "rl", "--presets", "qwen2-test", "--sequences", "6",
-         "--warmup", "1", "--repeats", "1", "--out", str(out)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _bench("--workload", "rl", "--presets", "qwen2-test", "--sequences", "6", "--warmup", "1", "--repeats", "1",
+           "--out", str(out))
     from syncwise.jobs.bench.rl import HAND_WRITTEN, RL_CONFIGS, UNIFORM_CONFIGS
 
     records = json.loads((out / "bench_rl.json").read_text())["records"]
@@ -113,12 +113,7 @@ def test_bench_rl_workload_smoke(tmp_path):
 def test_bench_loss_workload(tmp_path):
     """`syncwise bench --workload loss`: the chunked log-prob path and the plain autograd one side by side
     (ratios measured, not asserted: speed targets live in the bench, not in tests)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "syncwise", "bench", "--workload", "loss", "--quick", "--repeats", "1",
-         "--out", str(tmp_path)], env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _bench("--workload", "loss", "--quick", "--repeats", "1", "--out", str(tmp_path), timeout=600)
     records = json.loads((tmp_path / "bench_loss.json").read_text())["records"]
     whats = {"log-probs", "log-probs + entropy"}
     whats |= {f"{head} + {what}, {how}" for what in whats for head in ("LM head", "frozen LM head")
@@ -134,11 +129,7 @@ def test_bench_grpo_workload_quick(tmp_path):
     configuration (partial rollouts among them), each step's phases within its time, the imbalance balanced, the
     table and the plot."""
     out = tmp_path / "bench_grpo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "syncwise", "bench", "--workload", "grpo", "--quick", "--out", str(out)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _bench("--workload", "grpo", "--quick", "--out", str(out))
     from syncwise.jobs.bench.grpo import QUICK_CONFIGS
 
     report = json.loads((out / "bench_grpo.json").read_text())
@@ -172,11 +163,7 @@ def test_bench_sft_workload_quick(tmp_path):
     """`syncwise bench --workload sft --quick`: syncwise sft's steps beside train_batch alone on the same
     batches, and the data path timed inside the step."""
     out = tmp_path / "bench_sft"
-    proc = subprocess.run(
-        [sys.executable, "-m", "syncwise", "bench", "--workload", "sft", "--quick", "--out", str(out)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _bench("--workload", "sft", "--quick", "--out", str(out))
     result = json.loads((out / "bench_sft.json").read_text())["result"]
     assert result["steps_per_kind"] == 8 and result["rows"] == 4000 and result["batch_size"] == 16
     medians = result["medians_s"]
@@ -190,12 +177,8 @@ def test_bench_rl_profile_has_the_default_step_beside_the_fixed_ones(tmp_path):
     """`syncwise bench --workload rl --profile`: torch.profiler's operator tables of one packed step, the
     defaults' (once auto has settled) beside the fixed 512-token cap with the head fused and materialised."""
     out = tmp_path / "profile"
-    proc = subprocess.run(
-        [sys.executable, "-m", "syncwise", "bench", "--workload", "rl", "--profile", "--presets", "qwen2-test",
-         "--sequences", "4", "--out", str(out)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _bench("--workload", "rl", "--profile", "--presets", "qwen2-test", "--sequences", "4", "--out", str(out),
+           timeout=600)
     text = (out / "profile.md").read_text()
     for label in ("engine.fused_lm_head=true, engine.max_tokens_per_micro_batch=512",
                   "engine.fused_lm_head=false, engine.max_tokens_per_micro_batch=512",
@@ -216,10 +199,7 @@ def test_the_gpu_workload_runs_its_parts_on_a_cpu(tmp_path):
     refused = run_cli(["bench", "--workload", "gpu", "--out", str(tmp_path / "no")])
     assert refused.returncode == 2 and refused.stderr.startswith("syncwise: error: bench --workload gpu needs a CUDA")
     out = tmp_path / "gpu"
-    command = [sys.executable, "-m", "syncwise", "bench", "--workload", "gpu", "--quick", "--out", str(out)]
-    proc = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _bench("--workload", "gpu", "--quick", "--out", str(out))
     data = json.loads((out / "bench_gpu.json").read_text())
     assert data["cuda_tests"] == {"skipped": "no CUDA device: the CPU check"}
     rows = {r["config"]: r for r in data["records"]}
@@ -239,11 +219,7 @@ def test_bench_load_workload_quick(tmp_path):
     beside each rank reading its own shards from the meta device, per rank. The whole way holds at least the
     fp32 model on every rank; the meta way at least its shards, and less than the whole way."""
     out = tmp_path / "bench_load"
-    proc = subprocess.run(
-        [sys.executable, "-m", "syncwise", "bench", "--workload", "load", "--quick", "--out", str(out)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _bench("--workload", "load", "--quick", "--out", str(out))
     result = json.loads((out / "bench_load.json").read_text())
     model, rows = result["model"], result["results"]
     assert list(rows) == ["whole, 2 ranks", "meta, 2 ranks"]
