@@ -209,7 +209,6 @@ def test_max_staleness_resolves_the_decoupled_loss_and_refuses_what_it_cannot_ca
     assert _config().rl.loss.off_policy == "none"
     cases = {
         "rl.off_policy_lag=1": "rl.max_staleness and rl.off_policy_lag: choose one",
-        "rl.tools=[calculator]": "rl.max_staleness with rl.tools: partial rollouts carry single-turn samples",
     }
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=message):
@@ -217,6 +216,8 @@ def test_max_staleness_resolves_the_decoupled_loss_and_refuses_what_it_cannot_ca
     with pytest.raises(ConfigError, match="rl.max_staleness"):
         _config("rl.max_staleness=-1")
     assert _config("rl.max_staleness=2", "rl.stop=[x]").rl.stop == ["x"]  # issue 61: carried across rounds
+    # issue 61: conversations are carried too
+    assert _config("rl.max_staleness=2", "rl.tools=[calculator]").rollout_mode.name == "partial"
 
 
 def test_the_time_model_fits_known_costs_and_projects_fewer_decode_steps_on_a_long_tail():

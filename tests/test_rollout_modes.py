@@ -29,8 +29,6 @@ def test_every_combination_of_the_keys_names_one_row_and_resolves_the_lag(overri
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["rl.max_staleness=1", "rl.off_policy_lag=1"], "rl.max_staleness and rl.off_policy_lag: choose one"),
-    (["rl.max_staleness=1", "rl.tools=[calculator]"], "rl.max_staleness with rl.tools: partial rollouts carry "
-                                                      "single-turn samples"),
     (["rl.partial_chunk_tokens=8"], "rl.partial_chunk_tokens=8 is the round of a partial rollout"),
     ([*RANKS, "rl.off_policy_lag=0"], "dist.rollout_ranks=2 with rl.off_policy_lag=0"),
     (["rl.off_policy_lag=5", "train.steps=5"], "rl.off_policy_lag=5 with train.steps=5"),
@@ -63,8 +61,8 @@ def test_each_row_is_built_as_its_own_producer():
     from syncwise.rl.drawing import BatchDrawer
     from syncwise.runtime.distributed import DistInfo
 
-    class Rollout:  # what a producer reads of its engine when built: a pool's limits
-        max_new_tokens, tokenizer = 16, None
+    class Rollout:  # what a producer reads of its engine when built: a pool's limits, its turn loop
+        max_new_tokens, tokenizer, turns = 16, None, None
 
     expected = {"synchronous": DrawNow, "lag": DrawAhead, "partial": PartialRollouts,
                 "lag_on_rollout_ranks": FetchAhead, "drawn_on_rollout_ranks": FetchDrawnOn}
@@ -85,7 +83,7 @@ def test_a_partial_rollouts_pool_carries_the_jobs_stop_strings():
     from syncwise.rl.drawing import BatchDrawer
 
     class Rollout:
-        max_new_tokens, tokenizer = 16, None
+        max_new_tokens, tokenizer, turns = 16, None, None
 
     config = load_config(None, ["rl.max_staleness=1", "rl.stop=['####', The answer]"])
     pool = BatchDrawer(config, (0, 1), Rollout(), source=None).partial_pool()

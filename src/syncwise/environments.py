@@ -1,6 +1,7 @@
 """Built-in environments for ``rl.environment`` (``syncwise.environments:GuessNumber``), written to TRL's
 ``environment_factory`` contract as a user's would be: one instance per conversation, ``reset(**row)``, public
-methods the tools, ``get_reward()``; and syncwise's ``metrics`` property (a name TRL never takes for a tool).
+methods the tools, ``get_reward()``; and syncwise's ``metrics`` property (a name TRL never takes for a tool) and
+Python's ``__getstate__`` / ``__setstate__`` (a checkpoint of partial rollouts keeps its games in flight).
 
 ``GuessNumber`` is a task whose episodes need several calls and state: find a hidden number from
 higher / lower answers (``syncwise sft --write-example-data DIR --task guess_number`` writes the SFT chats and
@@ -50,3 +51,10 @@ class GuessNumber:
     @property
     def metrics(self) -> dict[str, float]:
         return {"solved": float(self.solved), "guesses": float(self.guesses)}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The episode as plain data: a partial rollout's checkpoint keeps a game in flight."""
+        return dict(vars(self))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)

@@ -64,10 +64,6 @@ def resolve_rollout_mode(rl: RLConfig, rollout_ranks: int, steps: int) -> tuple[
     if max_staleness and lag:
         raise ConfigError("rl.max_staleness and rl.off_policy_lag: choose one -- partial rollouts with bounded "
                           "staleness, or whole batches drawn a fixed number of steps ahead")
-    if max_staleness and (rl.tools or rl.environment):
-        key = "rl.tools" if rl.tools else "rl.environment"
-        raise ConfigError(f"rl.max_staleness with {key}: partial rollouts carry single-turn samples; a multi-turn "
-                          "job goes off-policy with rl.off_policy_lag")
     if lag is None:
         lag = 1 if rollout_ranks and not max_staleness else 0
     elif rollout_ranks and not (lag or max_staleness):

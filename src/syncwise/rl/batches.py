@@ -41,6 +41,9 @@ class BatchProducer:
         Returns what the job's first line says."""
         return ""
 
+    def close(self) -> None:
+        """The job's end (done, stopped or failed): what the mode holds open let go (episodes in flight)."""
+
 
 class DrawNow(BatchProducer):
     """Synchronous: the step's batch drawn by its own policy, after the refresh."""
@@ -93,8 +96,14 @@ class PartialRollouts(BatchProducer):
         return self.drawer.draw_partial(self.pool, step, clock)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"partial_rollouts": self.pool.state_dict(),
-                **({"rollout_queue": self.queue.state_dict()} if self.queue.ready else {})}
+        state = {"partial_rollouts": self.pool.state_dict(),
+                 **({"rollout_queue": self.queue.state_dict()} if self.queue.ready else {})}
+        if self.pool.unsaved:
+            print(f"syncwise train: rank {self.drawer.seat[0]}: {self.pool.unsaved_words()}", flush=True)
+        return state
+
+    def close(self) -> None:
+        self.pool.close()
 
     def start(self, rank_state: dict[str, Any] | None, start: int) -> str:
         """The groups in flight, continued; where the checkpoint holds none, the stream of prompts goes on from

@@ -29,10 +29,11 @@ class BatchDrawer:
 
     def partial_pool(self) -> PartialPool:
         """An empty pool of this trainer's partial rollouts (``rl.max_staleness``)."""
-        rl = self.config.rl
+        rl, source = self.config.rl, self.source
         tokenizer = self.rollout.tokenizer
         return PartialPool(rl.max_staleness, rl.prompts_per_rank, rl.samples_per_prompt, self.rollout.max_new_tokens,
-                           rl.partial_chunk_tokens, tokenizer, StopStrings(rl.stop, tokenizer))
+                           rl.partial_chunk_tokens, tokenizer, StopStrings(rl.stop, tokenizer), self.rollout.turns,
+                           lambda k: (source.rows[self.stream(k)], source.encoded.tools[self.stream(k)]))
 
     def draw(self, step: int, version: int, clock: PhaseClock, last: bool = True) -> ScoredBatch:
         """Step ``step``'s prompts sampled by the policy of version ``version`` and scored; ``last``: the last
@@ -60,6 +61,7 @@ class BatchDrawer:
         with clock("rollout"):
             result, groups = self.rollout.generate_partial(pool, step, lambda k: self.source.prompt_ids[self.stream(k)],
                                                            version_now, self.seat)
+        clock.move("rollout", "tools", result.tool_s)  # opening episodes, running calls between the turns
         with clock("reward"):
             rewards, reward_parts, episode_metrics = self.score(result, [self.source.rows[self.stream(g.index)]
                                                                          for g in groups])

@@ -142,6 +142,8 @@ class Inbox:
             for trainer, pool in self.pools.items():
                 self.channel.post_snapshot(draw.number, trainer, {"next_step": self.next_step[trainer],
                                                                   "partial_rollouts": pool.state_dict()})
+                if pool.unsaved:
+                    print(f"syncwise train: rollout rank, for trainer {trainer}: {pool.unsaved_words()}", flush=True)
             return 0.0
         started = time.perf_counter()
         self.rollout.sync_weights(self.channel.receive_weights(draw.number))
@@ -177,3 +179,6 @@ def draw_on(config: Config, rollout: Rollout, channel: RolloutChannel, served: d
             inbox.next_step[trainer] = step + 1
     except TrainersEnded:
         return
+    finally:
+        for pool in pools.values():
+            pool.close()

@@ -320,6 +320,7 @@ class RLTrainer:
         try:
             return self._run()
         finally:
+            self.batches.close()
             if self.channel is not None:
                 self.channel.end()
 

@@ -34,6 +34,29 @@ class Environment(Protocol):
     def close(self) -> None:
         """The episode is over (scored, or failed): let go of what it holds."""
 
+    def state(self) -> Any:
+        """The episode's state as plain data (dicts, lists, strings, numbers, None), for a checkpoint taken while
+        its conversation is in flight (partial rollouts); ``NOT_SAVED`` where it cannot be saved."""
+
+    def restore(self, row: dict[str, Any], state: Any) -> None:
+        """Instead of :meth:`start`: the episode of ``row`` as :meth:`state` saved it."""
+
+
+NOT_SAVED = object()  # an episode's state() where it cannot be saved
+
+
+def close_all(episodes: list[Environment]) -> None:
+    """Each episode closed, all of them even where one raises; the first error raised after, naming it."""
+    errors = []
+    for episode in episodes:
+        try:
+            episode.close()
+        except Exception as exc:  # noqa: BLE001 - the user's clean-up (__exit__): the others still close
+            errors.append(exc)
+    if errors:
+        raise RuntimeError(f"rl.environment: the episode's __exit__ raised {type(errors[0]).__name__}: "
+                           f"{errors[0]}") from errors[0]
+
 
 class FunctionTools:
     """``rl.tools``: plain functions, the same for every episode -- nothing to start, score or close."""
@@ -55,3 +78,9 @@ class FunctionTools:
 
     def close(self) -> None:
         """Nothing held."""
+
+    def state(self) -> Any:
+        return None  # nothing to save
+
+    def restore(self, row: dict[str, Any], state: Any) -> None:
+        """Nothing to restore."""

@@ -15,9 +15,13 @@ unchanged -- as TRL runs it.
   (:class:`~syncwise.rl.env.threads.OwnThread`), as TRL runs them on one: what ``reset`` opens (a sqlite
   connection) works in the tools. Different episodes run side by side.
 - syncwise's own additions, under names TRL never takes for a tool: a ``metrics`` attribute or property (a dict
-  of numbers), logged as ``env/<name>`` (its mean over the step's episodes); and, for a class that is a context
+  of numbers), logged as ``env/<name>`` (its mean over the step's episodes); for a class that is a context
   manager (``__enter__`` / ``__exit__``), the episode runs inside it -- entered before ``reset``, exited once the
-  episode is scored, also when anything failed.
+  episode is scored, also when anything failed; and for a class with Python's ``__getstate__`` and
+  ``__setstate__`` of its own (plain data: dicts, lists, strings, numbers, None), a partial rollout's checkpoint
+  keeps its episodes in flight -- a resumed episode is built with no arguments, entered, and given
+  ``__setstate__(state)`` instead of ``reset``. Without them a checkpoint cannot keep an episode under way: its
+  conversation is dropped when the checkpoint is taken (counted, and said in one line).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import inspect
 import math
 from typing import Any
 
+from .base import NOT_SAVED
 from .loader import load_function
 from .threads import OwnThread
 from .tools import Tool, tool_schema
@@ -71,6 +76,14 @@ class EnvironmentClass:
         self.context_manager = callable(getattr(cls, "__enter__", None)) and callable(getattr(cls, "__exit__", None))
 
     @property
+    def saves(self) -> bool:
+        """Whether the class saves its episodes' state: ``__getstate__`` and ``__setstate__`` of its own (every
+        object inherits a ``__getstate__`` that is not one)."""
+        inherited = getattr(object, "__getstate__", None)
+        return (getattr(self.cls, "__getstate__", inherited) is not inherited
+                and callable(getattr(self.cls, "__setstate__", None)))
+
+    @property
     def scores(self) -> bool:
         """Whether the class scores its episodes (``get_reward``)."""
         return callable(getattr(self.cls, "get_reward", None))
@@ -107,6 +120,33 @@ class ClassEpisode:
             self.entered = True
         opening = self.thread.call(self.instance.reset, **row)
         return None if opening is None else str(opening)
+
+    def state(self) -> Any:
+        """``__getstate__()``'s plain data; ``NOT_SAVED`` where the class has none of its own or a call of the
+        episode still hangs on its thread (its state is mid-call)."""
+        if not self.spec.saves or self.thread.stuck_in() is not None:
+            return NOT_SAVED
+        where = f"rl.environment: {self.spec.name}.__getstate__()"
+        try:
+            state = self.thread.call(self.instance.__getstate__)
+        except Exception as exc:  # the user's code: any exception
+            raise ValueError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+        odd = not_plain(state)
+        if odd is not None:
+            raise ValueError(f"{where} returned {odd}; a checkpoint keeps plain data (dicts with string keys, "
+                             "lists, strings, numbers, None)")
+        return state
+
+    def restore(self, row: dict[str, Any], state: Any) -> None:
+        """The episode as ``state`` was saved: entered (a context-manager class), then ``__setstate__(state)``."""
+        if self.spec.context_manager:
+            self.thread.call(self.instance.__enter__)
+            self.entered = True
+        try:
+            self.thread.call(self.instance.__setstate__, state)
+        except Exception as exc:  # the user's code: any exception
+            raise ValueError(f"rl.environment: {self.spec.name}.__setstate__() raised {type(exc).__name__}: "
+                             f"{exc}") from exc
 
     def tools(self) -> dict[str, Tool]:
         return self._tools
@@ -149,3 +189,20 @@ class ClassEpisode:
                 self.thread.call(self.instance.__exit__, None, None, None)
         finally:
             self.thread.close()
+
+
+def not_plain(value: Any, where: str = "state") -> str | None:
+    """Where ``value`` holds something a checkpoint loaded with ``weights_only`` cannot (``"a set at
+    state['seen']"``), or None where it is all plain data."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return None
+    if isinstance(value, (list, tuple)):
+        return next((odd for i, item in enumerate(value) if (odd := not_plain(item, f"{where}[{i}]"))), None)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"a {type(key).__name__} key {key!r} in {where}"
+            if (odd := not_plain(item, f"{where}[{key!r}]")) is not None:
+                return odd
+        return None
+    return f"a {type(value).__name__} at {where}"

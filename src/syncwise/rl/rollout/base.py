@@ -101,7 +101,8 @@ class Trajectory:
     untruncated distribution; of the one it drew from, or None where the engine does not say; 0 where
     nothing was sampled), what the reward function sees (``response``: the text, or with tools the messages
     after the prompt), whether the last turn ended by itself, what happened on the way (``counts``), and which
-    policy version drew each token (a partial rollout's tokens span versions)."""
+    policy version drew each token (a partial rollout's tokens span versions) -- everything plain, so a conversation
+in flight goes into a checkpoint as it is."""
 
     prompt: list[int] = field(default_factory=list)  # the prompt's tokens it follows
     opening: str | None = None  # what its episode said first, appended to the prompt's last user message
@@ -116,6 +117,7 @@ class Trajectory:
     env_reward: float | None = None  # the episode's own score (an environment's reward()), if it gives one
     counts: Counter = field(default_factory=Counter)  # turns, tool calls, answer kinds, each error kind
     versions: list[int] = field(default_factory=list)  # per token: the policy version that drew it (RL steps taken)
+    turn_start: int = 0  # where in ``tokens`` the assistant turn under way began (a partial rollout's rounds)
 
     def add(self, tokens: list[int], sampled: bool, full: list[float] | None = None,
             drawn: list[float] | None = None, version: int = 0) -> None:

@@ -32,7 +32,7 @@ from ...config.rollout_engines import ROLLOUT_ENGINES
 from ...engine import Engine
 from ...memory.accounting import resolve_budget
 from ...runtime.distributed import DistInfo, local_tensor
-from ..env.base import Environment, FunctionTools
+from ..env.base import Environment, FunctionTools, close_all
 from ..env.classes import ClassEpisode
 from ..env.tasks import PromptSource
 from .base import RolloutEngine, RolloutSetup, Trajectory, sample_seed
@@ -89,16 +89,8 @@ class RolloutResult:
 
     def close_episodes(self) -> None:
         """Every episode is over (scored, or failed): each closed, all of them even where one raises."""
-        errors = []
-        for episode in self.episodes:
-            try:
-                episode.close()
-            except Exception as exc:  # noqa: BLE001 - the user's clean-up (__exit__): the others still close
-                errors.append(exc)
-        self.episodes = []
-        if errors:
-            raise RuntimeError(f"rl.environment: the episode's __exit__ raised {type(errors[0]).__name__}: "
-                               f"{errors[0]}") from errors[0]
+        episodes, self.episodes = self.episodes, []
+        close_all(episodes)
 
     @property
     def responses(self) -> list[Any]:
@@ -197,7 +189,8 @@ class Rollout:
                          version_now: Callable[[], int] | None = None, seat: tuple[int, int] | None = None
                          ) -> tuple[RolloutResult, list[Group]]:
         """Partial rollouts (``rl.max_staleness``): the pool's rounds until step ``step``'s groups have
-        finished; those groups' samples, and the groups (for their rows). Colocated each round is by the current
+        finished; those groups' samples (multi-turn: with their episodes, open until scored), and the groups (for
+        their rows). Colocated each round is by the current
         policy (version ``step``) and the engine may sleep after; on a rollout rank (``version_now``: the
         newest policy received, asked before each round) it stays awake. ``seat`` as for :meth:`generate`."""
         rank, world = seat or (self.info.rank, self.info.world_size)
@@ -205,12 +198,19 @@ class Rollout:
             self.config.train.seed, step, rank, world, round_, pool.max_rounds, pool.capacity * pool.n),
             version_now)
         trajectories = [t for group in fill.groups for t in group.trajectories]
-        result = RolloutResult({}, trajectories, torch.zeros(0), torch.zeros(0), 0.0, None,
+        result = RolloutResult({}, trajectories, torch.zeros(0), torch.zeros(0), fill.tool_s,
+                               counts_tensor(trajectories) if self.turns.multi_turn else None,
+                               [e for group in fill.groups for e in group.episodes or []],
                                decode={"drawn_tokens": float(fill.drawn_tokens), "lockstep": float(fill.lockstep),
                                        "dropped": float(fill.dropped), "decode_steps": float(fill.decode_steps)})
-        if version_now is None:
-            self.sampler.release()
-        self._batch(result)
+        try:
+            if version_now is None:
+                self.sampler.release()
+            self._batch(result)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                result.close_episodes()
+            raise
         return result, fill.groups
 
     def _batch(self, result: RolloutResult) -> None:

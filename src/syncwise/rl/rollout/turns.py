@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,13 +36,23 @@ from ..env.base import Environment
 from ..env.prompts import encode_prompt, prompt_messages
 from ..env.tool_calls import ParsedTurn, choose_parser, parse_turn
 from ..env.tools import ANSWER_KINDS, ERROR_KINDS, ToolLimits, ToolResult, ToolRunner
-from .base import RolloutEngine, Samples, Trajectory
+from .base import RolloutEngine, Trajectory
 
 TOOL_COUNTS = ("turns", "tool_calls", *ANSWER_KINDS, *ERROR_KINDS, "refused_by_template")
 
 
 def tool_limits(cfg: RLConfig) -> ToolLimits:
     return ToolLimits(cfg.tool_timeout_s, cfg.tool_step_timeout_s, cfg.tool_max_chars, cfg.tool_workers)
+
+
+class EndedTurn(NamedTuple):
+    """A conversation whose assistant turn ended calling tools: what answering it needs."""
+
+    trajectory: Trajectory
+    episode: Environment
+    parsed: ParsedTurn
+    row: dict[str, Any]
+    schemas: list[dict[str, Any]] | None
 
 
 class TurnLoop:
@@ -88,61 +98,79 @@ class TurnLoop:
         if not self.multi_turn:
             samples = engine.sample(prompt_ids, n, max_new_tokens, seeds[0])
             for k, trajectory in enumerate(trajectories):
-                self._take(trajectory, samples, k, max_new_tokens, last=True)
+                self.end_turn(trajectory, *trajectory.take(samples, k, max_new_tokens, self.version), last=True)
             return trajectories, 0.0, []
         episodes: list[Environment] = []
+        self.runner.new_step()
+        started = time.perf_counter()
         try:
-            episodes += [self.episode(rows[i // n]) for i in range(len(trajectories))]
+            for i, trajectory in enumerate(trajectories):
+                episodes.append(self.open(rows[i // n], schemas[i // n], trajectory))
+            tool_seconds = time.perf_counter() - started
             return (*self._conversations(engine, episodes, trajectories, rows, prompt_ids, schemas, n,
-                                         max_new_tokens, seeds), episodes)
+                                         max_new_tokens, seeds, tool_seconds), episodes)
         except BaseException:
             for episode in episodes:
                 with contextlib.suppress(Exception):
                     episode.close()
             raise
 
+    def open(self, row: dict[str, Any], schemas: list[dict[str, Any]] | None, trajectory: Trajectory) -> Environment:
+        """A conversation's episode, started from its row; what it says first is appended to the prompt's last
+        user message (the trajectory's prompt re-encoded with it). Closed again where starting it fails."""
+        episode = self.episode(row)
+        try:
+            opening = episode.start(row)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                episode.close()
+            raise
+        if opening is not None:
+            trajectory.opening = opening
+            trajectory.prompt = encode_prompt(opened(row["prompt"], opening), self.cfg, self.tokenizer, schemas)
+        return episode
+
     def _conversations(self, engine: RolloutEngine, episodes: list[Environment], trajectories: list[Trajectory],
-                       rows, prompt_ids, schemas, n: int, max_new_tokens: int, seeds: list[int]
-                       ) -> tuple[list[Trajectory], float]:
-        self.runner.new_step()
-        started = time.perf_counter()
-        # an episode that opens with text has a prompt of its own: the text appended to its last user message
-        openings = [episode.start(rows[i // n]) for i, episode in enumerate(episodes)]
-        for i, opening in enumerate(openings):
-            if opening is not None:
-                trajectories[i].opening = opening
-                trajectories[i].prompt = encode_prompt(opened(rows[i // n]["prompt"], opening), self.cfg,
-                                                       self.tokenizer, schemas[i // n])
-        tool_seconds = time.perf_counter() - started
+                       rows, prompt_ids, schemas, n: int, max_new_tokens: int, seeds: list[int],
+                       tool_seconds: float) -> tuple[list[Trajectory], float]:
         for turn in range(self.max_turns):
             active = [i for i, t in enumerate(trajectories) if not t.done]
             if not active:
                 break
-            if turn == 0 and all(opening is None for opening in openings):
+            if turn == 0 and all(t.opening is None for t in trajectories):
                 samples = engine.sample(prompt_ids, n, max_new_tokens, seeds[0])  # each prompt prefilled once
             else:
                 inputs = [trajectories[i].prompt + trajectories[i].tokens for i in active]
                 room = max(max_new_tokens - len(trajectories[i].tokens) for i in active)
                 samples = engine.sample(inputs, 1, room, seeds[turn])
             last = turn == self.max_turns - 1
-            calling = [(i, parsed) for k, i in enumerate(active)
-                       if (parsed := self._take(trajectories[i], samples, k, max_new_tokens, last)) is not None]
-            started = time.perf_counter()
-            answers = iter(self.runner.run([(episodes[i].tools(), call.name, call.arguments)
-                                            for i, parsed in calling for call in parsed.calls]))
-            for i, parsed in calling:
-                self._answer(trajectories[i], parsed, [next(answers) for _ in parsed.calls], rows[i // n],
-                             schemas[i // n], max_new_tokens)
-            tool_seconds += time.perf_counter() - started
+            calling = []
+            for k, i in enumerate(active):
+                tokens, ended = trajectories[i].take(samples, k, max_new_tokens, self.version)
+                parsed = self.end_turn(trajectories[i], tokens, ended, last)
+                if parsed is not None:
+                    calling.append(EndedTurn(trajectories[i], episodes[i], parsed, rows[i // n], schemas[i // n]))
+            tool_seconds += self.answer(calling, max_new_tokens)
         for trajectory, episode in zip(trajectories, episodes, strict=True):
             trajectory.env_reward = episode.reward()
         return trajectories, tool_seconds
 
-    def _take(self, trajectory: Trajectory, samples: Samples, k: int, max_new_tokens: int,
-              last: bool) -> ParsedTurn | None:
-        """Take sample ``k`` as the trajectory's next assistant turn; its parsed calls where they are to run,
-        else None (the trajectory ends here)."""
-        tokens, ended = trajectory.take(samples, k, max_new_tokens, self.version)
+    def answer(self, calling: list[EndedTurn], max_new_tokens: int) -> float:
+        """The calls of every turn that ended calling tools, run side by side (each episode's own in order), and
+        each conversation's answers appended through the template: its next turn starts after them. The
+        seconds it took."""
+        started = time.perf_counter()
+        answers = iter(self.runner.run([(turn.episode.tools(), call.name, call.arguments)
+                                        for turn in calling for call in turn.parsed.calls]))
+        for turn in calling:
+            self._answer(turn.trajectory, turn.parsed, [next(answers) for _ in turn.parsed.calls], turn.row,
+                         turn.schemas, max_new_tokens)
+            turn.trajectory.turn_start = len(turn.trajectory.tokens)
+        return time.perf_counter() - started
+
+    def end_turn(self, trajectory: Trajectory, tokens: list[int], ended: bool, last: bool) -> ParsedTurn | None:
+        """The trajectory's assistant turn ended (its ``tokens``; ``ended``: by an end token or a stop string, else
+        by the length limit): its parsed calls where they are to run, else None (the trajectory ends here)."""
         trajectory.counts["turns"] += 1
         if not self.multi_turn:
             trajectory.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
