@@ -244,3 +244,19 @@ def test_a_step_time_slope_and_its_noise():
     line = slope_of([2.0 + 0.01 * i for i in range(20)])  # no scatter: no noise; +0.19 s over 2.095 s is 9%
     assert line["noise"] == pytest.approx(0.0, abs=1e-9) and line["drift"] == pytest.approx(0.19 / 2.095)
     assert not line["flat"]
+
+
+def test_bench_grpo_takes_your_own_job(tmp_path):
+    """Issue 61: `bench --workload grpo --job KEY=VALUE ...` -- a user's own job's keys go into every
+    configuration after the row's (so a multi-turn recipe is measured mode against mode), and with model.path
+    the configurations start from that model, no warm start."""
+    from syncwise.jobs.bench.grpo import GRPOBenchSpec, _job_config
+
+    job = ["model.path=runs/sft_guess/export", "rl.dataset=data/guess/prompts.jsonl",
+           "rl.environment=syncwise.environments:GuessNumber", "rl.max_turns=5", "rl.prompts_per_rank=4"]
+    spec = GRPOBenchSpec(out_dir=str(tmp_path), job=job)
+    assert spec.own_model == "runs/sft_guess/export" and GRPOBenchSpec().own_model is None
+    config = _job_config(spec, "compact, balanced, partial rollouts", tmp_path / "job", tmp_path / "ignored")
+    assert config["model"]["path"] == "runs/sft_guess/export" and config["rl"]["prompts_per_rank"] == 4
+    assert config["rl"]["environment"] == "syncwise.environments:GuessNumber" and config["rl"]["max_staleness"] == 1
+    assert config["optim"]["lr"] == 0 and config["rl"]["max_turns"] == 5

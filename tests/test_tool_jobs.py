@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cli_harness import run_cli
 from syncwise.config.rollout_engines import ROLLOUT_ENGINES
@@ -89,6 +90,16 @@ class AdderEnv:
         \"\"\"
         self.calls += 1
         return a + b
+
+
+class SavedAdderEnv(AdderEnv):
+    """The same, its episodes saved with a checkpoint of partial rollouts (Python's pickle protocol)."""
+
+    def __getstate__(self) -> dict:
+        return {"calls": self.calls, "answer": self.answer}
+
+    def __setstate__(self, state: dict) -> None:
+        self.calls, self.answer = state["calls"], state["answer"]
 '''
 CONVERSATION = [
     {"role": "user", "content": "What is 12 + 7?"},
@@ -243,6 +254,97 @@ def test_an_environment_class_written_for_trl_trains_unchanged(folder):
         assert row["rollout/log_prob_diff"] < 2e-6, row
     closed = (folder / "environment.closed.jsonl").read_text().splitlines()
     assert len(closed) == 2 * 16  # every conversation's episode, both steps, both ranks
+
+
+PARTIAL = ["rl.max_staleness=1", "rl.partial_chunk_tokens=8"]  # a turn of the memorised model: several rounds
+SAVED_ENV = ["rl.tools=[]", "rl.environment=adder_env.py:SavedAdderEnv"]
+
+
+def test_partial_rollouts_carry_conversations_and_a_resume_repeats_them(folder):
+    """Issue 61: rl.max_staleness=2 with an environment class, rounds of 8 tokens -- conversations (a call, its
+    answer through the template, the final turn) carried across rounds and steps, each episode's state its own
+    (its get_reward, its metrics), every sample within the bound, the first step's log-probs the trainer's. A
+    job resumed from step 2's checkpoint -- which holds each rank's conversations in flight and finished ones
+    waiting to train, with their episodes' states (a call made) -- trains steps 3-4 as the uninterrupted job
+    does."""
+    partial = ["rl.max_staleness=2", "rl.partial_chunk_tokens=8"]
+    proc = _train(folder, "partial", "train.steps=4", *partial, *SAVED_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "partial rollouts carried across steps" in proc.stdout and "dropped at the checkpoint" not in proc.stdout
+    through = _rows(folder, "partial")
+    for row in through:
+        assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
+        assert 0 < row["reward/SavedAdderEnv"] <= 1 and row["env/calls"] > 0, row
+        assert row["rollout/staleness_max"] <= 2, row
+    # step 1's samples are all the initial policy's: its log-probs the trainer's; later ones went on under a new one
+    assert through[0]["rollout/staleness_max"] == 0 and through[0]["rollout/log_prob_diff"] < 2e-6
+    assert max(r["rollout/staleness_mean"] for r in through) > 0
+    first = _train(folder, "partial_resumed", "train.steps=2", "train.checkpoint_every=2", *partial, *SAVED_ENV)
+    assert first.returncode == 0, first.stderr[-3000:]
+    held = torch.load(folder / "partial_resumed" / "checkpoints" / "step_000002" / "rank0.pt",
+                      weights_only=True)["rank_state"]["partial_rollouts"]["groups"]
+    assert held and all(len(g["episodes"]) == 4 for g in held)
+    assert all(e["answer"] == 19 for g in held for e in g["episodes"])  # the episodes' own state, reset from the row
+    assert any(e["calls"] == 1 for g in held for e in g["episodes"])  # an episode past its tool call
+    assert any(not t["done"] for g in held for t in g["trajectories"])  # a conversation in flight
+    second = _train(folder, "partial_resumed", "train.steps=4", "train.resume=auto", *partial, *SAVED_ENV)
+    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = _rows(folder, "partial_resumed")
+    assert [r["train/step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(through, resumed, strict=True):
+        for key in ("reward/mean", "reward/SavedAdderEnv", "env/calls", "rollout/turns_mean", "rollout/staleness_mean",
+                    "rollout/tool_calls_per_sample", "response/length_mean", "rollout/drawn_tokens"):
+            assert a[key] == b[key], (key, a["train/step"], a[key], b[key])
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_conversations_whose_environment_cannot_be_saved_are_dropped_at_the_checkpoint_in_one_line(folder):
+    """Issue 61: TRL's AdderEnv (no __getstate__ / __setstate__) with partial rollouts: each checkpoint drops the
+    groups in flight, says so in one line per rank, counts them in the next step's rollout/dropped_stale, and
+    closes their episodes -- every episode the job opened is closed by its end."""
+    proc = _train(folder, "partial_unsaved", "train.steps=3", "train.checkpoint_every=1", *PARTIAL, "rl.tools=[]",
+                  "rl.environment=adder_env.py:AdderEnv")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "dropped at the checkpoint" in line]
+    assert said and all("AdderEnv has no __getstate__ / __setstate__ of its own" in line for line in said), said
+    rows = _rows(folder, "partial_unsaved")
+    assert sum(r["rollout/dropped_stale"] for r in rows[1:]) > 0
+    closed = (folder / "partial_unsaved.closed.jsonl").read_text().splitlines()
+    assert len(closed) >= 3 * 16 + rows[1]["rollout/dropped_stale"]  # trained, and dropped unscored
+
+
+def test_rollout_ranks_draw_conversations_on_and_checkpoint_them(folder):
+    """Issue 61: 2 trainers + 2 rollout ranks drawing on (rl.max_staleness=1) with an environment class: the
+    rollout ranks carry the conversations between rounds as the weights arrive; every trained sample within the
+    bound, the episodes' rewards and metrics reach the trainers. Step 2's checkpoint accounts for every prompt the
+    rollout ranks took -- trained, posted ahead, in flight with its episodes' states, or dropped and counted --
+    and a job resumed from it colocated goes on from there, the posted batches first."""
+    proc = _train(folder, "partial_ranks", "train.steps=3", "train.checkpoint_every=2", "dist.nproc=4",
+                  "dist.rollout_ranks=2", *PARTIAL, *SAVED_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rollouts by 2 rollout rank(s) of their own (ranks 2-3, compact, drawing on" in proc.stdout
+    rows = _rows(folder, "partial_ranks")
+    for row in rows:
+        assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
+        assert 0 < row["reward/SavedAdderEnv"] <= 1 and row["rollout/staleness_max"] <= 1, row
+        assert row["rollout_rank/sample_s"] > 0 and row["time/tools_s"] >= 0, row
+    unaccounted, dropped = 0, sum(r["rollout/dropped_stale"] for r in rows[:2])
+    for rank in (0, 1):
+        held = torch.load(folder / "partial_ranks" / "checkpoints" / "step_000002" / f"rank{rank}.pt",
+                          weights_only=True)["rank_state"]
+        queue, pool = held["rollout_queue"], held["partial_rollouts"]
+        assert all(len(g["episodes"]) == 4 and all(e["answer"] == 19 for e in g["episodes"]) for g in pool["groups"])
+        unaccounted += pool["admitted"] - queue["next_step"] * 2 - len(pool["groups"])  # 2 prompts a step
+        dropped += sum(b["decode"]["dropped"] for b in queue["ready"]) + pool["under_way"]["dropped"]
+    assert unaccounted * 4 == dropped, (unaccounted, dropped)
+    checkpoint = folder / "partial_ranks" / "checkpoints" / "step_000002"
+    resumed = _train(folder, "partial_ranks_resumed", "train.steps=4", f"train.resume={checkpoint}", *PARTIAL,
+                     *SAVED_ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "holds no partial rollouts" not in resumed.stdout
+    again = _rows(folder, "partial_ranks_resumed")
+    assert [r["train/step"] for r in again] == [3, 4]
+    assert all(r["rollout/staleness_max"] <= 1 and r["rollout/turns_mean"] > 1.3 for r in again)
 
 
 @pytest.mark.parametrize(("override", "said"), [

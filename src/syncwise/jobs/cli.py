@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "default the job's)")
     bench.add_argument("--configs", nargs="+", help="grpo workload: configurations by name (default: all), "
                                                     "e.g. 'compact sampler, balanced' 'vLLM, balanced'")
+    bench.add_argument("--job", nargs="+", metavar="KEY=VALUE",
+                       help="grpo workload: your own job's keys in every configuration (rl.dataset=..., "
+                            "rl.environment=...); with model.path=... the warm start is skipped")
     bench.add_argument("--microbatches", nargs="+", type=int, help="micro-batches per step (default 2 4 8)")
     bench.add_argument("--modes", nargs="+", help="engine sync modes (default: all but replica_deferred, + auto)")
     bench.add_argument("--no-baselines", action="store_true", help="skip the raw FSDP2 loop and the compute floor")

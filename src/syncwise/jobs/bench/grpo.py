@@ -16,6 +16,11 @@ and end to end (the tokens that trained), the decode batch's fill, and the cross
 and after balancing. The first configuration -- Hugging Face ``generate``, no balancing and a forward-only pass for
 the old log-probs: the path before ``rl.rollout_engine=compact``, ``rl.balance_ranks`` and the on-policy
 shortcut -- is the reference. Writes ``bench_grpo.json``, ``bench_grpo.md`` and ``grpo_phases.png``.
+
+``--job KEY=VALUE ...`` benches your own job instead: its keys go into every configuration's (after the row's:
+``rl.dataset=...``, ``rl.environment=...``, ``rl.max_turns=5``), and with ``model.path`` among them the
+configurations start from that model (an SFT export) and the warm start is skipped -- how the README's
+multi-turn recipes are measured mode against mode.
 """
 
 from __future__ import annotations
@@ -90,6 +95,13 @@ class GRPOBenchSpec:
     samples_per_prompt: int = 8
     configs: list[str] = field(default_factory=lambda: _available(list(GRPO_CONFIGS)))
     extra: list[str] = field(default_factory=list)  # overrides for every job (e.g. model.preset=...)
+    job: list[str] = field(default_factory=list)  # --job: a user's own job's keys, last; model.path: no warm start
+
+    @property
+    def own_model(self) -> str | None:
+        """``--job model.path=...``: the model every configuration starts from, without a warm start."""
+        paths = [o.partition("=")[2] for o in self.job if o.startswith("model.path=")]
+        return paths[-1] if paths else None
 
     @classmethod
     def quick(cls, out_dir: str) -> GRPOBenchSpec:
@@ -121,7 +133,8 @@ def _job_config(spec: GRPOBenchSpec, name: str | None, out: Path, start: Path | 
                      f"train.steps={spec.steps}", "train.export=false", *GRPO_CONFIGS[name]]
         if _rollout_ranks(spec, name):
             overrides += [f"dist.rollout_ranks={spec.nproc}", f"dist.nproc={_nproc(spec, name)}"]
-    return config_to_dict(load_config(packaged_config("grpo.yaml"), [*overrides, *spec.extra], packaged=True))
+    return config_to_dict(load_config(packaged_config("grpo.yaml"), [*overrides, *spec.extra, *spec.job],
+                                      packaged=True))
 
 
 def _rollout_ranks(spec: GRPOBenchSpec, name: str | None) -> int:
@@ -181,6 +194,7 @@ def run(args) -> int:
         spec.extra = [f"model.preset={args.presets[0]}"]
     if args.repeats is not None:
         spec.rounds = args.repeats
+    spec.job = list(args.job or [])
     return bench_grpo(spec)
 
 
@@ -193,18 +207,20 @@ def bench_grpo(spec: GRPOBenchSpec) -> int:
     out_dir = Path(spec.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     measured: dict[str, list[dict[str, Any]]] = {name: [] for name in spec.configs}
-    start = out_dir / "jobs" / "warm_start"
-    shutil.rmtree(start, ignore_errors=True)
-    print(f"syncwise bench grpo: the warm start ({spec.warm_start_steps} supervised steps), exported", flush=True)
-    result = launch_local(train_worker, _nproc(spec, None), _job_config(spec, None, start))
-    if result.exit_code != 0:
-        return result.exit_code
+    model = Path(spec.own_model) if spec.own_model else out_dir / "jobs" / "warm_start" / "export"
+    if not spec.own_model:
+        start = model.parent
+        shutil.rmtree(start, ignore_errors=True)
+        print(f"syncwise bench grpo: the warm start ({spec.warm_start_steps} supervised steps), exported", flush=True)
+        result = launch_local(train_worker, _nproc(spec, None), _job_config(spec, None, start))
+        if result.exit_code != 0:
+            return result.exit_code
     for round_ in range(spec.rounds):
         for name in spec.configs:
             job_dir = out_dir / "jobs" / f"{spec.configs.index(name)}_round{round_}"
             shutil.rmtree(job_dir, ignore_errors=True)
             print(f"syncwise bench grpo: round {round_ + 1}/{spec.rounds}: {name}", flush=True)
-            result = launch_local(train_worker, _nproc(spec, name), _job_config(spec, name, job_dir, start / "export"))
+            result = launch_local(train_worker, _nproc(spec, name), _job_config(spec, name, job_dir, model))
             if result.exit_code != 0:
                 return result.exit_code
             measured[name] += read_jsonl(job_dir / "metrics.jsonl")[spec.warmup:]
@@ -218,8 +234,8 @@ def bench_grpo(spec: GRPOBenchSpec) -> int:
         results[name]["decode_cost"] = {"per_step_s": cost.per_step_s, "per_token_s": cost.per_token_s}
     # the GEMM rate at the model's shapes, on ranks launched as the jobs' were (all timing at once)
     rate_file = out_dir / "jobs" / "gemm_rate.txt"
-    dtype = _job_config(spec, spec.configs[0], out_dir, start / "export")["model"]["param_dtype"]
-    result = launch_local(gemm_rate_worker, spec.nproc, str(start / "export"), dtype, str(rate_file))
+    dtype = _job_config(spec, spec.configs[0], out_dir, model)["model"]["param_dtype"]
+    result = launch_local(gemm_rate_worker, spec.nproc, str(model), dtype, str(rate_file))
     if result.exit_code != 0:
         return result.exit_code
     rate = float(rate_file.read_text())
@@ -249,10 +265,12 @@ def format_results(spec: GRPOBenchSpec, results: dict[str, dict[str, Any]]) -> s
     def fmt(value: float) -> str:
         return f"{value:.3f}"
 
+    job = (f"your job ({' '.join(spec.job)}), from {spec.own_model}" if spec.own_model else
+           f"the repeat task{' (' + ' '.join(spec.job) + ')' if spec.job else ''}, {spec.prompts_per_rank} prompts x "
+           f"{spec.samples_per_prompt} samples per rank, from a model warmed up by {spec.warm_start_steps} "
+           "supervised steps")
     lines = [
-        f"GRPO steps on the repeat task: {spec.nproc} ranks, {spec.prompts_per_rank} prompts x "
-        f"{spec.samples_per_prompt} samples per rank, from a model warmed up by {spec.warm_start_steps} "
-        f"supervised steps, learning rate 0 (the same weights every step); medians of "
+        f"GRPO steps on {job}: {spec.nproc} ranks, learning rate 0 (the same weights every step); medians of "
         f"{spec.steps - spec.warmup} steps x {spec.rounds} round(s). Speed-up: end-to-end response tokens/s "
         f"over the first row's",
         "",
