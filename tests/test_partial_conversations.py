@@ -116,8 +116,9 @@ def _job(setting, cls: str, games: int = 12):
     return loop, rows, prompts, schemas, ConversationPolicy(tokenizer, secrets)
 
 
-def _pool(loop, rows, schemas, staleness=2, chunk=7, max_new=170):
-    return PartialPool(staleness, 2, 2, max_new, chunk, loop.tokenizer, None, loop, lambda k: (rows[k], schemas))
+def _pool(loop, rows, schemas, staleness=2, chunk=7, max_new=170, row_of=None):
+    return PartialPool(staleness, 2, 2, max_new, chunk, loop.tokenizer, None, loop,
+                       row_of or (lambda k: (rows[k], schemas)))
 
 
 def _whole(loop, rows, prompts, schemas, policy, max_new=170):
@@ -183,17 +184,25 @@ def test_a_checkpoint_with_conversations_in_flight_continues_as_the_job_that_wen
     assert any(t.tokens and t.turn_start for t in in_flight)  # a conversation past its first turn
     torch.save(pool.state_dict(), tmp_path / "pool.pt")
     assert pool.unsaved == 0 and pool.unsaved_words() == ""
-    again = _pool(loop, rows, schemas)
-    again.load_state_dict(torch.load(tmp_path / "pool.pt", weights_only=True))
-    for step in range(3, 7):
+    _resumed_alike(pool, tmp_path / "pool.pt", range(3, 7), prompts, policy)
+
+
+def _resumed_alike(pool: PartialPool, saved, steps, prompts, policy) -> list[int]:
+    """A fresh pool loaded from ``saved`` fills ``steps`` as ``pool``, which went on, does; each step's drop."""
+    again = _pool(pool.turns, None, None, row_of=pool.row_of)
+    again.load_state_dict(torch.load(saved, weights_only=True))
+    dropped = []
+    for step in steps:
         want = pool.fill(policy, step, lambda k: prompts[k], lambda r: r)
         got = again.fill(policy, step, lambda k: prompts[k], lambda r: r)
         assert [g.state() for g in got.groups] == [g.state() for g in want.groups]
         assert (got.drawn_tokens, got.dropped, got.rounds) == (want.drawn_tokens, want.dropped, want.rounds)
+        dropped.append(got.dropped)
         for group in (*got.groups, *want.groups):
             group.close()
     pool.close()
     again.close()
+    return dropped
 
 
 def test_conversations_whose_environment_cannot_be_saved_are_dropped_at_the_checkpoint_and_counted(setting, tmp_path):
@@ -206,24 +215,18 @@ def test_conversations_whose_environment_cannot_be_saved_are_dropped_at_the_chec
     for step in range(2):
         pool.fill(policy, step, lambda k: prompts[k], lambda r: r)
     in_flight = list(pool.groups)
-    assert in_flight and in_flight[0].episodes[0].state() is NOT_SAVED
+    episodes = [e for g in in_flight for e in g.episodes]
+    assert in_flight and episodes[0].state() is NOT_SAVED
     torch.save(pool.state_dict(), tmp_path / "pool.pt")
     assert pool.unsaved == len(in_flight) and not pool.groups
-    assert all(e.thread.closed for g in in_flight for e in g.episodes or [])  # closed when dropped
+    assert all(e.thread.closed for e in episodes)  # closed when dropped
     words = pool.unsaved_words()
     assert words.startswith(f"{len(in_flight)} group(s) in flight ({2 * len(in_flight)} conversations) dropped")
     assert "Guess has no __getstate__ / __setstate__" in words and "\n" not in words
-    again = _pool(loop, rows, schemas)
-    again.load_state_dict(torch.load(tmp_path / "pool.pt", weights_only=True))
-    for step in range(2, 4):
-        want = pool.fill(policy, step, lambda k: prompts[k], lambda r: r)
-        got = again.fill(policy, step, lambda k: prompts[k], lambda r: r)
-        assert [g.state() for g in got.groups] == [g.state() for g in want.groups]
-        assert got.dropped == want.dropped == (2 * len(in_flight) if step == 2 else 0)
+    assert _resumed_alike(pool, tmp_path / "pool.pt", range(2, 4), prompts, policy) == [2 * len(in_flight), 0]
     bad_loop, *_ = _job(setting, "BadState")
     bad = _pool(bad_loop, rows, schemas)
     bad.fill(policy, 0, lambda k: prompts[k], lambda r: r)
     with pytest.raises(ValueError, match=r"BadState.__getstate__\(\) returned a set at state\['seen'\]"):
         bad.state_dict()
-    for carried in (pool, again, bad):
-        carried.close()
+    bad.close()

@@ -174,15 +174,7 @@ class Rollout:
                                                         seeds, step if version is None else version)
         result = RolloutResult({}, trajectories, torch.zeros(0), torch.zeros(0), tool_s,
                                counts_tensor(trajectories) if self.turns.multi_turn else None, episodes)
-        try:
-            if release:  # every turn sampled: the engine may free what the update does not need
-                self.sampler.release()
-            self._batch(result)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                result.close_episodes()
-            raise
-        return result
+        return self._finish(result, release)
 
     @torch.no_grad()
     def generate_partial(self, pool: PartialPool, step: int, prompt_of: Callable[[int], list[int]],
@@ -190,9 +182,9 @@ class Rollout:
                          ) -> tuple[RolloutResult, list[Group]]:
         """Partial rollouts (``rl.max_staleness``): the pool's rounds until step ``step``'s groups have
         finished; those groups' samples (multi-turn: with their episodes, open until scored), and the groups (for
-        their rows). Colocated each round is by the current
-        policy (version ``step``) and the engine may sleep after; on a rollout rank (``version_now``: the
-        newest policy received, asked before each round) it stays awake. ``seat`` as for :meth:`generate`."""
+        their rows). Colocated each round is by the current policy (version ``step``) and the engine may sleep
+        after; on a rollout rank (``version_now``: the newest policy received, asked before each round) it stays
+        awake. ``seat`` as for :meth:`generate`."""
         rank, world = seat or (self.info.rank, self.info.world_size)
         fill = pool.fill(self.sampler, step, prompt_of, lambda round_: sample_seed(
             self.config.train.seed, step, rank, world, round_, pool.max_rounds, pool.capacity * pool.n),
@@ -203,15 +195,20 @@ class Rollout:
                                [e for group in fill.groups for e in group.episodes or []],
                                decode={"drawn_tokens": float(fill.drawn_tokens), "lockstep": float(fill.lockstep),
                                        "dropped": float(fill.dropped), "decode_steps": float(fill.decode_steps)})
+        return self._finish(result, release=version_now is None), fill.groups
+
+    def _finish(self, result: RolloutResult, release: bool) -> RolloutResult:
+        """The result's training batch, after the engine is released (``release``: every turn sampled, it may
+        free what the update does not need); its episodes closed where that fails."""
         try:
-            if version_now is None:
+            if release:
                 self.sampler.release()
             self._batch(result)
         except BaseException:
             with contextlib.suppress(Exception):
                 result.close_episodes()
             raise
-        return result, fill.groups
+        return result
 
     def _batch(self, result: RolloutResult) -> None:
         """The training batch of the result's samples, the sampler's log-probs aligned with its targets, and
