@@ -67,10 +67,11 @@ class ConversationPolicy:
     its secret, one call a turn, then answers; the turn's tokens are drawn from where the sequence's last
     generation prompt left them, so however rounds cut a turn, the same tokens come out."""
 
-    def __init__(self, tokenizer, secrets: dict[int, int]):
-        self.tokenizer, self.secrets = tokenizer, secrets
+    def __init__(self, tokenizer, secrets: dict[int, int], stop: str | None = None):
+        self.tokenizer, self.secrets, self.stop = tokenizer, secrets, stop
         self.opening = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
         self.rows_per_call: list[int] = []
+        self.split = 0  # calls that ran past a stop string begun before them (unseen, as an engine's)
 
     def turn(self, game: int, turn: int) -> list[int]:
         if turn < self.secrets[game]:
@@ -88,9 +89,17 @@ class ConversationPolicy:
             game = int(re.search(r"game (\d+)", self.tokenizer.decode(sequence)).group(1))
             turn = self.turn(game, len(starts) - 1)
             drawn = turn[len(sequence) - starts[-1]:][:max_new_tokens]
+            if self.stop:  # an engine's stop: where this call's own tokens contain the string
+                cut = next((k for k in range(1, len(drawn) + 1) if self.stop in self.tokenizer.decode(drawn[:k])),
+                           None)
+                whole = self.tokenizer.decode(turn[:len(sequence) - starts[-1] + len(drawn)])
+                self.split += cut is None and self.stop in whole and self.stop not in self.tokenizer.decode(
+                    turn[:len(sequence) - starts[-1]])
+                drawn = drawn[:cut] if cut is not None else drawn
             for _ in range(n):
                 tokens.append(torch.tensor(drawn))
-                ended.append(len(sequence) - starts[-1] + len(drawn) == len(turn))
+                stopped = bool(self.stop) and self.stop in self.tokenizer.decode(drawn)
+                ended.append(stopped or len(sequence) - starts[-1] + len(drawn) == len(turn))
         log_probs = [torch.full((len(t),), -0.25) for t in tokens]
         return Samples(tokens, log_probs, 0, ended, log_probs)
 
@@ -230,3 +239,29 @@ def test_conversations_whose_environment_cannot_be_saved_are_dropped_at_the_chec
     with pytest.raises(ValueError, match=r"BadState.__getstate__\(\) returned a set at state\['seen'\]"):
         bad.state_dict()
     bad.close()
+
+
+def test_a_stop_string_split_between_two_rounds_ends_the_turn_where_it_ends(setting):
+    """rl.stop with conversations: "it.\\n####" (five tokens) ends the answer turn. Rounds of 3, 4 and 5 tokens
+    split it between two rounds in some conversations -- the engine, which sees its round's tokens only, runs on
+    to the end token -- and the pool ends the turn with the token that completes the string, each conversation
+    as the turn loop's, whose engine saw the whole turn."""
+    from syncwise.rl.rollout.base import StopStrings
+
+    loop, rows, prompts, schemas, policy = _job(setting, "Guess", games=16)
+    policy.stop = "it.\n####"
+    whole = _whole(loop, rows, prompts, schemas, policy)
+    assert all(t.messages[-1]["content"].endswith("it.\n####") for (t, _), _ in whole.values() if t.ended)
+    splits = 0
+    for chunk in (3, 4, 5):
+        pool = PartialPool(2, 2, 2, 170, chunk, loop.tokenizer, StopStrings([policy.stop], loop.tokenizer), loop,
+                           lambda k: (rows[k], schemas))
+        policy.split = 0
+        for step in range(5):
+            for group in pool.fill(policy, step, lambda k: prompts[k], lambda r: r).groups:
+                for trajectory, (reference, _) in zip(group.trajectories, whole[group.index], strict=True):
+                    _same(trajectory, reference)
+                group.close()
+        splits += policy.split
+        pool.close()
+    assert splits > 0
