@@ -378,3 +378,15 @@ def test_ctrl_c_stops_a_vllm_job_at_a_step_boundary_with_a_checkpoint(user_dirs,
     assert proc.returncode == 130, stderr[-3000:]
     assert "syncwise: stopped by SIGINT after step" in stdout + stderr and "Traceback" not in stderr
     assert (out / "checkpoints" / "latest").exists()
+
+
+def test_vllm_never_chunks_a_prefill_on_cpu():
+    """The guess_number recipe on vLLM (CPU) stopped at its first step with "CPU Generator does not use offset":
+    35 requests of ~256 prompt tokens were prefilled in chunks within vLLM's 4096-token step budget, and a chunk's
+    discarded sample rewinds the seeded generator, which a CPU generator cannot. On CPU the budget holds every
+    sequence's whole prompt; on CUDA vLLM's default stands."""
+    from syncwise.rl.rollout.vllm import batched_tokens
+
+    assert batched_tokens("cpu", 35, 512) == {"max_num_batched_tokens": 35 * 512}
+    assert batched_tokens("cpu", 2, 100) == {"max_num_batched_tokens": 4096}  # never below vLLM's own default
+    assert batched_tokens("cuda", 35, 512) == {}

@@ -12,6 +12,8 @@ group.
   cache reset (its blocks were computed with the old weights).
 - **KV cache**: ``kv_cache_memory_bytes`` from :func:`~syncwise.memory.rollout.footprint_of` (never
   vLLM's 90%-of-memory default), and what vLLM holds comes off auto's budget like the compact sampler's copy.
+- **Prefill** is never chunked on CPU (:func:`batched_tokens`: vLLM's CPU generators cannot rewind a seeded
+  request's discarded sample).
 - **Sampling**: one request per prompt with ``n = rl.samples_per_prompt`` and its own seed (from the job's
   seed, the step, the rank, the turn and the prompt's index; no two samples of a job share one, and a resumed
   job samples the same responses); every end token as ``stop_token_ids``, ``rl.stop`` as stop strings kept in
@@ -112,6 +114,14 @@ def parameter_names(worker) -> list[str]:
     return [name for name, _ in worker.model_runner.model.named_parameters(remove_duplicate=False)]
 
 
+def batched_tokens(device_type: str, sequences: int, longest: int) -> dict[str, int]:
+    """vLLM's token budget per engine step: on CPU every sequence's whole prompt in one step, so no prefill is
+    ever chunked -- a chunked prefill discards the sample of its partial step and rewinds the request's seeded
+    generator, which a CPU generator cannot do ("CPU Generator does not use offset": a multi-turn job's long
+    prompts met it); elsewhere vLLM's default."""
+    return {"max_num_batched_tokens": max(4096, sequences * longest)} if device_type == "cpu" else {}
+
+
 def request_seeds(seed: int, prompts: int, n: int) -> list[int]:
     """Each prompt's request seed from the call's first (:func:`~syncwise.rl.rollout.base.sample_seed`): vLLM gives
     a request's k-th of ``n`` samples its seed + k, so prompt i's samples draw with ``seed + i * n + k``."""
@@ -165,6 +175,7 @@ class VllmRollout:
                 block_size=VLLM_BLOCK_TOKENS.get(self.device.type, 16),
                 max_num_seqs=max(self.sequences, 1), enable_prefix_caching=True,
                 logprobs_mode=self.logprobs_mode, generation_config="vllm", enable_sleep_mode=self.sleep_level > 0,
+                **batched_tokens(self.device.type, max(self.sequences, 1), self.footprint.longest),
             )
 
     def held_bytes(self) -> int:
