@@ -95,6 +95,25 @@ def test_no_two_samples_of_a_job_share_a_seed():
     assert len(seeds) == 40 * world * turns * prompts * n and len(set(seeds)) == len(seeds)
     assert seeds == job(0) and not set(seeds) & set(job(1))
     assert all(0 <= s < 2**62 for s in seeds)  # vLLM seeds a torch.Generator: any 64-bit value
+    # a CPU generator keeps the low 32 bits only: there too distinct within a job, and another job seed's other
+    # (the job seed was only in the high bits: every seed drew seed 0's samples)
+    low = [s % 2**32 for s in seeds]
+    assert len(set(low)) == len(low) and not set(low) & {s % 2**32 for s in job(1)}
+    assert seeds[:5] == list(range(5))  # job seed 0's seeds as before
+
+
+def test_a_job_seed_changes_what_the_local_sampler_draws():
+    """torch.manual_seed keeps a seed's low 32 bits: the job seed must reach them (train.seed=7 sampled what
+    train.seed=0 did, token for token)."""
+    import torch
+
+    from syncwise.rl.rollout.base import sample_seed
+
+    def draw(job_seed):
+        torch.manual_seed(sample_seed(job_seed, 3, 1, 2, 0, 1, 8))
+        return torch.rand(4).tolist()
+
+    assert draw(0) == draw(0) and draw(0) != draw(7) and draw(7) != draw(1)
 
 
 @NEEDS_VLLM

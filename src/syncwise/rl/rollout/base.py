@@ -160,6 +160,7 @@ in flight goes into a checkpoint as it is."""
 
 # vLLM seeds a torch.Generator per request: any value below 2**64 is taken as it is
 SEED_SPACE = 2**62
+SEED_SHIFT = 0x9E3779B1  # 2**32 / the golden ratio, odd
 
 
 def sample_seed(seed: int, step: int, rank: int, world_size: int, turn: int, turns: int, sequences: int) -> int:
@@ -168,4 +169,7 @@ def sample_seed(seed: int, step: int, rank: int, world_size: int, turn: int, tur
     its n samples), so no two samples of a job -- across steps, ranks, turns, prompts and samples -- share a seed
     (up to 2**40 of them), and a resumed job draws the same."""
     index = ((step * world_size + rank) * turns + turn) * sequences
-    return (seed * 2**40 + index) % SEED_SPACE
+    # a CPU torch.Generator (the local samplers', vLLM's on CPU) keeps a seed's low 32 bits only: the job's seed
+    # shifts them too -- by a large odd step, so a job's seeds stay consecutive and distinct there -- or every
+    # job seed would draw job seed 0's samples (they did); seed 0's values are unchanged
+    return (seed * 2**40 + index + seed * SEED_SHIFT) % SEED_SPACE
