@@ -186,6 +186,7 @@ class RLConfig:
     # (rollout/dropped_stale). Single-turn; rl.stop strings found across rounds too. 0: synchronous.
     max_staleness: int = 0
     partial_chunk_tokens: int = 0  # tokens per round of a partial rollout; 0: a quarter of the response limit
+    # (multi-turn: the whole limit -- each round ends every conversation's turn)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
 
     @property
@@ -267,7 +268,8 @@ class RLConfig:
         """The keys alone; how they combine is the table of rollout modes'
         (:func:`~syncwise.config.rollout_modes.resolve_rollout_mode`)."""
         non_negative("rl.max_staleness", self.max_staleness, "0: synchronous")
-        non_negative("rl.partial_chunk_tokens", self.partial_chunk_tokens, "0: a quarter of the response limit")
+        non_negative("rl.partial_chunk_tokens", self.partial_chunk_tokens, "0: a quarter of the response limit, "
+                                                                            "whole turns multi-turn")
 
     @property
     def sequences_in_flight(self) -> int:
