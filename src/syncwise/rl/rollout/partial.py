@@ -15,7 +15,8 @@ dropped and counted. A stop string (``rl.stop``) split between two rounds ends t
 engine saw its round's tokens only, so the pool checks them with the earlier rounds' tail.
 
 A multi-turn job (``rl.tools``, ``rl.environment``) carries whole conversations: a round advances each one's
-turn under way by up to a chunk; a turn that ends in the round is parsed and its tool calls run -- every
+turn under way -- to its end unless ``rl.partial_chunk_tokens`` is set (then by up to a chunk, a turn continued
+under a newer policy after a refresh); a turn that ends in the round is parsed and its tool calls run -- every
 conversation's of the round side by side, as the turn loop runs a turn's (:mod:`syncwise.rl.rollout.turns`) --,
 the answers appended through the chat template, and the next turn is sampled from the next round on. So no
 tool call is ever under way between two rounds: what a conversation carries is its trajectory (the turns so far,
