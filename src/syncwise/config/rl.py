@@ -183,7 +183,8 @@ class RLConfig:
     # sampling continue after the refresh under the new weights (each token keeps the version that drew it),
     # new prompts are admitted while at most (max_staleness + 1) x rl.prompts_per_rank groups are in flight,
     # and a group started more than max_staleness versions before the step that would train it is dropped
-    # (rollout/dropped_stale). Single-turn; rl.stop strings found across rounds too. 0: synchronous.
+    # (rollout/dropped_stale). Conversations too (rl.tools, rl.environment: turns, tool calls and episodes carried);
+    # rl.stop strings found across rounds. 0: synchronous.
     max_staleness: int = 0
     partial_chunk_tokens: int = 0  # tokens per round of a partial rollout; 0: a quarter of the response limit
     # (multi-turn: the whole limit -- each round ends every conversation's turn)
