@@ -301,9 +301,17 @@ ROLLOUT_RANKS = ["dist.rollout_ranks=2", "rl.off_policy_lag=2"]
 
 def _across_roles(row: dict) -> dict:
     """What a job with rollout ranks and the colocated job share: all but the machine's measures, the memory
-    budget (split over 4 processes, not 2) and what only the rollout ranks' job reports."""
+    budget (split over 4 processes, not 2) and what only the rollout ranks' job reports. The step's measured
+    peak is compared apart (:func:`_same_peak`)."""
     return {k: v for k, v in _deterministic(row).items()
-            if k != "sync/decision" and not k.startswith(("rollout_rank/", "weights/"))}
+            if k not in ("sync/decision", "memory/peak_bytes") and not k.startswith(("rollout_rank/", "weights/"))}
+
+
+def _same_peak(got: dict, want: dict) -> None:
+    """The tracker's peak of a step, within 2%: a clean-clone CI run measured step 1 at 6,149,464 B with rollout
+    ranks against 6,220,307 B colocated (1.1%), the same job alone equal -- a race in what the CPU tracker still
+    counts, as the meter's notes on gloo's buffers describe, not a difference in the batches."""
+    assert got["memory/peak_bytes"] == pytest.approx(want["memory/peak_bytes"], rel=0.02), got["train/step"]
 
 
 def test_rollout_ranks_train_on_the_colocated_jobs_batches_and_resume_exactly(lagged, tmp_path):
@@ -321,6 +329,7 @@ def test_rollout_ranks_train_on_the_colocated_jobs_batches_and_resume_exactly(la
     rows = read_jsonl(out / "metrics.jsonl")
     for want, got in zip(colocated, rows, strict=True):
         assert _across_roles(got) == _across_roles(want), want["train/step"]
+        _same_peak(got, want)
     sent = {r["weights/bytes"] for r in rows}
     assert len(sent) == 1 and 0 < max(r["weights/largest_unit_bytes"] for r in rows) < sent.pop()
     assert all(r["rollout_rank/sample_s"] > 0 and r["time/rollout_s"] == 0 for r in rows)
@@ -329,6 +338,7 @@ def test_rollout_ranks_train_on_the_colocated_jobs_batches_and_resume_exactly(la
            *ROLLOUT_RANKS, *LEARN, nproc=4)
     for want, got in zip(rows[24:], read_jsonl(resumed / "metrics.jsonl"), strict=True):
         assert _across_roles(got) == _across_roles(want), want["train/step"]
+        _same_peak(got, want)
 
 
 def test_rollout_ranks_drawing_on_learn_within_their_staleness_and_checkpoint_every_sample(learned, tmp_path):
