@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from cli_harness import run_cli
+from job_output import failed
 from syncwise.metrics import read_jsonl
 from syncwise.sft.tasks import write_example_data
 
@@ -33,12 +34,12 @@ def test_a_checkpoint_during_the_cap_trial_resumes_in_the_predicted_choice(data,
     common = ["sft", f"model.path={data / 'model'}", f"sft.dataset={data / 'train.jsonl'}", "sft.batch_size=16",
               "sft.checkpoint_every=3", f"sft.out_dir={tmp_path}", "sft.progress=false", "sync.auto_timing=true"]
     first = _run(*common, "sft.steps=3")  # step 1 decides, step 2 is measured, step 3 times the first cap
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 0, failed(first.stderr, 3000)
     decided = int(re.search(r"=> [^(]*?(\d+)-token cap \(", first.stdout).group(1))
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert rows[0]["engine/max_tokens_per_micro_batch"] == rows[0]["batch/largest_microbatch_tokens"] > 1
     resumed = _run(*common, "sft.steps=5", "sft.resume=auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failed(resumed.stderr, 3000)
     assert "the checkpoint was taken while caps were on trial; resumed in its predicted choice" in resumed.stdout
     assert [r["engine/max_tokens_per_micro_batch"] for r in read_jsonl(tmp_path / "metrics.jsonl")[3:]] == [decided] * 2
 
@@ -89,7 +90,7 @@ def test_the_first_decided_step_is_predicted_within_10_percent(data, tmp_path, a
     model = save_model_dir(tmp_path, arch, AutoTokenizer.from_pretrained(data / "model"), hidden=hidden, layers=4)
     proc = _run("sft", f"model.path={model}", f"sft.dataset={data / 'train.jsonl'}", "sft.batch_size=32",
                 "sft.steps=2", f"sft.out_dir={tmp_path / 'out'}", "sft.progress=false")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     decided = read_jsonl(tmp_path / "out" / "metrics.jsonl")[1]  # measured: the first step of the choice
     assert decided["memory/peak_measured"] == 1 and decided["train/num_microbatches"] >= 1
     ratio = decided["memory/predicted_peak_bytes"] / decided["memory/peak_bytes"]  # issue 59: never below

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from job_output import failed
 from syncwise.memory.schedule import expected_collectives
 
 
@@ -16,7 +17,7 @@ def _bench(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     """``syncwise bench *args`` in a process of its own, offline; it must succeed (its stderr's tail if not)."""
     proc = subprocess.run([sys.executable, "-m", "syncwise", "bench", *args], capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failed(proc.stderr, 4000)
     return proc
 
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from job_output import failed
 from syncwise.metrics import read_jsonl
 
 
@@ -21,7 +22,7 @@ def test_sft_job_on_two_local_ranks(tmp_path):
         ["sft", "sft.steps=3", "sft.batch_size=8", "model.preset=qwen2-test", f"sft.out_dir={tmp_path}/run"],
         cwd=tmp_path,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert "fsdp2 on 2 rank(s), sync.mode=auto" in proc.stdout
     # Default budget (90% of RAM) is ample for this model: auto measures, then keeps params unsharded.
     assert "auto sync (measured " in proc.stdout and "=> deferred_unsharded" in proc.stdout

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
+from job_output import failed
 from scenarios_faults import bad_input_suite, missing_rank, nonfinite_suite
 from syncwise.models.loading import read_safetensors
 
@@ -123,7 +124,7 @@ def test_rank_killed_mid_run_restarts_from_latest_and_matches(tmp_path):
         launcher + ["-m", "syncwise", "train", f"train.out_dir={tmp_path / 'clean'}", *common],
         env=env, capture_output=True, text=True, timeout=600,
     )
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    assert clean.returncode == 0, failed(clean.stderr, 3000)
 
     out, gate = tmp_path / "killed", tmp_path / "gate"
     gate.mkdir()
@@ -139,7 +140,7 @@ def test_rank_killed_mid_run_restarts_from_latest_and_matches(tmp_path):
     assert (out / "checkpoints" / "step_000003").is_dir(), "held after the step-3 checkpoint"
     os.kill(int((gate / "rank1").read_text()), signal.SIGKILL)
     stdout, stderr = job.communicate(timeout=600)
-    assert job.returncode == 0, stderr[-3000:]
+    assert job.returncode == 0, failed(stderr, 3000)
     assert "resumed from" in stdout, "the restarted workers continued from a checkpoint"
     a = read_safetensors(tmp_path / "clean" / "export")
     b = read_safetensors(out / "export")

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from cli_harness import run_cli
+from job_output import failed
 from syncwise.metrics import read_jsonl
 from syncwise.sft.tasks import write_example_data
 
@@ -37,7 +38,7 @@ def test_chat_prompts_and_rewards_from_the_working_folder(chat, tmp_path):
                   "rl.reward_fn=[my_rewards:score, syncwise.rewards:final_number]", "rl.reward_weights=[1, 0.5]",
                   "rl.max_new_tokens=8", "rl.stop=['####']", "rl.top_p=0.95", "train.steps=2",
                   f"train.out_dir={tmp_path / 'out'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert "(16 prompts, through the chat template)" in proc.stdout and "responses up to 8 tokens" in proc.stdout
     for row in read_jsonl(tmp_path / "out" / "metrics.jsonl"):
         assert {"reward/score", "reward/final_number", "response/clipped_fraction"} <= set(row)
@@ -67,7 +68,7 @@ def gpt2(tmp_path_factory):
 def test_dropout_is_off_for_grpo_unless_kept(gpt2, tmp_path, dropout):
     proc = _train(tmp_path, f"model.path={gpt2}", f"model.dropout={dropout}", "train.steps=2",
                   f"train.out_dir={tmp_path / 'out'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     diffs = [r["rollout/log_prob_diff"] for r in read_jsonl(tmp_path / "out" / "metrics.jsonl")]
     if dropout == "auto":  # off: the trainer's log-probs are the sampler's (fp32)
         assert max(diffs) <= 1e-6, diffs
@@ -79,7 +80,7 @@ def test_first_on_policy_ratio_is_exactly_one_with_lora_dropout(gpt2, tmp_path):
     proc = _train(tmp_path, f"model.path={gpt2}", "model.lora.rank=8", "model.lora.dropout=0.3",
                   "model.lora.target_modules=c_attn", "rl.old_log_prob_pass=true", "train.steps=1",
                   f"train.out_dir={tmp_path / 'out'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     row = read_jsonl(tmp_path / "out" / "metrics.jsonl")[0]
     # dropout off in both passes: the same function (the old log-prob pass and the update sum in their own
     # orders: float32 rounding apart, where a dropout mask would move the ratio by tens of percent)
@@ -135,7 +136,7 @@ def test_truncated_sampling_is_said_and_compared_on_the_same_distribution(gpt2, 
     run says once what truncation does."""
     proc = _train(tmp_path, f"model.path={gpt2}", "rl.top_p=0.7", "rl.loss.rollout_is=token", "train.steps=2",
                   f"rl.rollout_engine={sampler}", f"train.out_dir={tmp_path / 'out'}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert proc.stderr.count("syncwise: warning: rl.top_k / rl.top_p / rl.min_p truncate the sampler's") == 1
     for row in read_jsonl(tmp_path / "out" / "metrics.jsonl"):
         assert row["rollout/log_prob_diff"] < 1e-4, row["rollout/log_prob_diff"]

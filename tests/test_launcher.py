@@ -5,12 +5,14 @@ job the launcher as it is at the job's start."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from multiprocessing.context import ForkServerProcess
 
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import _rank_main, run_distributed
+from job_output import failed
 from syncwise.runtime.job_store import host_store
 from syncwise.runtime.launcher import launch_local
 from syncwise.runtime.signals import StopRequest, stopped
@@ -40,15 +43,32 @@ def test_a_rank_that_dies_without_a_report_is_the_one_named(capsys):
     assert capsys.readouterr().err.splitlines()[0] == job.lines[0]
 
 
+def _waits_deep(depth: int, until: threading.Event) -> None:
+    if depth:
+        _waits_deep(depth - 1, until)
+    else:
+        until.wait()
+
+
 def _rank0_aborts(info) -> None:
+    """Rank 0 frees one block twice: glibc says so on stderr and aborts, as on a corrupt heap. Beside it 16 threads
+    wait 20 calls deep, so the fault dump runs to many more lines than a test's tail of the output shows."""
     dist.barrier()
     if info.rank == 0:
-        os.abort()  # as glibc does on a corrupt heap
+        never = threading.Event()
+        for _ in range(16):
+            threading.Thread(target=_waits_deep, args=(20, never), daemon=True).start()
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        block = libc.malloc(24)
+        libc.free(block)
+        libc.free(block)
     dist.barrier()
 
 
 def test_a_rank_a_fault_ends_prints_where_its_threads_were():
-    """A rank ended by SIGABRT (or a segfault) writes no report; Python's fault handler prints its threads'
+    """A rank ended by glibc's abort (or a segfault) writes no report; Python's fault handler prints its threads'
     stacks on its stderr and the launcher's line says so. In a process of its own: a rank writes to the stderr
     its fork server started with."""
     tests = os.path.dirname(__file__)
@@ -61,6 +81,8 @@ def test_a_rank_a_fault_ends_prints_where_its_threads_were():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Fatal Python error: Aborted" in proc.stderr and "in _rank0_aborts" in proc.stderr, proc.stderr[-2000:]
+    # what glibc said is above the stacks: a test's message shows it first (tests/job_output.py), not only the tail
+    assert "double free" not in proc.stderr[-3000:] and "double free" in failed(proc.stderr, 3000)
     assert ("syncwise: error: rank 0 of 2 died (signal SIGABRT) without a report; where its threads were is "
             "printed above it") in proc.stderr.splitlines()
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from cli_harness import run_cli
+from job_output import failed
 from syncwise.memory.plan import PlanInput, load_hf_config, make_plan
 from syncwise.models import preset_config
 
@@ -155,7 +156,7 @@ def test_calibrate_fits_latency_and_bandwidth_and_says_so(config_dir):
     proc = subprocess.run([sys.executable, "-m", "syncwise", "plan", str(config_dir), "--world-size", "2",
                            "--calibrate", "--json"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     plan = json.loads(proc.stdout)
     assert plan["links_measured"] is True and plan["bandwidth_gbps"] > 0 and plan["latency_us"] >= 0
 

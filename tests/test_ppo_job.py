@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from cli_harness import run_cli
+from job_output import failed
 from syncwise.metrics import read_jsonl
 from syncwise.models.loading import read_safetensors
 
@@ -31,7 +32,7 @@ def _train(out: Path, *overrides: str, check: bool = True) -> subprocess.Complet
     proc = subprocess.run([sys.executable, "-m", "syncwise", "train", f"train.out_dir={out}", *PPO, *overrides],
                           env=ENV, capture_output=True, text=True, timeout=900)
     if check:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        assert proc.returncode == 0, proc.stdout[-2000:] + failed(proc.stderr, 4000)
     return proc
 
 

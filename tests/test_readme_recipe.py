@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from job_output import failed
 from syncwise.config.rollout_engines import ROLLOUT_ENGINES
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -60,7 +61,7 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script + ppo + vllm)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + failed(proc.stderr, 3000)
     assert (tmp_path / "runs" / "sft_arith" / "export" / "chat_template.jinja").is_file()
     assert (tmp_path / "runs" / "grpo_arith" / "metrics.jsonl").is_file()
     assert "GRPO on data/arith/prompts.jsonl" in proc.stdout
@@ -82,7 +83,7 @@ def test_the_tools_recipe_runs_as_written(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + failed(proc.stderr, 3000)
     assert "multi-turn with tools calculator (hermes calls" in proc.stdout
     assert "GRPO on data/tools/prompts_no_tools.jsonl" in proc.stdout
     for run in ("grpo_tools", "grpo_no_tools"):
@@ -106,7 +107,7 @@ def test_the_quickstart_prints_the_readme_numbers(tmp_path):
     assert quoted == said
     proc = subprocess.run([sys.executable, "-m", "syncwise", "train"], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     printed = re.search(r"mean reward: first 10 steps ([\d.]+), last 10 steps ([\d.]+);", proc.stdout).groups()
     for got, want in zip(printed, quoted, strict=True):
         assert abs(float(got) - float(want)) <= 0.005, (printed, quoted)

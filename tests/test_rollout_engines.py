@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cli_harness import run_cli
+from job_output import failed
 from syncwise.config import ConfigError, load_config
 from syncwise.config.rollout_engines import ROLLOUT_ENGINES, VLLM_CPU_HEAD_SIZES, VLLM_INSTALL
 from syncwise.memory.rollout import footprint_of
@@ -255,7 +256,7 @@ def _train(out, *overrides: str, correction: str = "rl.loss.rollout_is=token",
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "syncwise", "train", *JOB, f"train.out_dir={out}", *overrides],
                           capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert engine_line in proc.stdout and correction in proc.stdout
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 

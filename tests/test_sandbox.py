@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from job_output import failed
 from syncwise.rl.env.tools import Tool, ToolLimits, ToolRunner
 from syncwise.sandbox import SandboxLimits, _interpreter_under_tmp, describe, isolation, run_python
 from syncwise.tools import BUILTIN_TOOLS
@@ -200,7 +201,7 @@ def test_a_job_whose_python_lies_under_tmp_runs_it_there_read_only():
                   f"print(sandbox.run_python({code!r}, sandbox.SandboxLimits(wall_s=10, cpu_s=5)), end='')\n")
         proc = subprocess.run([str(root / "venv" / "bin" / "python"), "-I", "-c", script], capture_output=True,
                               text=True, timeout=60, cwd="/")
-        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.returncode == 0, failed(proc.stderr, 2000)
         assert proc.stdout.splitlines() == [str(root / "venv"), "['venv']", "Read-only file system"]
         assert not (root / "venv" / "planted").exists()
     finally:
@@ -232,7 +233,7 @@ def test_run_by_a_user_without_root_it_still_has_namespaces_of_its_own():
                               env={"PATH": os.environ["PATH"]})
     finally:
         server.close()
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, failed(proc.stderr, 2000)
     own_user, network = proc.stdout.splitlines()[0].split()
     if network != "True":
         pytest.skip("the kernel allows no unprivileged user namespace here")

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from cli_harness import run_cli
 from dist_harness import run_distributed
+from job_output import failed
 from numerics import FP32_RTOL, assert_close
 from scenarios_sft import sft_suite
 from syncwise.metrics import read_jsonl
@@ -56,7 +57,7 @@ def user(tmp_path_factory):
     runs["first"] = _sft(root / "split", *common, "sft.steps=5")  # stops mid-epoch (8 steps per epoch)
     runs["resumed"] = _sft(root / "split", *common, "sft.steps=11", "sft.resume=auto")
     for name, proc in runs.items():
-        assert proc.returncode == 0, (name, proc.stdout[-2000:], proc.stderr[-3000:])
+        assert proc.returncode == 0, (name, proc.stdout[-2000:], failed(proc.stderr, 3000))
     return {"root": root, "data": data, **runs}
 
 
@@ -129,7 +130,7 @@ def test_a_bad_row_stops_the_job_before_any_rank_trains(user, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     skipped = _sft(tmp_path / "skip", f"model.path={user['data'] / 'model'}", f"sft.dataset={bad}",
                    "sft.on_bad_row=skip", "sft.batch_size=2", "sft.export=false")
-    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert skipped.returncode == 0, failed(skipped.stderr, 2000)
     assert "3 rows" in skipped.stdout and "1 bad row(s) skipped" in skipped.stdout
     assert read_jsonl(tmp_path / "skip" / "metrics.jsonl")[0]["data/skipped"] == 1
 
@@ -143,7 +144,7 @@ def test_lora_sft_saves_adapters_only_and_exports_both(user, tmp_path):
     proc = _sft(tmp_path / "lora", f"model.path={data / 'model'}", f"sft.dataset={data / 'train.jsonl'}",
                 "sft.steps=3", "sft.batch_size=8", "model.lora.rank=4", "model.lora.target_modules=q_proj,v_proj",
                 "optim.lr=1e-2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     step = tmp_path / "lora" / "checkpoints" / "step_000003" / "dcp"
     metadata = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
     tensors = [k for k, v in metadata.items() if hasattr(v, "size") and not k.endswith(".step")]

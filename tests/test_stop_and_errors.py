@@ -21,6 +21,7 @@ import pytest
 
 from cli_harness import run_cli
 from dist_harness import child_pids
+from job_output import failed
 from syncwise.metrics import read_jsonl
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -118,7 +119,7 @@ def test_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes(tmp_path,
 
     resumed = subprocess.run(_train(out, "train.resume=auto", f"train.steps={step + 2}", *roles), env=ENV,
                              capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failed(resumed.stderr, 3000)
     assert f"at step {step}" in resumed.stdout
     assert [r["train/step"] for r in read_jsonl(out / "metrics.jsonl")][-3:] == [step, step + 1, step + 2]
 
@@ -366,7 +367,7 @@ def test_error_report_names_the_checkpoint_file(tmp_path):
     out = tmp_path / "run"
     first = subprocess.run(_train(out, "train.steps=2", "train.checkpoint_every=2"), env=ENV,
                            capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 0, failed(first.stderr, 3000)
     shard = next((out / "checkpoints" / "step_000002" / "dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     proc = subprocess.run(_train(out, "train.resume=auto"), env=ENV, capture_output=True, text=True, timeout=600)

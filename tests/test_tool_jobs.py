@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cli_harness import run_cli
+from job_output import failed
 from syncwise.config.rollout_engines import ROLLOUT_ENGINES
 
 ADD_TOOL = '''
@@ -188,7 +189,7 @@ def _rows(folder: Path, out: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def through(folder):
     proc = _train(folder, "through", "train.steps=4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert ("multi-turn with tools add (hermes calls, up to 4 turns, 10 s per call, 300 s per step, 8 at a time)"
             in proc.stdout)
     assert "[tool add] adding 12 and 7" in proc.stdout  # what the tool prints says it is the tool's
@@ -208,9 +209,9 @@ def test_the_policy_calls_the_tool_and_trains_on_its_own_tokens_only(through):
 
 def test_a_resumed_job_repeats_the_conversations(folder, through):
     first = _train(folder, "resumed", "train.steps=2", "train.checkpoint_every=2")
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 0, failed(first.stderr, 3000)
     second = _train(folder, "resumed", "train.steps=4", "train.resume=auto")
-    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.returncode == 0, failed(second.stderr, 3000)
     resumed = _rows(folder, "resumed")
     assert [r["train/step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(through, resumed, strict=True):
@@ -228,7 +229,7 @@ def test_a_tool_that_exits_or_hangs_in_a_retry_loop_is_cut_off_and_counted(folde
     not run (step_timeout) -- and the step's tool time stays within its budget."""
     proc = _train(folder, "misbehaves", "train.steps=1", "rl.tool_timeout_s=0.4", "rl.tool_step_timeout_s=1",
                   "rl.tool_workers=1", misbehaves=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     (row,) = _rows(folder, "misbehaves")
     calls = row["rollout/tool_calls_per_sample"] * 16  # 2 ranks x 2 prompts x 4 samples
     errors = {kind: row[f"rollout/tool_errors/{kind}"] for kind in ("exception", "timeout", "step_timeout")}
@@ -242,7 +243,7 @@ def test_an_environment_class_written_for_trl_trains_unchanged(folder):
     per conversation, its method the tool, get_reward a reward of its own beside rl.reward_fn's, its metrics
     property logged as env/, every episode's context exited once scored."""
     proc = _train(folder, "environment", "train.steps=2", "rl.tools=[]", "rl.environment=adder_env.py:AdderEnv")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert "multi-turn with environment AdderEnv: tools add (hermes calls" in proc.stdout
     rows = _rows(folder, "environment")
     for row in rows:
@@ -269,7 +270,7 @@ def test_partial_rollouts_carry_conversations_and_a_resume_repeats_them(folder):
     does."""
     partial = ["rl.max_staleness=2", "rl.partial_chunk_tokens=8"]
     proc = _train(folder, "partial", "train.steps=4", *partial, *SAVED_ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert "partial rollouts carried across steps" in proc.stdout and "dropped at the checkpoint" not in proc.stdout
     through = _rows(folder, "partial")
     for row in through:
@@ -280,7 +281,7 @@ def test_partial_rollouts_carry_conversations_and_a_resume_repeats_them(folder):
     assert through[0]["rollout/staleness_max"] == 0 and through[0]["rollout/log_prob_diff"] < 2e-6
     assert max(r["rollout/staleness_mean"] for r in through) > 0
     first = _train(folder, "partial_resumed", "train.steps=2", "train.checkpoint_every=2", *partial, *SAVED_ENV)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 0, failed(first.stderr, 3000)
     held = torch.load(folder / "partial_resumed" / "checkpoints" / "step_000002" / "rank0.pt",
                       weights_only=True)["rank_state"]["partial_rollouts"]["groups"]
     assert held and all(len(g["episodes"]) == 4 for g in held)
@@ -288,7 +289,7 @@ def test_partial_rollouts_carry_conversations_and_a_resume_repeats_them(folder):
     assert any(e["calls"] == 1 for g in held for e in g["episodes"])  # an episode past its tool call
     assert any(not t["done"] for g in held for t in g["trajectories"])  # a conversation in flight
     second = _train(folder, "partial_resumed", "train.steps=4", "train.resume=auto", *partial, *SAVED_ENV)
-    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.returncode == 0, failed(second.stderr, 3000)
     resumed = _rows(folder, "partial_resumed")
     assert [r["train/step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(through, resumed, strict=True):
@@ -304,7 +305,7 @@ def test_conversations_whose_environment_cannot_be_saved_are_dropped_at_the_chec
     closes their episodes -- every episode the job opened is closed by its end."""
     proc = _train(folder, "partial_unsaved", "train.steps=3", "train.checkpoint_every=1", *PARTIAL, "rl.tools=[]",
                   "rl.environment=adder_env.py:AdderEnv")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     said = [line for line in proc.stdout.splitlines() if "dropped at the checkpoint" in line]
     assert said and all("AdderEnv has no __getstate__ / __setstate__ of its own" in line for line in said), said
     rows = _rows(folder, "partial_unsaved")
@@ -321,7 +322,7 @@ def test_rollout_ranks_draw_conversations_on_and_checkpoint_them(folder):
     and a job resumed from it colocated goes on from there, the posted batches first."""
     proc = _train(folder, "partial_ranks", "train.steps=3", "train.checkpoint_every=2", "dist.nproc=4",
                   "dist.rollout_ranks=2", *PARTIAL, *SAVED_ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert "rollouts by 2 rollout rank(s) of their own (ranks 2-3, compact, drawing on" in proc.stdout
     rows = _rows(folder, "partial_ranks")
     for row in rows:
@@ -340,7 +341,7 @@ def test_rollout_ranks_draw_conversations_on_and_checkpoint_them(folder):
     checkpoint = folder / "partial_ranks" / "checkpoints" / "step_000002"
     resumed = _train(folder, "partial_ranks_resumed", "train.steps=4", f"train.resume={checkpoint}", *PARTIAL,
                      *SAVED_ENV)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failed(resumed.stderr, 3000)
     assert "holds no partial rollouts" not in resumed.stdout
     again = _rows(folder, "partial_ranks_resumed")
     assert [r["train/step"] for r in again] == [3, 4]
@@ -442,7 +443,7 @@ def test_vllm_runs_the_same_conversations_loop(folder, partial):
     """vLLM samples the conversations whole, or (issue 61) as partial rollouts carried in rounds of 8 tokens."""
     out = "vllm_partial" if partial else "vllm"
     proc = _train(folder, out, "train.steps=2", "rl.rollout_engine=vllm", *(PARTIAL if partial else []))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert "rollouts by vLLM" in proc.stdout and "multi-turn with tools add" in proc.stdout
     rows = _rows(folder, out)
     for row in rows:

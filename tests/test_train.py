@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cli_harness import run_cli
+from job_output import failed
 from syncwise.config import load_config, packaged_config
 from syncwise.metrics import read_jsonl
 from syncwise.models.loading import read_safetensors
@@ -31,7 +32,7 @@ def _train(out: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedPr
     )
     if proc.returncode:  # the whole of it beside the job's folder (a rank's fault dump runs to many lines)
         (out.parent / f"{out.name}.stderr.txt").write_text(proc.stderr)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + failed(proc.stderr, 4000)
     return proc
 
 
@@ -510,7 +511,7 @@ def test_torchrun_two_nodes_on_loopback(tmp_path):
         procs.append(subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=600) for p in procs]
     for p, (stdout, stderr) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, stdout[-2000:] + stderr[-4000:]
+        assert p.returncode == 0, stdout[-2000:] + failed(stderr, 4000)
     assert "fsdp2 on 3 rank(s)" in outputs[0][0] and "rollouts by 1 rollout rank(s) of their own" in outputs[0][0]
     rows = read_jsonl(tmp_path / "multi" / "metrics.jsonl")
     assert [r["train/step"] for r in rows] == [1, 2, 3]
@@ -550,7 +551,7 @@ def test_user_model_dataset_and_reward_function(tmp_path, fmt):
          "train.checkpoint_every=0", "train.export=false", *SHORT],
         env=env, capture_output=True, text=True, timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failed(proc.stderr, 4000)
     assert f"GRPO on {data}" in proc.stdout
     rows_logged = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert len(rows_logged) == 2 and all(0.0 <= r["reward/mean"] <= 1.0 for r in rows_logged)

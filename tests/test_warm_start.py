@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from job_output import failed
 from syncwise.metrics import read_jsonl
 from syncwise.models.loading import read_safetensors
 
@@ -30,7 +31,7 @@ CASES = {
 def _train(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "syncwise", "train", f"train.out_dir={out}", *COMMON, *overrides],
                           env=ENV, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + failed(proc.stderr, 4000)
     return proc
 
 
