@@ -148,17 +148,17 @@ class PartialPool:
         under_way["dropped"] += self._drop_stale(step)
         if self.turns is not None:
             self.turns.runner.new_step()  # rl.tool_step_timeout_s: this step's calls
+            with _timed(under_way):
+                self._reopen()  # after a resume: the checkpoint's conversations get their episodes back
         rounds = 0
         # at least one round a step (the groups carried move on), more until enough have finished
         while rounds == 0 or sum(g.done for g in self.groups) < self.groups_per_step:
             if rounds == self.max_rounds:
                 raise RuntimeError(f"partial rollout: {rounds} rounds without {self.groups_per_step} finished groups")
             version = version_now() if version_now is not None else step
-            started = time.perf_counter()
-            self._reopen()
-            while len(self.groups) < self.room(step, version):
-                self.groups.append(self._admit(prompt_of(self.admitted), version))
-            under_way["tool_s"] += time.perf_counter() - started
+            with _timed(under_way):  # admission opens the new conversations' episodes
+                while len(self.groups) < self.room(step, version):
+                    self.groups.append(self._admit(prompt_of(self.admitted), version))
             rounds += 1
             active = [(g, i) for g in self.groups for i, t in enumerate(g.trajectories) if not t.done]
             if not active:
@@ -220,12 +220,15 @@ class PartialPool:
     def _drop_stale(self, step: int) -> int:
         """Drop the groups started by a policy more than ``max_staleness`` versions before ``step``, which would
         train them."""
-        kept = [g for g in self.groups if self.bound.keeps(step, g.started)]
-        dropped = [g for g in self.groups if not self.bound.keeps(step, g.started)]
-        for group in dropped:
-            group.close()
+        kept, dropped = [], 0
+        for group in self.groups:
+            if self.bound.keeps(step, group.started):
+                kept.append(group)
+            else:
+                group.close()
+                dropped += 1
         self.groups = kept
-        return len(dropped) * self.n
+        return dropped * self.n
 
     def _take(self, group: Group, i: int, samples: Samples, k: int, version: int, calling: list[EndedTurn]) -> int:
         """Sample ``k`` appended to the group's trajectory ``i`` (cut to its room); where its turn ended (or
@@ -288,3 +291,13 @@ class PartialPool:
         """The episodes of every conversation in flight closed (the job's end)."""
         for group in self.groups:
             group.close()
+
+
+@contextlib.contextmanager
+def _timed(under_way: dict[str, float]):
+    """The block's time added to the step's time in the tools (``under_way["tool_s"]``)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        under_way["tool_s"] += time.perf_counter() - started
