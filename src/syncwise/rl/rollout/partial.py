@@ -111,8 +111,8 @@ class PartialPool:
         self.turns = turns if turns is not None and turns.multi_turn else None
         self.row_of = row_of
         # unset: a quarter of the response limit; for conversations the whole room, so a round ends each one's
-        # turn and no turn is continued under a newer policy (the guess_number recipe at max_staleness 1: rounds
-        # of 64 tokens fell apart within 5 steps in 3 of 4 seeds, whole turns held in 2 of 2 -- docs/benchmarks.md)
+        # turn and no turn is continued under a newer policy (the guess_number recipe at max_staleness 1, lr 1e-4:
+        # rounds of 64 tokens fell apart in 3 of 4 seeds, whole turns in 2 -- those a lag of 1 fell apart in too)
         default = max_new_tokens if self.turns is not None else max(max_new_tokens // 4, 1)
         self.chunk = min(chunk or default, max_new_tokens)
         self.groups: list[Group] = []
