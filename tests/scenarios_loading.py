@@ -96,15 +96,86 @@ def seeded_preset(info) -> dict:
     return {k: v.cpu() for k, v in full.items()}
 
 
+REVIEW_CASES = ("stray file", "single beside shards", "tied config, own head", "gpt2 as the hub stores it",
+                "llama with inv_freq buffers")
+
+
+def review_dirs(root: Path) -> dict[str, Path]:
+    """Issue 67's layouts, each a folder ``from_pretrained`` loads: a stray ``model.old.safetensors`` (other values,
+    same names) beside ``model.safetensors``; a single-file save left beside a sharded one (transformers reads the
+    single file); a config that ties the head and a file holding its own, different head; GPT-2 as the hub's
+    ``gpt2`` stores it (no ``transformer.`` prefix, ``attn.bias`` buffers in the file); a Llama file with old
+    ``rotary_emb.inv_freq`` buffers."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from user_models import save_model_dir
+
+    def rewrite(folder: Path, tensors: dict, name: str = "model.safetensors") -> None:
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+
+    sizes = dict(hidden=32, layers=2, heads=4, inter=64)
+    gen = torch.Generator().manual_seed(67)
+    dirs = {}
+    path = save_model_dir(root / "stray", "llama", **sizes)
+    weights = load_file(str(path / "model.safetensors"))
+    rewrite(path, {k: torch.randn(v.shape, generator=gen) for k, v in weights.items()}, "model.old.safetensors")
+    dirs["stray file"] = path
+    path = save_model_dir(root / "beside", "llama", **sizes)
+    stale = {k: torch.randn(v.shape, generator=gen) for k, v in load_file(str(path / "model.safetensors")).items()}
+    AutoModelForCausalLM.from_pretrained(path).save_pretrained(path, max_shard_size="20KB")
+    rewrite(path, stale)  # the single file, beside the shards and their index
+    dirs["single beside shards"] = path
+    path = save_model_dir(root / "own_head", "qwen2", **sizes)
+    weights = load_file(str(path / "model.safetensors"))
+    rewrite(path, {**weights, "lm_head.weight": torch.randn(weights["model.embed_tokens.weight"].shape, generator=gen)})
+    dirs["tied config, own head"] = path
+    path = save_model_dir(root / "hub", "gpt2", **sizes)
+    weights = load_file(str(path / "model.safetensors"))
+    hub = {k.removeprefix("transformer."): v for k, v in weights.items() if k != "lm_head.weight"}
+    positions = weights["transformer.wpe.weight"].shape[0]
+    hub |= {f"h.{i}.attn.bias": torch.tril(torch.ones(positions, positions)).view(1, 1, positions, positions)
+            for i in range(2)}
+    rewrite(path, hub)
+    dirs["gpt2 as the hub stores it"] = path
+    path = save_model_dir(root / "inv_freq", "llama", **sizes)
+    weights = load_file(str(path / "model.safetensors"))
+    rewrite(path, {**weights, **{f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(4, generator=gen)
+                                 for i in range(2)}})
+    dirs["llama with inv_freq buffers"] = path
+    return dirs
+
+
+def review_layouts(info, dirs: dict[str, Path], root: Path) -> dict:
+    """Each of issue 67's layouts built on the meta device under FSDP2 (DCP reading each rank's slices), then
+    exported: the engine's weights and the export's folder, on rank 0."""
+    from syncwise.export import export_hf
+
+    out = {}
+    for case, path in dirs.items():
+        cfg = load_config(None, [f"model.path={path}", "engine.strategy=fsdp2", "sync.mode=per_microbatch"])
+        engine = Engine(cfg, build_model(cfg.model, deferred=True), info)
+        full = engine.full_model_state()
+        export = export_hf(engine, None, root / "export" / case.replace(" ", "_").replace(",", ""))
+        if info.rank == 0:
+            out[case] = {"weights": {k: v.cpu() for k, v in full.items()}, "export": str(export)}
+    return out
+
+
 def loading_suite(info, root: str) -> dict:
     root = Path(root)
     if info.rank == 0:
         write_dirs(root)
+        review_dirs(root / "review")
     torch.distributed.barrier()
     dirs = {(arch, layout): root / ("bf16" if layout == "bf16 file" else "sharded") / arch
             for arch in ARCHS for layout in LAYOUTS}
+    review = dict(zip(REVIEW_CASES, (root / "review" / name / arch for name, arch in (
+        ("stray", "llama"), ("beside", "llama"), ("own_head", "qwen2"), ("hub", "gpt2"), ("inv_freq", "llama")
+    )), strict=True))
     return {"loaded": loaded(info, dirs), "lora": lora_and_critic(info, dirs[("qwen2", "bf16 file")]),
-            "trains": trains_alike(info, dirs[("llama", "sharded fp32")]), "preset": seeded_preset(info)}
+            "trains": trains_alike(info, dirs[("llama", "sharded fp32")]), "preset": seeded_preset(info),
+            "review": review_layouts(info, review, root), "review_dirs": {k: str(v) for k, v in review.items()}}
 
 
 def hsdp_suite(info, root: str) -> dict:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from scenarios_loading import ARCHS, LAYOUTS, STRATEGIES, hsdp_suite, loading_suite
+from scenarios_loading import ARCHS, LAYOUTS, REVIEW_CASES, STRATEGIES, hsdp_suite, loading_suite
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,53 @@ def test_each_rank_reads_its_shards_and_gets_from_pretrained_s_weights(ranks, tm
     want = _reference(path)
     _assert_equal(result["weights"], want, f"{arch}, {layout}, {strategy}")
     assert set(result["weights"]) | {"lm_head.weight"} >= set(want)  # a tied head is its embedding
+
+
+@pytest.mark.parametrize("case", REVIEW_CASES)
+def test_layouts_from_pretrained_loads_are_its_weights_bit_for_bit_through_the_export(ranks, case):
+    """Issue 67: exactly the files from_pretrained reads (a stray file ignored), a head the file holds apart from a
+    tied embedding kept apart, transformers' own key rules (the hub's GPT-2 prefix, ignored buffers) -- under FSDP2,
+    and the job's export reloads with from_pretrained's logits."""
+    from transformers import AutoModelForCausalLM
+
+    result, path = ranks[0]["review"][case], ranks[0]["review_dirs"][case]
+    want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = want.state_dict()
+    _assert_equal(result["weights"], reference, case)
+    assert set(result["weights"]) >= set(reference) - {"lm_head.weight"}
+    exported = AutoModelForCausalLM.from_pretrained(result["export"], dtype=torch.float32).eval()
+    ids = torch.randint(0, want.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, want(ids).logits), case
+    tied = want.get_output_embeddings().weight is want.get_input_embeddings().weight
+    assert exported.config.tie_word_embeddings == tied, case
+
+
+def test_a_missing_shard_or_a_truncated_file_is_one_line_before_any_rank(tmp_path):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from cli_harness import run_cli
+    from user_models import save_model_dir
+
+    whole = save_model_dir(tmp_path / "whole", "llama", hidden=32, layers=2, heads=4, inter=64)
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(whole).save_pretrained(sharded, max_shard_size="20KB")
+    shutil.copy(whole / "tokenizer.json", sharded)
+    gone = sorted(sharded.glob("model-*.safetensors"))[1]
+    gone.unlink()
+    truncated = tmp_path / "truncated"
+    shutil.copytree(whole, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:-1000])
+    said = {sharded: f"model.path: {sharded / 'model.safetensors.index.json'} names {gone.name}, which is not there",
+            truncated: f"model.path: {truncated / 'model.safetensors'} is no whole safetensors file"}
+    for folder, start in said.items():
+        proc = run_cli(["train", f"model.path={folder}"])
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"syncwise: error: {start}"), \
+            proc.stderr
 
 
 def test_lora_adapters_and_a_critic_s_head_are_the_whole_build_s(ranks):

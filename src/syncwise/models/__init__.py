@@ -90,7 +90,7 @@ def build_model(cfg: ModelConfig, value_head: bool = False, deferred: bool = Fal
     verl builds its critic; ``outputs.logits`` is then [B, T, 1], one value per position). The decoder comes
     from ``cfg.path`` (or the preset's seeded init: the policy's own initial weights); the head starts at
     zero (:func:`value_head_of`)."""
-    from .loading import defer, parameters_on_meta, placeholders, safetensors_of
+    from .loading import checkpoint_layout, defer, placeholders, safetensors_of, untied_head
 
     off = cfg.dropout == "off"
     auto_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
@@ -104,11 +104,20 @@ def build_model(cfg: ModelConfig, value_head: bool = False, deferred: bool = Fal
             setattr(hf_config, key, value)
     on_meta = deferred and (bool(safetensors_of(cfg.path)) if cfg.path else _preset_params(hf_config)
                             >= DEFERRED_FROM_PARAMS)
+    layout = note = None
     if on_meta:
         hf_config._attn_implementation = cfg.attn_implementation
-        with parameters_on_meta():
-            model = auto_class.from_config(hf_config, dtype=torch.float32)
-        model.tie_weights()
+        model = _on_meta(auto_class, hf_config)
+        if cfg.path:
+            layout = checkpoint_layout(model, cfg.path)
+            note = untied_head(model, layout) if layout is not None else None
+            if note:  # from_pretrained keeps a head the file holds apart; so do training and the export
+                hf_config.tie_word_embeddings = False
+                model = _on_meta(auto_class, hf_config)
+                layout = checkpoint_layout(model, cfg.path)
+            on_meta = layout is not None  # else keys transformers converts: from_pretrained loads it whole
+    if on_meta:
+        pass  # built above
     elif cfg.path:
         model = _from_pretrained(auto_class, cfg, hf_config, value_head)
     else:
@@ -134,7 +143,17 @@ def build_model(cfg: ModelConfig, value_head: bool = False, deferred: bool = Fal
             if isinstance(module, nn.Dropout):
                 module.p = 0.0
     if on_meta:
-        return defer(model, cfg.path, cfg.seed, float(getattr(hf_config, "initializer_range", 0.02)), stand_ins)
+        return defer(model, cfg.path, cfg.seed, float(getattr(hf_config, "initializer_range", 0.02)), stand_ins,
+                     layout, note)
+    return model
+
+
+def _on_meta(auto_class, hf_config) -> PreTrainedModel:
+    from .loading import parameters_on_meta
+
+    with parameters_on_meta():
+        model = auto_class.from_config(hf_config, dtype=torch.float32)
+    model.tie_weights()
     return model
 
 
@@ -158,10 +177,14 @@ def _from_pretrained(auto_class, cfg: ModelConfig, hf_config, value_head: bool) 
     if value_head:  # "score.weight newly initialized; lm_head.weight unused": both meant
         hf_logging.set_verbosity_error()
     try:
-        return auto_class.from_pretrained(cfg.path, local_files_only=True, dtype=torch.float32, config=hf_config,
-                                          attn_implementation=cfg.attn_implementation)
+        model = auto_class.from_pretrained(cfg.path, local_files_only=True, dtype=torch.float32, config=hf_config,
+                                           attn_implementation=cfg.attn_implementation)
     finally:
         hf_logging.set_verbosity(verbosity)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and head is not None and head.weight is not embedding.weight:
+        model.config.tie_word_embeddings = False  # a file's own head kept apart: the export must keep it too
+    return model
 
 
 def value_config(hf_config):

@@ -48,6 +48,7 @@ class Pending:
     source: str | None  # a model directory with safetensors, or None: seeded initialisation
     seed: int
     init_std: float
+    layout: CheckpointLayout | None = None  # the source's files and which checkpoint key fills each model key
     kept: dict[str, torch.Tensor] = field(default_factory=dict)  # computed at build: LoRA adapters, a value head
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # as built: rotary tables, embedding scales
     report: dict[str, Any] = field(default_factory=dict)  # filled by materialize: what it read, seconds, host peak
@@ -90,12 +91,12 @@ def placeholders(model: nn.Module) -> set[int]:
     return {id(p) for p in made.values()}
 
 
-def defer(model: nn.Module, source: str | None, seed: int, init_std: float, stand_ins: set[int] = frozenset()
-          ) -> nn.Module:
+def defer(model: nn.Module, source: str | None, seed: int, init_std: float, stand_ins: set[int] = frozenset(),
+          layout: CheckpointLayout | None = None, note: str | None = None) -> nn.Module:
     """``model`` (its base weights on the meta device or ``stand_ins``; adapters or a value head possibly real)
     made all meta, with what it needs to be filled once wrapped: the real values it had kept, its buffers, where
-    its weights come from."""
-    pending = Pending(source, seed, init_std, report={"started": time.perf_counter()})
+    its weights come from (``layout``: which checkpoint key fills each model key; ``note``: a line said at load)."""
+    pending = Pending(source, seed, init_std, layout, report={"started": time.perf_counter(), "note": note})
     pending.buffers = {unwrapped_name(k): v.detach().clone() for k, v in model.named_buffers() if not v.is_meta}
     buffers = {k for k, _ in model.named_buffers()}
     pending.kept = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()
@@ -126,18 +127,17 @@ def materialize(model: nn.Module, device: torch.device | str, say: bool = False)
         for name, buffer in model.named_buffers():
             if unwrapped_name(name) in pending.buffers:
                 buffer.copy_(pending.buffers[unwrapped_name(name)])
-        present = set(checkpoint_tensors(pending.source)) if pending.source is not None else set()
+        layout = pending.layout
         requests: dict[str, torch.Tensor] = {}
         for names, tensor in tensor_groups(model):
             if names[0] in pending.kept:
                 copy_full(tensor, pending.kept[names[0]].to(device))
-            elif pending.source is not None:  # a tied weight: read once, under the name the checkpoint has for it
-                key = next((checkpoint_key(n) for n in names if checkpoint_key(n) in present), checkpoint_key(names[0]))
-                requests[key] = tensor
+            elif layout is not None:  # a tied weight: read once, under the name the checkpoint has for it
+                requests[layout.key_for(names)] = tensor
             else:
                 copy_full(tensor, seeded_value(names[0], tuple(tensor.shape), pending, device))
         if requests:
-            read_checkpoint(requests, pending.source)
+            read_checkpoint(requests, layout)
     finally:
         peak = host.stop()
     pending.report |= {"seconds": time.perf_counter() - pending.report.pop("started"), "tensors": len(requests),
@@ -145,6 +145,8 @@ def materialize(model: nn.Module, device: torch.device | str, say: bool = False)
                        "host_bytes": peak - host.before if peak is not None else None}
     delattr(model, ATTR)
     if say:
+        if pending.report.get("note"):
+            print(f"syncwise: {pending.report['note']}", flush=True)
         print(f"syncwise: {load_line(pending.report)}", flush=True)
 
 
@@ -156,14 +158,24 @@ def load_line(report: dict[str, Any]) -> str:
     return f"model built on the meta device, {what} in {report['seconds']:.1f} s{peak}"
 
 
-def read_checkpoint(requests: dict[str, torch.Tensor], path: str) -> None:
+def read_checkpoint(requests: dict[str, torch.Tensor], layout: CheckpointLayout) -> None:
     """Fill ``requests`` (checkpoint key -> this rank's tensor, a DTensor shard or a whole tensor) from the
-    safetensors in ``path``: DCP's Hugging Face reader reads each rank's slices and casts them to the tensor's
-    dtype (collective where a process group exists)."""
+    layout's safetensors files: DCP's Hugging Face reader reads each rank's slices and casts them to the tensor's
+    dtype (collective where a process group exists) -- from exactly the files ``from_pretrained`` reads (the
+    reader itself takes every ``*.safetensors`` of the folder: a stray ``model.old.safetensors`` would win)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    dcp.load(requests, storage_reader=HuggingFaceStorageReader(path))
+    class NamedFilesReader(HuggingFaceStorageReader):
+        def read_metadata(self):  # the reader's metadata comes from the files its fs lists
+            listed = self.fs.ls
+            self.fs.ls = lambda _folder: [str(file) for file in layout.files]
+            try:
+                return super().read_metadata()
+            finally:
+                self.fs.ls = listed
+
+    dcp.load(requests, storage_reader=NamedFilesReader(str(layout.folder)))
 
 
 def checkpoint_key(key: str) -> str:
@@ -219,27 +231,117 @@ def _is_fsdp2(model: nn.Module) -> bool:
 # The checkpoint's tensors, and the checks before any rank starts
 # ------------------------------------------------------------------------------------------------
 def safetensors_of(path: str | Path) -> list[Path]:
-    """The safetensors files of a model directory (those its index names, or ``model.safetensors``)."""
+    """The safetensors files of a model directory that ``from_pretrained`` reads, and no others: its
+    ``model.safetensors``, else those its index names (transformers looks in that order); another
+    ``*.safetensors`` beside them (``model.old.safetensors``) is never read."""
     folder = Path(path)
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
     index = folder / SAFETENSORS_INDEX
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [folder / name for name in files]
-    single = folder / "model.safetensors"
-    return [single] if single.is_file() else []
+    return []
 
 
 def checkpoint_tensors(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...], str]]:
-    """Every tensor of the checkpoint: key -> (its file, shape, dtype name), from the files' headers alone."""
-    from safetensors import safe_open
+    """Every tensor of the checkpoint: key -> (its file, shape, dtype name), from the files' headers alone. A
+    file the index names that is not there, or one that is no whole safetensors file (truncated): a ValueError
+    in one line naming it."""
+    from safetensors import SafetensorError, safe_open
 
     found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for file in safetensors_of(path):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open's handle is no mapping
-                piece = handle.get_slice(key)
-                found[key] = (file, tuple(piece.get_shape()), str(piece.get_dtype()))
+        if not file.is_file():
+            raise ValueError(f"model.path: {Path(path) / SAFETENSORS_INDEX} names {file.name}, which is not there "
+                             "(a shard not downloaded or copied?)")
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 - safe_open's handle is no mapping
+                    piece = handle.get_slice(key)
+                    found[key] = (file, tuple(piece.get_shape()), str(piece.get_dtype()))
+        except (SafetensorError, OSError) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"model.path: {file} is no whole safetensors file (truncated, or still being "
+                             f"written?): {reason}") from exc
     return found
+
+
+@dataclass
+class CheckpointLayout:
+    """Which of a model folder's tensors fill which of a model's, as ``from_pretrained`` decides: its files (the
+    index's, else ``model.safetensors``; no others), each checkpoint key renamed by transformers' own rules (the
+    model class's conversion mapping, its base-model prefix added or dropped: the hub's ``gpt2`` stores ``wte.weight``
+    for ``transformer.wte.weight``), and the keys it would ignore (GPT-2's ``attn.bias`` buffers, old
+    ``rotary_emb.inv_freq``) left out."""
+
+    folder: Path
+    files: list[Path]
+    tensors: dict[str, tuple[Path, tuple[int, ...], str]]  # checkpoint key -> (file, shape, dtype)
+    source: dict[str, str]  # the plain model's state-dict key -> the checkpoint key that fills it
+    unexpected: list[str]  # checkpoint keys with no place in the model (ignored ones excepted)
+
+    def key_for(self, names: list[str]) -> str:
+        """The checkpoint key to read for a tensor known by ``names`` (a tied embedding has two; peft's prefix and
+        ``base_layer`` dropped)."""
+        plain = [checkpoint_key(n) for n in names]
+        return next((self.source[n] for n in plain if n in self.source), plain[0])
+
+
+def checkpoint_layout(model: nn.Module, path: str | Path) -> CheckpointLayout | None:
+    """The layout of ``path``'s safetensors for ``model`` (a transformers model, on the meta device or not), or
+    None where the checkpoint is not plainly renamed tensors -- a key transformers converts (fused experts,
+    quantised weights), or a transformers without its loading rules (before 5.0) -- which ``from_pretrained``
+    then loads whole."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        from transformers.utils.loading_report import LoadStateDictInfo
+    except ImportError:
+        return None
+    tensors = checkpoint_tensors(path)
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    meta = model.state_dict()
+    prefix = model.base_model_prefix
+    source: dict[str, str] = {}
+    unexpected: set[str] = set()
+    for key in tensors:  # as transformers' convert_and_load_state_dict_in_model names each key
+        renamed, converter = rename_source_key(key, renamings, converters, prefix, meta)
+        if renamed not in meta and key in meta:
+            renamed, converter = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+        if converter is not None:
+            return None
+        if renamed in meta:
+            source[renamed] = key
+        else:
+            unexpected.add(key)
+    info = LoadStateDictInfo(missing_keys=set(), unexpected_keys=unexpected, mismatched_keys=set(),
+                             conversion_errors={}, error_msgs=[], skipped_pp_keys=set())
+    model._adjust_missing_and_unexpected_keys(info)  # the class's own ignored keys
+    return CheckpointLayout(Path(path), safetensors_of(path), tensors, source, sorted(info.unexpected_keys))
+
+
+def untied_head(model: nn.Module, layout: CheckpointLayout) -> str | None:
+    """Where the config ties a head to its embedding but the checkpoint holds both, different: the line that says
+    so (``from_pretrained`` then keeps them apart, and so must the job), else None."""
+    from safetensors import safe_open
+
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True) if hasattr(
+        model, "get_expanded_tied_weights_keys") else {}
+    for target, origin in tied.items():
+        if target not in layout.source or origin not in layout.source:
+            continue
+        values = []
+        for key in (layout.source[target], layout.source[origin]):
+            with safe_open(str(layout.tensors[key][0]), framework="pt") as handle:
+                values.append(handle.get_tensor(key))
+        if values[0].shape != values[1].shape or not torch.equal(values[0], values[1]):
+            return (f"model.path: config.json ties {target} to {origin}, but the checkpoint holds both, different: "
+                    f"kept apart, as from_pretrained does (the export says tie_word_embeddings=false)")
+    return None
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -264,34 +366,38 @@ def tensor_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
 
 
 def preflight_weights(model: nn.Module, path: str | Path, unused_ok: tuple[str, ...] = ()) -> None:
-    """Compare a (meta) model's tensors with the checkpoint's: a ValueError in one line naming the tensor and the
-    file for a tensor the model needs and the checkpoint lacks, one with another shape or a dtype that is no float,
-    or one the checkpoint has that the model has no place for (``unused_ok``: key prefixes a model may leave unused,
-    e.g. a critic's ``lm_head``)."""
-    tensors = checkpoint_tensors(path)
-    kept = pending_of(model).kept if pending_of(model) is not None else {}
-    where = Path(path) / SAFETENSORS_INDEX if (Path(path) / SAFETENSORS_INDEX).is_file() else Path(path)
-    used: set[str] = set()
+    """Compare a (meta) model's tensors with the checkpoint's, as ``from_pretrained`` pairs them
+    (:func:`checkpoint_layout`): a ValueError in one line naming the tensor and the file for a tensor the model
+    needs and the checkpoint lacks, one with another shape or a dtype that is no float, or one the checkpoint has
+    that the model has no place for (``unused_ok``: key prefixes a model may leave unused, e.g. a critic's
+    ``lm_head``)."""
+    pending = pending_of(model)
+    layout = pending.layout if pending is not None and pending.layout is not None else None
+    if layout is None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        layout = checkpoint_layout(base, path)
+        if layout is None:  # loaded whole by from_pretrained, which checks it
+            return
+    kept = pending.kept if pending is not None else {}
+    where = Path(path) if layout.files == [Path(path) / "model.safetensors"] else Path(path) / SAFETENSORS_INDEX
     for names, tensor in tensor_groups(model):
         if names[0] in kept or ".lora_" in names[0]:
             continue
-        present = [checkpoint_key(n) for n in names if checkpoint_key(n) in tensors]
-        if not present:
-            raise ValueError(f"model.path: {where} has no tensor {checkpoint_key(names[0])} (the model needs it: "
-                             f"{tuple(tensor.shape)})")
-        used |= set(present)
-        file, shape, dtype = tensors[present[0]]
+        key = layout.key_for(names)
+        if key not in layout.tensors:
+            raise ValueError(f"model.path: {where} has no tensor {key} (the model needs it: {tuple(tensor.shape)})")
+        file, shape, dtype = layout.tensors[key]
         if shape != tuple(tensor.shape):
-            raise ValueError(f"model.path: {file}: tensor {present[0]} has shape {shape}, the model's is "
+            raise ValueError(f"model.path: {file}: tensor {key} has shape {shape}, the model's is "
                              f"{tuple(tensor.shape)} (a config that does not match the weights?)")
         if dtype not in FLOAT_DTYPES:
-            raise ValueError(f"model.path: {file}: tensor {present[0]} is {dtype}, which does not cast to the float "
+            raise ValueError(f"model.path: {file}: tensor {key} is {dtype}, which does not cast to the float "
                              f"weights the model trains (a quantised checkpoint?)")
-    unused = sorted(k for k in tensors if k not in used and not k.startswith(unused_ok))
+    unused = [k for k in layout.unexpected if not k.startswith(unused_ok)]
     if unused:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
-        raise ValueError(f"model.path: {tensors[unused[0]][0]}: tensor {unused[0]} has no place in the model{more} "
-                         "(a config that does not match the weights?)")
+        raise ValueError(f"model.path: {layout.tensors[unused[0]][0]}: tensor {unused[0]} has no place in the "
+                         f"model{more} (a config that does not match the weights?)")
 
 
 # ------------------------------------------------------------------------------------------------
