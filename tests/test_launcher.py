@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 from multiprocessing.context import ForkServerProcess
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,29 @@ def _rank0_dies(info) -> None:
     if info.rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()  # rank 1 waits for a peer that is gone: its connection breaks (or the launcher ends it)
+
+
+def _write_run_id(info, folder: str) -> None:
+    from syncwise.runtime.job_store import RUN_ID_ENV, SECRET_ENV
+
+    Path(folder, f"rank{info.rank}").write_text(f"{os.environ[SECRET_ENV]} {os.environ[RUN_ID_ENV]}")
+
+
+def test_every_launch_is_a_run_of_its_own_though_the_secret_is_kept(monkeypatch, tmp_path):
+    """Issue 67 (11): the local launcher keeps a SYNCWISE_JOB_SECRET it finds in the environment (one set for
+    torchrun alike), but gives every launch a fresh run id, which every signature covers."""
+    monkeypatch.setenv("SYNCWISE_JOB_SECRET", "kept")
+    monkeypatch.setenv("SYNCWISE_RUN_ID", "left over")
+    seen = []
+    for launch in ("a", "b"):
+        (tmp_path / launch).mkdir()
+        with tempfile.TemporaryDirectory() as out_dir:
+            job = launch_local(_rank_main, 2, _write_run_id, (str(tmp_path / launch),), out_dir, 60.0, False, "gloo")
+        assert job.exit_code == 0
+        ranks = {(tmp_path / launch / f"rank{r}").read_text() for r in range(2)}
+        assert len(ranks) == 1  # both ranks of a run sign alike
+        seen.append(ranks.pop().split())
+    assert seen[0][0] == seen[1][0] == "kept" and len({seen[0][1], seen[1][1], "left over"}) == 3
 
 
 def test_a_rank_that_dies_without_a_report_is_the_one_named(capsys):

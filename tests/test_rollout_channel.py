@@ -62,6 +62,17 @@ def test_the_mailbox_refuses_a_batch_the_job_did_not_sign():
         BatchMailbox(SignedStore(plain, SECRET), readers=1).fetch(4, 0)
 
 
+def test_a_message_recorded_from_another_run_does_not_verify_under_the_same_secret():
+    """Issue 67 (11): the secret left in the environment from job to job; a batch recorded from run A and set first
+    in run B's store is refused, not trained on."""
+    plain = dist.HashStore()
+    BatchMailbox(SignedStore(plain, SECRET, run="run-a"), readers=1).post(3, 0, _scored(3))
+    with pytest.raises(ForgedMessage, match="'batch/3/0' not signed by this job"):
+        BatchMailbox(SignedStore(plain, SECRET, run="run-b"), readers=1).fetch(3, 0)
+    BatchMailbox(SignedStore(plain, SECRET, run="run-b"), readers=1).post(3, 0, _scored(3))
+    assert BatchMailbox(SignedStore(plain, SECRET, run="run-b"), readers=1).fetch(3, 0).rewards.tolist() == [3.0]
+
+
 def _units(count: int):
     for i in range(count):  # made as they are asked for, as the trainers' gather makes them
         yield {f"layers.{i}.weight": torch.full((3, 2), float(i)), f"layers.{i}.norm": torch.arange(3.0).to(

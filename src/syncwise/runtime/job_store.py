@@ -6,8 +6,11 @@ The store (a ``TCPStore``) has no authentication: anything that reaches its port
 launcher binds it to loopback, and the ``python`` tool's sandbox has no network of its own, but another process of
 the machine could still connect. So what the ranks tell each other through it -- the launcher's go,
 the rollout ranks' messages, weights' descriptions, scored batches and snapshots -- carries an HMAC-SHA256 of its
-key and value under the job's secret (:data:`SECRET_ENV`: the local launcher makes one per job; under torchrun,
-set the same value on every node), and a value that does not verify stops the job in one line naming its key.
+key and value and of the run's id under the job's secret (:data:`SECRET_ENV`: the local launcher makes one per job;
+under torchrun, set the same value on every node), and a value that does not verify stops the job in one line naming
+its key. The run id (:func:`run_id`: the local launcher's own per launch, torchrun's ``--rdzv-id`` under torchrun)
+binds each message to one run: with a secret kept in the environment from job to job, a value recorded from an
+earlier run does not verify in the next.
 The sandbox never sees the secret: its environment is empty and, as root, it runs as a uid that cannot read the
 ranks' ``/proc/<pid>/environ``.
 """
@@ -26,6 +29,7 @@ if TYPE_CHECKING:  # torch only once a job starts: the command line answers --he
     import torch.distributed as dist
 
 SECRET_ENV = "SYNCWISE_JOB_SECRET"
+RUN_ID_ENV = "SYNCWISE_RUN_ID"  # the local launcher's, fresh at every launch (never inherited)
 GO_KEY = "syncwise/go"  # set in the job's store once the launcher's checks have passed
 GO_TIMEOUT_S = 3600.0  # the checks read the user's files (a prompt file is tokenised whole): never cut short
 _MAC_BYTES = hashlib.sha256().digest_size
@@ -45,16 +49,24 @@ def job_secret() -> bytes | None:
     return value.encode() if value else None
 
 
-class SignedStore:
-    """``set`` / ``get`` of a ``dist.Store`` with each value signed and checked (plain where ``secret`` is None);
-    ``check``, ``add`` and ``delete_key`` as the store has them (a counter cannot be signed: the rollout ranks' read
-    counts only decide when a message's keys are deleted)."""
+def run_id() -> str:
+    """This run's id, which every signature covers: the local launcher's (:data:`RUN_ID_ENV`), else torchrun's
+    rendezvous id (``--rdzv-id``, ``TORCHELASTIC_RUN_ID``), else empty (a run alone: the secret must be its own)."""
+    return os.environ.get(RUN_ID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID", "")
 
-    def __init__(self, store: dist.Store, secret: bytes | None):
+
+class SignedStore:
+    """``set`` / ``get`` of a ``dist.Store`` with each value signed and checked (plain where ``secret`` is None),
+    the signature over the run's id (``run``, default :func:`run_id`), the key and the value; ``check``, ``add``
+    and ``delete_key`` as the store has them (a counter cannot be signed: the rollout ranks' read counts only
+    decide when a message's keys are deleted)."""
+
+    def __init__(self, store: dist.Store, secret: bytes | None, run: str | None = None):
         self.store, self.secret = store, secret
+        self.run = (run_id() if run is None else run).encode()
 
     def _mac(self, key: str, value: bytes) -> bytes:
-        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+        return hmac.new(self.secret, self.run + b"\0" + key.encode() + b"\0" + value, hashlib.sha256).digest()
 
     def set(self, key: str, value: bytes | str) -> None:
         value = value.encode() if isinstance(value, str) else value
@@ -67,7 +79,8 @@ class SignedStore:
         mac, value = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
         if len(raw) < _MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, value)):
             raise ForgedMessage(f"the job's store held {key!r} not signed by this job: something outside the job wrote "
-                                f"it (another process on this machine or network); the job stops rather than use it")
+                                f"it (another process on this machine or network, or a value recorded from another "
+                                f"run); the job stops rather than use it")
         return value
 
     def check(self, keys: list[str]) -> bool:
@@ -100,9 +113,9 @@ def host_store() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
 
 
-def say_go(store: dist.Store, secret: str) -> None:
+def say_go(store: dist.Store, secret: str, run: str) -> None:
     """The launcher: its checks have passed, the ranks may start their work."""
-    SignedStore(store, secret.encode()).set(GO_KEY, "1")
+    SignedStore(store, secret.encode(), run).set(GO_KEY, "1")
 
 
 def wait_for_go(port: int) -> None:

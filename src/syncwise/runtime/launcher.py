@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import notes_of
-from .job_store import SECRET_ENV, host_store, new_secret, say_go, wait_for_go
+from .job_store import RUN_ID_ENV, SECRET_ENV, host_store, new_secret, say_go, wait_for_go
 from .rank_server import Gate, Worker, check_in_server, end_rank_server, rank_context, rank_environment
 from .signals import STOP_SIGNALS, JobStopped, StopRequest
 
@@ -311,6 +311,7 @@ def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any, gate: 
     context = rank_context(fn.module if isinstance(fn, Worker) else fn.__module__)
     environment = dict(os.environ)
     environment.setdefault(SECRET_ENV, new_secret())  # what the ranks sign their messages in the store with
+    environment[RUN_ID_ENV] = new_secret()  # never inherited: a message recorded from an earlier run fails here
     processes = [context.Process(target=_local_entry, args=(r, nproc, store.port, fn, args, environment,
                                                             gate is not None)) for r in range(nproc)]
     try:
@@ -318,7 +319,7 @@ def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any, gate: 
             supervisor.start()
             if gate is not None:  # a signal meanwhile is the supervisor's: the ranks adopt it at their first step
                 check_in_server(context, gate, environment)
-                say_go(store, environment[SECRET_ENV])
+                say_go(store, environment[SECRET_ENV], environment[RUN_ID_ENV])
             supervisor.wait()
         reports = [ErrorReport(**json.loads(p.read_text())) for p in sorted(folder.glob("rank*.json"))]
     finally:
