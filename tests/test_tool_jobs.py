@@ -380,25 +380,27 @@ def test_bad_tool_input_is_found_before_any_rank_starts(folder, override, said, 
     assert said in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
-def test_python_beside_rollout_ranks_is_refused_where_the_sandbox_would_share_the_network(folder, monkeypatch):
-    """Issue 62 (1): a python-tool program found the job's store and rewrote the rollout ranks' batches. Where no
-    network namespace can be made, python beside rollout ranks is one line before any rank starts; where one can,
-    the job goes ahead."""
-    from syncwise import sandbox
+def test_python_is_refused_where_the_sandbox_would_share_the_network_unless_the_job_opts_in(folder, monkeypatch):
+    """Issue 62 (1), issue 67 (5): a python-tool program found the job's store and rewrote the rollout ranks'
+    batches. Where no namespace can be made, python is one line before any rank starts -- colocated too (its
+    program would share the job's network, /tmp and files) -- unless rl.sandbox_unsafe_no_isolation=true; where
+    one can, the job goes ahead."""
     from syncwise.config import load_config
     from syncwise.jobs.preflight import PreflightError, preflight
+    from syncwise.runtime import sandbox
 
     monkeypatch.chdir(folder)
-    config = load_config(None, [*JOB, f"model.path={folder / 'qwen2-tools'}", "rl.tools=[my_tools.py:add,python]",
-                                "dist.nproc=4", "dist.rollout_ranks=2"])
-    monkeypatch.setattr(sandbox, "isolation", lambda: sandbox.Isolation(own_user=True, namespaces=()))
-    with pytest.raises(PreflightError) as info:
-        preflight(config, "train")
-    assert str(info.value).startswith("rl.tools: python beside dist.rollout_ranks=2 needs a sandbox with no network")
-    colocated = load_config(None, [*JOB, f"model.path={folder / 'qwen2-tools'}", "rl.tools=[my_tools.py:add,python]"])
-    preflight(colocated, "train")  # no rollout ranks: nothing of theirs travels through the store
-    monkeypatch.setattr(sandbox, "isolation", lambda: sandbox.Isolation(own_user=True, namespaces=("--net",)))
-    preflight(config, "train")
+    common = [*JOB, f"model.path={folder / 'qwen2-tools'}", "rl.tools=[my_tools.py:add,python]"]
+    drawn_on = load_config(None, [*common, "dist.nproc=4", "dist.rollout_ranks=2"])
+    monkeypatch.setattr(sandbox, "isolation", lambda: sandbox.Isolation(own_user=True, namespaces=(), cgroup=False))
+    for config in (drawn_on, load_config(None, common)):
+        with pytest.raises(PreflightError) as info:
+            preflight(config, "train")
+        assert str(info.value).startswith("rl.tools: python: the sandbox for policy code needs namespaces")
+    preflight(load_config(None, [*common, "rl.sandbox_unsafe_no_isolation=true"]), "train")
+    monkeypatch.setattr(sandbox, "isolation", lambda: sandbox.Isolation(own_user=True, namespaces=("--net",),
+                                                                        cgroup=False))
+    preflight(drawn_on, "train")
 
 
 def test_an_environment_may_stand_in_for_the_reward_function_only_if_it_scores(folder, monkeypatch):

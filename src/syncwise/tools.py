@@ -94,7 +94,7 @@ def python(code: str) -> str:
     Args:
         code: The program; what it prints (stdout, and stderr where it writes any) is the answer.
     """
-    from .sandbox import run_python
+    from .runtime.sandbox import run_python
 
     return run_python(code)
 

@@ -126,6 +126,10 @@ class RLConfig:
     tool_step_timeout_s: float = 0.0
     tool_max_chars: int = 4096  # a tool's answer is cut to this many characters (the cut said in it)
     tool_workers: int = 8  # a turn's calls over all conversations run side by side, this many at a time
+    # Policy code (the python tool, or any tool, environment or reward calling syncwise.runtime.sandbox.run_python)
+    # runs in namespaces of its own; where the machine makes none it is refused, unless this says to run it
+    # UNPROTECTED: in the job's network, /tmp and files
+    sandbox_unsafe_no_isolation: bool = False
     # An environment class, "file.py:Class" or "package.module:Class", written to TRL's environment_factory
     # contract (syncwise.rl.env.classes): one instance per conversation, reset(**row), its public methods but
     # reset and get_reward the tools, get_reward() one more reward; a metrics property logged as env/<name>

@@ -148,19 +148,17 @@ def check_rl(config: Config) -> None:
 
 
 def check_sandbox(config: Config, tools: dict) -> None:
-    """The ``python`` tool beside rollout ranks needs a sandbox without the job's network: their batches travel
-    through the job's store, which a program on the same network could rewrite. Where this machine can make no
-    network namespace (:func:`syncwise.sandbox.isolation`), refused in one line."""
-    from ..sandbox import isolation
+    """The ``python`` tool runs policy code in namespaces of its own; where this machine makes none
+    (:func:`syncwise.runtime.sandbox.isolation`) it would share the job's network, ``/tmp`` and files: refused in
+    one line unless ``rl.sandbox_unsafe_no_isolation`` says to. (A tool, environment or reward of the user's that
+    calls ``run_python`` is refused by it, at its first call.)"""
+    from ..runtime.sandbox import REFUSAL, isolation
     from ..tools import BUILTIN_TOOLS
 
-    if config.dist.rollout_ranks and any(tool.fn is BUILTIN_TOOLS["python"] for tool in tools.values()) \
-            and not isolation().own_network:
-        raise PreflightError(
-            f"rl.tools: python beside dist.rollout_ranks={config.dist.rollout_ranks} needs a sandbox with no network "
-            "of its own, and this machine makes no network namespace (unshare --net, as root or in a user "
-            "namespace): its programs could reach the job's store, which carries the rollout ranks' batches; run "
-            "without rollout ranks here, or where namespaces are allowed")
+    if config.rl.sandbox_unsafe_no_isolation or isolation().namespaces:
+        return
+    if any(tool.fn is BUILTIN_TOOLS["python"] for tool in tools.values()):
+        raise PreflightError(f"rl.tools: python: {REFUSAL}")
 
 
 def check_rollout_engine(config: Config, max_new_tokens: int) -> None:

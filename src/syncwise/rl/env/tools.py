@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ...runtime.sandbox import SandboxRefused
 from ...tools import BUILTIN_TOOLS
 from .loader import load_function
 from .threads import Job, OwnThread
@@ -225,6 +226,8 @@ class ToolRunner:
         at most ``max_chars`` of it."""
         kinds: tuple[str, ...] = ()
         error = None
+        if isinstance(failure, SandboxRefused):  # the machine's, not the call's: the job's error
+            raise failure
         if failure is not None:
             content, error = f"error: {type(failure).__name__}: {failure}", "exception"
         elif isinstance(value, str):

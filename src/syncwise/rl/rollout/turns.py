@@ -31,7 +31,7 @@ import torch
 
 from ...config import RLConfig
 from ...data.chat import refusal
-from ...sandbox import describe as sandbox_words
+from ...runtime.sandbox import describe as sandbox_words
 from ..env.base import Environment
 from ..env.prompts import encode_prompt, prompt_messages
 from ..env.tool_calls import ParsedTurn, choose_parser, parse_turn
