@@ -452,3 +452,38 @@ def test_vllm_runs_the_same_conversations_loop(folder, partial):
         assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
         assert not partial or row["rollout/staleness_max"] <= 1, row
     assert rows[0]["rollout/log_prob_diff"] < 2e-4, rows[0]  # vLLM's kernels against the trainer's, fp32
+
+
+RAISING_ENV = '''
+class Leveled:
+    def reset(self, **row) -> None:
+        self.level = row["level"]  # a column the second row lacks
+
+    def add(self, a: int, b: int) -> str:
+        """Add two numbers.
+
+        Args:
+            a: One number.
+            b: The other.
+        """
+        return str(a + b)
+
+    def get_reward(self) -> float:
+        return 0.0
+'''
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["synchronous", "partial"])
+def test_a_reset_that_raises_names_the_class_reset_and_the_row(folder, partial):
+    """Issue 67 (12): a reset(**row) that raised ended the job with 'KeyError: 'level'' alone. Now one line with the
+    class, reset and the row's file and line, synchronous and partial rollouts alike."""
+    (folder / "leveled.py").write_text(RAISING_ENV)
+    (folder / "leveled.jsonl").write_text("".join(json.dumps(row) + "\n" for row in [
+        {"prompt": CONVERSATION[:1], "answer": "19", "level": 1}, {"prompt": CONVERSATION[:1], "answer": "19"}]))
+    proc = _train(folder, f"leveled_{partial}", "train.steps=1", "rl.tools=[]", "rl.environment=leveled.py:Leveled",
+                  "rl.dataset=leveled.jsonl", "rl.reward_fn=null", "rl.prompts_per_rank=1", "rl.samples_per_prompt=2",
+                  *(["rl.max_staleness=1"] if partial else []))
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("syncwise: error:")]
+    assert errors == ["syncwise: error: rl.environment: Leveled.reset(**row) raised KeyError: 'level' for "
+                      "leveled.jsonl line 2"] and "Traceback" not in proc.stderr, proc.stderr[-3000:]

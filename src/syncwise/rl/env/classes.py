@@ -74,6 +74,14 @@ class EnvironmentClass:
                             if name != "self" and p.default is p.empty
                             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         self.context_manager = callable(getattr(cls, "__enter__", None)) and callable(getattr(cls, "__exit__", None))
+        self.row_places: dict[int, str] = {}  # id of a dataset row -> "data.jsonl line 3", for reset's errors
+
+    def place_of(self, row: dict[str, Any]) -> str:
+        """Where ``row`` comes from (its file and line), else the row itself, shortened."""
+        if id(row) in self.row_places:
+            return self.row_places[id(row)]
+        text = repr(row)
+        return f"row {text[:160]}{'...' if len(text) > 160 else ''}"
 
     @property
     def saves(self) -> bool:
@@ -118,7 +126,11 @@ class ClassEpisode:
         if self.spec.context_manager:
             self.thread.call(self.instance.__enter__)
             self.entered = True
-        opening = self.thread.call(self.instance.reset, **row)
+        try:
+            opening = self.thread.call(self.instance.reset, **row)
+        except Exception as exc:  # the user's code: any exception -- named with the class, reset and the row
+            raise ValueError(f"rl.environment: {self.spec.name}.reset(**row) raised {type(exc).__name__}: {exc} "
+                             f"for {self.spec.place_of(row)}") from exc
         return None if opening is None else str(opening)
 
     def state(self) -> Any:

@@ -218,6 +218,7 @@ def prompt_source(task: str, dataset: str | None, reward_fn: str | list[str] | N
                                  f"rl.tools defines them too; rename one (a call must name one function)")
             for row, place in zip(rows, where, strict=True):
                 source.environment.check_rows(set(row), f"{dataset} {place}")
+                source.environment.row_places[id(row)] = f"{dataset} {place}"
             if not paths and not source.environment.scores:
                 raise ValueError(f"rl.environment: {source.environment.name} has no get_reward(), and rl.reward_fn is "
                                  f"not set: nothing scores the episodes")
