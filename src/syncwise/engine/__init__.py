@@ -45,7 +45,7 @@ from .governor import MemoryGovernor
 from .optim import build_optimizer, build_scheduler, clip_and_step, global_grad_norm
 from .planning import BatchPlan, plan_batch
 from .reduce import reduce_step
-from .state import load_model_and_optim_state, model_and_optim_state
+from .state import load_model_and_optim_state, load_resume_state, model_and_optim_state, resume_state
 from .step import ForwardBackwardResult, accumulate, forward_only
 from .tuning import build_tuning
 from .weights import full_weights_by_unit
@@ -308,37 +308,11 @@ class Engine:
         return full_weights_by_unit(self.wrapped, self.features.lora_merge if merge else None)
 
     def engine_state(self) -> dict[str, Any]:
-        """Everything else a resumed run needs to continue exactly (JSON-serialisable): the step count, the LR
-        schedule's position, and auto's decision and measured base (a resumed run measures nothing again)."""
-        return {
-            "step": self.step,
-            "skipped_steps": self.skipped_steps,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "active_mode": self.active_mode.mode.value,
-            "active_units": sorted(self.active_mode.units),
-            **self.governor.state(),
-        }
+        """Everything else a resumed run needs to continue exactly (JSON-serialisable; :func:`.state.resume_state`)."""
+        return resume_state(self)
 
     def load_engine_state(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.skipped_steps = int(state["skipped_steps"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        # The configured sync.mode wins: auto's saved decision is restored only while the config still says
-        # auto, and only where this run can execute it (the strategy or the model may have changed since).
-        saved = SyncChoice(SyncMode(state["active_mode"]), frozenset(state.get("active_units", ())))
-        if self.sync_mode is not SyncMode.AUTO:  # a head or cap auto chooses is chosen again, from a new peak
-            self.governor.base_peak = state.get("base_peak")  # measured without any mode's extra: still true
-            return
-        units = set(unit_names(self.model, self.wrapped.units))
-        if saved.mode in self.supported_modes and saved.units <= units:
-            self.governor.load_state(state)
-            self._use(self.governor.setting)
-            if state.get("auto", {}).get("trial_cut_short") and self.info.is_main:
-                print(f"syncwise: {self.governor.auto.decisions[-1]}", flush=True)
-        elif self.info.is_main:
-            print(f"syncwise: the checkpoint's sync mode {saved.label} cannot run here "
-                  f"(engine.strategy={self.config.engine.strategy}); sync.mode=auto decides again", flush=True)
+        load_resume_state(self, state)
 
 
 def _is_batch(batch: Any) -> bool:

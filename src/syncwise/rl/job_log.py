@@ -1,12 +1,15 @@
-"""What an RL job says on rank 0: its first line (the task, the ranks, the rollouts, the loss, where it resumed)
-and its summary at the end."""
+"""What an RL job says and writes on rank 0: its first line (the task, the ranks, the rollouts, the loss, where it
+resumed), its logs (metrics.jsonl, TensorBoard, the progress bar: :class:`JobLogs`) and its summary at the end."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
+import yaml
+
+from ..config import Config, config_to_dict
+from ..metrics import TensorBoardLogger, open_job_log, set_aside
 from .algorithm.losses import describe_correction
 from .env.tasks import PromptSource
 
@@ -38,3 +41,45 @@ def print_summary(history: list[dict[str, Any]], out_dir: Path) -> None:
         f"metrics {out_dir / 'metrics.jsonl'}, plot {out_dir / 'curves.png'}",
         flush=True,
     )
+
+
+class JobLogs:
+    """Where a job's steps go on rank 0: ``metrics.jsonl`` (continued where a resumed job starts), TensorBoard
+    (``train.logger``), the progress bar (``train.progress``), and the steps kept for the summary (``history``)."""
+
+    def __init__(self):
+        self.history: list[dict[str, Any]] = []
+        self.loggers: list[Any] = []
+        self.bar = None
+
+    def open(self, config: Config, out_dir: Path, resumed_at: int | None) -> str:
+        """The job's ``config.yaml`` written and its logs opened; what the first line says of them."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config)))
+        log, note = open_job_log(out_dir / "metrics.jsonl", resumed_at)
+        self.loggers.append(log)
+        if config.train.logger == "tensorboard":
+            if resumed_at is None:
+                set_aside(out_dir / "tensorboard")
+            self.loggers.append(TensorBoardLogger(out_dir / "tensorboard"))
+        if config.train.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=config.train.steps, initial=resumed_at or 0, desc=config.rl.algorithm,
+                            dynamic_ncols=True)
+        return note
+
+    def log(self, metrics: dict[str, Any], progress: str) -> None:
+        """One step's metrics; ``progress``: the bar's line for it."""
+        for logger in self.loggers:
+            logger.log(metrics)
+        self.history.append(metrics)
+        if self.bar is not None:
+            self.bar.set_postfix_str(progress)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        for logger in self.loggers:
+            logger.close()

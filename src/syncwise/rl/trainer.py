@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from ..checkpoint import CheckpointManager
-from ..config import Config, config_to_dict
+from ..config import Config
 from ..engine import Engine
 from ..export import export_hf
-from ..metrics import TensorBoardLogger, job_history, open_job_log, plot_curves, plot_phases, set_aside
+from ..metrics import job_history, plot_curves, plot_phases
 from ..models import build_model
 from ..models.lora import adapters_disabled
 from ..runtime.distributed import DistInfo, init_distributed
@@ -48,7 +47,7 @@ from .algorithm.ppo import Critic, ppo_advantages
 from .batches import batch_producer
 from .drawing import BatchDrawer
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
-from .job_log import first_line, print_summary
+from .job_log import JobLogs, first_line, print_summary
 from .rollout.channel import RolloutChannel
 from .rollout.front import Rollout
 from .rollout_rank import rollout_ranks_line, share_network
@@ -126,9 +125,7 @@ class RLTrainer:
         resumes = bool(self.resumed_from) and config.rollout_mode.off_policy
         rank_state = self.checkpoints.rank_state(self.resumed_from) if resumes else None
         self.queue_note = self.batches.start(rank_state, self.start)
-        self.history: list[dict[str, Any]] = []
-        self.loggers: list[Any] = []
-        self.bar = None
+        self.logs = JobLogs()
         if info.is_main:
             self._open_logs()
 
@@ -160,23 +157,12 @@ class RLTrainer:
         return sum(e.resident_bytes() for e in models if e is not None and e is not engine)
 
     def _open_logs(self) -> None:
-        config, rl, train = self.config, self.config.rl, self.config.train
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config)))
-        log, log_note = open_job_log(self.out_dir / "metrics.jsonl", self.start if self.resumed_from else None)
-        self.loggers.append(log)
-        if train.logger == "tensorboard":
-            if not self.resumed_from:
-                set_aside(self.out_dir / "tensorboard")
-            self.loggers.append(TensorBoardLogger(self.out_dir / "tensorboard"))
-        rollout_words = self.rollout.describe() if self.rollout else rollout_ranks_line(config, self.info.world_size)
-        print(first_line(config, self.info.world_size, self.source, rollout_words,
+        log_note = self.logs.open(self.config, self.out_dir, self.start if self.resumed_from else None)
+        rollout_words = self.rollout.describe() if self.rollout else rollout_ranks_line(self.config,
+                                                                                         self.info.world_size)
+        print(first_line(self.config, self.info.world_size, self.source, rollout_words,
                          self.critic.describe() if self.critic is not None else "", self.resumed_from, self.start)
               + self.queue_note + log_note, flush=True)
-        if train.progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=train.steps, initial=self.start, desc=rl.algorithm, dynamic_ncols=True)
 
     def step(self, step: int) -> dict[str, Any]:
         """Rollouts; rewards and advantages on the whole rollout batch (PPO: the critic's values, token
@@ -252,7 +238,7 @@ class RLTrainer:
         metrics.update(throughput(drawn_tokens(metrics), clock, updates, remote_s))
         metrics["time/step_s"] = time.perf_counter() - started
         if self.info.is_main:
-            self._log(metrics)
+            self.logs.log(metrics, progress_line(metrics))
         return metrics
 
     def warm_start(self) -> None:
@@ -266,7 +252,7 @@ class RLTrainer:
             rows = self.source.batch(step, self.info.rank, self.info.world_size, rl.prompts_per_rank * 2)
             metrics = warm_start_step(self.engine, rows, self.source, self.tokenizer)
             if metrics["stop/signal"]:  # agreed by every rank; nothing to keep yet
-                self.close_logs()
+                self.logs.close()
                 raise stopped(metrics["stop/signal"], 0, self.config.train.steps,
                               f"during warm-start step {step + 1} of {steps}; nothing saved")
         notes = start_from_policy(self.config, self.engine, self.reference,
@@ -282,23 +268,9 @@ class RLTrainer:
         with adapters_disabled(self.engine.model):
             return self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
 
-    def _log(self, metrics: dict[str, Any]) -> None:
-        for logger in self.loggers:
-            logger.log(metrics)
-        self.history.append(metrics)
-        if self.bar is not None:
-            self.bar.set_postfix_str(progress_line(metrics))
-            self.bar.update(1)
-
     def save(self, done: int) -> Path:
         """Collective: a checkpoint of the state after ``done`` steps (PPO: the critic's beside the actor's)."""
         return self.checkpoints.save(done, self.engine, {"step": done}, self._others, self.batches.state_dict())
-
-    def close_logs(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        for logger in self.loggers:
-            logger.close()
 
     def finish(self) -> None:
         """Export, close the logs, plot and summarise."""
@@ -307,8 +279,8 @@ class RLTrainer:
             if self.critic is not None and self.config.critic.export:
                 export_hf(self.critic.engine, self.tokenizer, self.out_dir / "export" / "critic",
                           base_path=self.critic.model_path)
-        self.close_logs()
-        if self.info.is_main and self.history:  # the whole job's steps (a resumed run's memory has its own only)
+        self.logs.close()
+        if self.info.is_main and self.logs.history:  # the whole job's steps (a resumed run's memory has its own only)
             history = job_history(self.out_dir / "metrics.jsonl")
             plot_curves(history, self.out_dir / "curves.png")
             plot_phases(history, self.out_dir / "phases.png", [f"time/{phase}_s" for phase in PHASES])
@@ -347,10 +319,10 @@ class RLTrainer:
             if due or stop:
                 path = self.save(done)
             if stop:
-                self.close_logs()
+                self.logs.close()
                 raise stopped(stop, done, train.steps, f"checkpoint {path}; rerun with train.resume=auto to go on")
         self.finish()
-        return self.history
+        return self.logs.history
 
 
 def run_rl(config: Config, info: DistInfo | None = None) -> list[dict[str, Any]]:
