@@ -270,8 +270,8 @@ def checkpoint_tensors(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...
 
 @dataclass
 class CheckpointLayout:
-    """Which of a model folder's tensors fill which of a model's, as ``from_pretrained`` decides: its files (the
-    index's, else ``model.safetensors``; no others), each checkpoint key renamed by transformers' own rules (the
+    """Which of a model folder's tensors fill which of a model's, as ``from_pretrained`` decides: its files
+    (``model.safetensors``, else the index's; no others), each checkpoint key renamed by transformers' own rules (the
     model class's conversion mapping, its base-model prefix added or dropped: the hub's ``gpt2`` stores ``wte.weight``
     for ``transformer.wte.weight``), and the keys it would ignore (GPT-2's ``attn.bias`` buffers, old
     ``rotary_emb.inv_freq``) left out."""
