@@ -15,7 +15,7 @@ import torch
 from dist_harness import run_distributed
 from job_output import failed
 from scenarios_faults import bad_input_suite, missing_rank, nonfinite_suite
-from syncwise.models.loading import read_safetensors
+from syncwise.models.checkpoint_files import read_safetensors
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
@@ -80,7 +80,7 @@ def test_missing_rank_is_a_timeout_error_naming_rank_and_operation(tmp_path):
 GATE_REWARD = """
 import os, time
 from pathlib import Path
-from syncwise.models.loading import read_safetensors
+from syncwise.models.checkpoint_files import read_safetensors
 from syncwise.rl.env.tasks import TASKS
 
 _score = TASKS["target"]().reward_fn

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from cli_harness import run_cli
 from job_output import failed
 from syncwise.metrics import read_jsonl
-from syncwise.models.loading import read_safetensors
+from syncwise.models.checkpoint_files import read_safetensors
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 PPO = ["rl.algorithm=ppo", "train.progress=false", "rl.prompts_per_rank=4", "rl.samples_per_prompt=4",

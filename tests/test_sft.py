@@ -19,7 +19,7 @@ from job_output import failed
 from numerics import FP32_RTOL, assert_close
 from scenarios_sft import sft_suite
 from syncwise.metrics import read_jsonl
-from syncwise.models.loading import read_safetensors
+from syncwise.models.checkpoint_files import read_safetensors
 from syncwise.sft.tasks import write_example_data
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -17,7 +17,7 @@ from cli_harness import run_cli
 from job_output import failed
 from syncwise.config import load_config, packaged_config
 from syncwise.metrics import read_jsonl
-from syncwise.models.loading import read_safetensors
+from syncwise.models.checkpoint_files import read_safetensors
 from syncwise.runtime.job_store import free_port
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}

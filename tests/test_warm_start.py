@@ -16,7 +16,7 @@ import torch
 
 from job_output import failed
 from syncwise.metrics import read_jsonl
-from syncwise.models.loading import read_safetensors
+from syncwise.models.checkpoint_files import read_safetensors
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 COMMON = ["train.progress=false", "rl.prompts_per_rank=4", "rl.samples_per_prompt=4", "optim.warmup_steps=0",

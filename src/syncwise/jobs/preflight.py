@@ -52,7 +52,8 @@ def check_weights(config: Config) -> None:
     """``model.path``'s safetensors hold every tensor the model needs, in its shape and a float dtype, and none it
     has no place for: compared from the files' headers with the model built on the meta device (no memory)."""
     from ..models import build_model
-    from ..models.loading import preflight_weights, safetensors_of
+    from ..models.checkpoint_files import safetensors_of
+    from ..models.loading import preflight_weights
 
     if not safetensors_of(config.model.path):
         return

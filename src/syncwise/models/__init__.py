@@ -90,7 +90,8 @@ def build_model(cfg: ModelConfig, value_head: bool = False, deferred: bool = Fal
     verl builds its critic; ``outputs.logits`` is then [B, T, 1], one value per position). The decoder comes
     from ``cfg.path`` (or the preset's seeded init: the policy's own initial weights); the head starts at
     zero (:func:`value_head_of`)."""
-    from .loading import checkpoint_layout, defer, placeholders, safetensors_of, untied_head
+    from .checkpoint_files import checkpoint_layout, safetensors_of, untied_head
+    from .loading import defer, placeholders
 
     off = cfg.dropout == "off"
     auto_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM

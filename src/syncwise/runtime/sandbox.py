@@ -1,35 +1,18 @@
-"""Running a policy's Python code in a separate process, as the built-in ``python`` tool does
-(``rl.tools=[python]``), or any tool, environment or reward that calls :func:`run_python`. What the model writes is
-hostile input: a loop that never ends, a fork bomb, memory hogs in many processes, a 100 MB print, a look at the
-trainer's secrets or its files (a prompt file holds the reference answers), a write anywhere that outlives the
-call, a kill of its parent or of another rank's call, a connection to the job's rendezvous store or to any server
-on the machine.
+"""A policy's Python code in a process of its own (the built-in ``python`` tool, or any tool, environment or
+reward calling :func:`run_python`), against what a hostile program does: endless loops, fork bombs, memory hogs in
+many processes, huge prints, reading the job's secrets or files (a prompt file's answers), writes that outlive
+the call, killing the job or another rank's call, reaching the job's store or any server.
 
-Each call, where the machine makes namespaces (``unshare``; as root, or as any user inside an unprivileged user
-namespace):
-
-- **a root of its own** (``pivot_root``): the system's programs and libraries (``/usr``, ``/etc``) and the job's
-  Python (its prefix and base prefix: a venv and the interpreter it was made from) read-only, a private ``/tmp``
-  and ``/dev/shm`` (tmpfs of ``scratch_bytes`` each, its working folder that ``/tmp``), ``/dev``'s null, zero and
-  random devices, its own ``/proc`` -- and nothing else: not the job's folders, model, data, checkpoints or home,
-  no ``/var/tmp`` or ``/run``; the root itself is read-only, so nothing it writes outlives it;
-- **no network** (a network namespace whose loopback is down: neither the job's store nor any server);
-- **its own PIDs** (a PID namespace: everything it starts dies with it; the job's processes are not even listed)
-  and its own IPC;
-- **no privilege**: as root, a uid of its own that no other call of the machine's jobs holds at the same time
-  (claimed with a lock file); as another user, root of its namespace with every capability dropped;
-- **one memory budget** for all its processes together: a memory cgroup of its own where the machine lets the
-  job make one (as root), else each process's address space at ``memory_bytes / FALLBACK_PROCESSES`` with at most
-  that many processes (limits whose product is the budget); and at most ``processes`` processes (counted for its
-  own uid, or inside its own user namespace).
-
-Always: ``python -I`` with a clean environment (no inherited variables: not the job's secret), no stdin, CPU-time,
-file-size, open-file and core limits (``prlimit``), its output read from files it cannot reach, cut to
-``output_chars``, and a wall-clock limit after which everything it started is killed.
-
-Where no namespace can be made at all, the code would run in the job's network, ``/tmp`` and files: refused
-(:class:`SandboxRefused`) unless the job opts in with ``rl.sandbox_unsafe_no_isolation=true``
-(:data:`UNSAFE_ENV`). Standard library only: the module runs alone, by any Python.
+Where the machine makes namespaces (as root, or as any user in an unprivileged user namespace), each call gets a
+root of its own (``pivot_root``: ``/usr``, ``/etc`` and the job's Python read-only, private ``/tmp`` and
+``/dev/shm`` tmpfs, a few devices, its own ``/proc``; nothing of the job's folders; the root read-only), no network,
+its own PIDs and IPC, no privilege (as root a uid no other call of the machine holds at once; otherwise root of its
+namespace without capabilities), and one memory budget for all its processes (a cgroup of its own where the job
+may make one, else :data:`FALLBACK_PROCESSES` processes of ``memory_bytes / FALLBACK_PROCESSES`` each). Always
+``python -I``, a clean environment, no stdin, rlimits (``prlimit``, set inside its user namespace, where the process
+count is its own), its output read from files it cannot reach, and a wall clock after which all it started dies.
+Where no namespace can be made it is refused (:class:`SandboxRefused`) unless the job opts in
+(``rl.sandbox_unsafe_no_isolation=true``, :data:`UNSAFE_ENV`). Standard library only: the module runs alone.
 """
 
 from __future__ import annotations
