@@ -487,3 +487,39 @@ def test_a_reset_that_raises_names_the_class_reset_and_the_row(folder, partial):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("syncwise: error:")]
     assert errors == ["syncwise: error: rl.environment: Leveled.reset(**row) raised KeyError: 'level' for "
                       "leveled.jsonl line 2"] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+# An environment and a reward function as TRL's docs write them (environment_factory): the reward reads the user's
+# own instances' attribute, [env.reward for env in environments]
+TRL_DOC_ENV = '''
+class AddingEnv:
+    def reset(self, **kwargs) -> None:
+        self.reward = 0.0
+        self.answer = int(kwargs["answer"])
+
+    def add(self, a: int, b: int) -> str:
+        """Add two numbers.
+
+        Args:
+            a: One number.
+            b: The other.
+        """
+        self.reward = 1.0 if a + b == self.answer else 0.5
+        return str(a + b)
+
+
+def reward_func(environments, **kwargs):
+    return [env.reward for env in environments]
+'''
+
+
+def test_a_trl_reward_reads_the_users_own_environment_instances(folder):
+    """Issue 68 (1): the list handed to a reward function held the project's episode wrappers, whose reward()
+    method hid the user's attribute (`float() argument must be ... not 'method'`). Now the user's objects."""
+    (folder / "adding_env.py").write_text(TRL_DOC_ENV)
+    proc = _train(folder, "adding", "train.steps=2", "rl.tools=[]", "rl.environment=adding_env.py:AddingEnv",
+                  "rl.reward_fn=adding_env.py:reward_func")
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
+    rows = _rows(folder, "adding")
+    assert all(0.0 <= row["reward/mean"] <= 1.0 for row in rows)
+    assert any(row["reward/mean"] > 0 for row in rows)  # the memorised model calls add(12, 7): 19, the answer

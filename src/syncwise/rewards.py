@@ -22,12 +22,25 @@ from typing import Any
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
 
 
+def reads_columns(*columns: str):
+    """Mark a reward function as reading these dataset columns: a dataset without them is one line before any
+    rank starts (a TRL-signature function's named parameters are read from its signature instead)."""
+
+    def mark(fn):
+        fn.syncwise_columns = columns
+        return fn
+
+    return mark
+
+
+@reads_columns("answer")
 def final_number(prompt: str, response: str | list[dict[str, Any]], row: dict[str, Any]) -> float:
     """1.0 if the response's final number equals ``row["answer"]`` (GSM8K: the first one after the last
     ``####``, whatever text follows it; else the last number anywhere)."""
     return float(_same(_final_number(final_text(response)), _answer(row)))
 
 
+@reads_columns("answer")
 def boxed(prompt: str, response: str | list[dict[str, Any]], row: dict[str, Any]) -> float:
     """1.0 if the content of the response's last ``\\boxed{...}`` equals ``row["answer"]`` (as numbers where
     both are, else as text without spaces, ``$`` and a ``\\text{}`` wrapper)."""

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from ..config import Config
-from .env.scoring import score_samples
+from .env.scoring import RewardState, score_samples
 from .env.tasks import PromptSource
 from .rollout.base import StopStrings
 from .rollout.front import Rollout, RolloutResult
 from .rollout.partial import PartialPool
 from .rollout.queue import ScoredBatch
+from .rollout.turns import opened
 from .stats import PhaseClock
 
 
@@ -46,7 +47,7 @@ class BatchDrawer:
                                            release=last, version=version, seat=self.seat)
         clock.move("rollout", "tools", result.tool_s)  # run between the turns
         with clock("reward"):
-            rewards, reward_parts, episode_metrics = self.score(result, rows)
+            rewards, reward_parts, episode_metrics = self.score(result, rows, step)
         return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics)
 
     def draw_partial(self, pool: PartialPool, step: int, clock: PhaseClock,
@@ -64,7 +65,7 @@ class BatchDrawer:
         clock.move("rollout", "tools", result.tool_s)  # opening episodes, running calls between the turns
         with clock("reward"):
             rewards, reward_parts, episode_metrics = self.score(result, [self.source.rows[self.stream(g.index)]
-                                                                         for g in groups])
+                                                                         for g in groups], step)
         # colocated every round drew by this step's policy; drawing on, the newest a round drew by
         version = step if version_now is None else max((v for t in result.trajectories for v in t.versions),
                                                        default=step)
@@ -76,15 +77,23 @@ class BatchDrawer:
         step, position = divmod(k, per_step)
         return self.source.batch_indices(step, self.seat[0], self.seat[1], per_step)[position]
 
-    def score(self, result: RolloutResult, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, dict, list]:
+    def score(self, result: RolloutResult, rows: list[dict[str, Any]], step: int) -> tuple[torch.Tensor, dict, list]:
         """Every sample's reward (the weighted total), each source's, and what each episode says about itself;
-        the episodes are closed after, also when scoring fails."""
+        the episodes are closed after, also when scoring fails. The functions see the user's own instances of
+        ``rl.environment``'s class (TRL's ``environments``), each sample's prompt as its episode opened it, its
+        completion's token ids and the step (TRL's ``trainer_state``)."""
         env = self.source.environment
+        episodes = result.episodes or None
+        n = self.config.rl.samples_per_prompt
         try:
-            totals, parts = score_samples(self.source.rewards, rows, result.responses,
-                                          self.config.rl.samples_per_prompt, result.episodes or None,
+            instances = [getattr(e, "instance", e) for e in episodes] if episodes else None
+            prompts = [opened(rows[i // n]["prompt"], t.opening) if t.opening is not None else rows[i // n]["prompt"]
+                       for i, t in enumerate(result.trajectories)]
+            totals, parts = score_samples(self.source.rewards, rows, result.responses, n, instances,
                                           [t.env_reward for t in result.trajectories],
-                                          env.name if env is not None else "environment")
+                                          env.name if env is not None else "environment",
+                                          [t.tokens for t in result.trajectories], prompts,
+                                          RewardState(step, self.config.train.steps), env is not None)
             episode_metrics = [episode.metrics() for episode in result.episodes]
         finally:
             result.close_episodes()

@@ -46,7 +46,9 @@ def rollout_stats(
         "trained_tokens": response_mask.sum(), "uniform_groups": uniform_groups, "groups": groups,
         "trained_samples": trained, "clipped": result.clipped.sum(), "kept_mass": kept.sum(),
         "kept_tokens": kept.numel(), "staleness": stale.sum(), **{f"decode/{k}": v for k, v in decode.items()},
-        **{f"reward/{name}": values.double().sum() for name, values in result.reward_parts.items()},
+        **{f"reward/{name}": values.double().nansum() for name, values in result.reward_parts.items()},
+        **{f"scored_by/{name}": (~values.isnan()).sum() for name, values in result.reward_parts.items()},
+        "all_none": _all_none(result.reward_parts),
         **({f"tools/{k}": v for k, v in zip(TOOL_COUNTS, result.tool_counts.tolist(), strict=True)}
            if result.tool_counts is not None else {}),
     }
@@ -56,11 +58,14 @@ def rollout_stats(
                                     "the rollout statistics all-reduce", info.device, timeout_s)
     count, drawn = totals["samples"], totals["decode/drawn_tokens"]
     mean = totals["reward"] / count
-    by_function = {k: v / count for k, v in totals.items() if k.startswith("reward/")}
+    # each function's mean over the samples it scored (a None, TRL's "not applicable", is left out)
+    by_function = {k: v / max(totals["scored_by/" + k.removeprefix("reward/")], 1.0) for k, v in totals.items()
+                   if k.startswith("reward/")}
     tools = [totals[f"tools/{k}"] for k in TOOL_COUNTS] if result.tool_counts is not None else []
     return {
         **(tool_metrics(tools, count) if tools else {}),
         **(by_function if len(by_function) > 1 else {}),
+        **({"reward/all_none_fraction": totals["all_none"] / count} if totals["all_none"] else {}),
         "response/clipped_fraction": totals["clipped"] / count,  # cut by rl.max_new_tokens
         "reward/mean": mean,
         "reward/std": math.sqrt(max(totals["reward_squares"] / count - mean * mean, 0.0)),
@@ -194,3 +199,10 @@ def progress_line(metrics: dict[str, Any]) -> str:
               f"{metrics['critic/sync/mode']}" if "critic/vf_loss" in metrics else "")
     return (f"reward {metrics['reward/mean']:.3f} {actor}{critic} | rollout {metrics['time/rollout_s']:.1f}s "
             f"update {metrics['time/update_s'] + metrics['time/critic_update_s']:.1f}s")
+
+
+def _all_none(parts: dict[str, torch.Tensor]) -> float:
+    """How many samples no reward function scored (every one gave None)."""
+    if not parts:
+        return 0.0
+    return float(torch.stack([values.isnan() for values in parts.values()]).all(dim=0).sum())

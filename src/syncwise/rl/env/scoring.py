@@ -1,14 +1,28 @@
 """Reward functions as ``rl.reward_fn`` names them, and scoring a rollout's responses with them.
 
 A path is ``package.module:function`` (imported as ``python -m`` would, with the job's folder first on the
-path) or ``path/to/file.py:function``. A function is per-sample, ``fn(prompt, response, row) -> float``, or
-batched, ``fn(prompts, responses, rows) -> list[float]`` -- declared with ``@syncwise.rewards.batched`` or by
-naming its first parameter ``prompts``. With ``rl.environment``, a per-sample function with an ``env``
-parameter is given the sample's episode (the environment instance), a batched one with an ``environments``
-parameter the list of them (TRL's name). Several functions are summed with ``rl.reward_weights``; each is
-logged as ``reward/<name>`` beside the weighted total; an episode's own ``get_reward()`` is one more part, at
-weight 1, logged under its class's name. Reward functions are your code and run with the
-job's rights.
+path) or ``path/to/file.py:function``. Three signatures, read from the function's parameters before any rank
+starts:
+
+- **TRL's** (a parameter named ``completions`` or ``completion_ids``, or ``**kwargs`` where the other two do not
+  fit), called as TRL's ``GRPOTrainer`` calls its
+  ``reward_funcs``: by keyword, ``prompts`` (as the dataset has them, an environment's opening appended),
+  ``completions`` (strings for string prompts; for conversational prompts ``[{"role": "assistant", "content":
+  ...}]``, with tools the whole conversation after the prompt), ``completion_ids``, ``trainer_state``
+  (``global_step``, ``max_steps``), every dataset column but ``prompt`` by its name (one entry per completion),
+  and with ``rl.environment`` ``environments`` (the user's own instances); it returns one number per completion,
+  or ``None`` where it does not apply;
+- per-sample, ``fn(prompt, response, row) -> float``;
+- batched, ``fn(prompts, responses, rows) -> list[float]`` -- declared with ``@syncwise.rewards.batched`` or by
+  naming its first parameter ``prompts``.
+
+With ``rl.environment``, a per-sample function with an ``env`` parameter is given the sample's instance of the
+user's class, a batched one with an ``environments`` parameter the list of them (TRL's name). Several functions
+are summed with ``rl.reward_weights`` (TRL's ``reward_weights``); a ``None`` adds nothing to a sample's total
+(TRL's ``nansum``) and is left out of its function's mean, ``reward/<name>``, logged beside the weighted total;
+samples that no function scored are counted (``reward/all_none_fraction``). An episode's own ``get_reward()`` is
+one more part, at weight 1, logged under its class's name. Reward functions are your code and run with the job's
+rights.
 """
 
 from __future__ import annotations
@@ -21,6 +35,17 @@ from typing import Any
 
 from .loader import load_function
 
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "environments")
+
+
+@dataclass
+class RewardState:
+    """What TRL's ``trainer_state`` gives a reward function for shaping over training (``global_step``: the steps
+    taken before this one's rollout)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
 
 @dataclass
 class RewardFunction:
@@ -30,9 +55,36 @@ class RewardFunction:
     weight: float = 1.0
     batched: bool = False
     parameters: frozenset = field(init=False)  # its parameters' names: whether it asks for env / environments
+    trl: bool = field(init=False)  # TRL's signature: everything by keyword, one call per batch
+    any_keyword: bool = field(init=False)  # takes **kwargs: every dataset column reaches it
 
     def __post_init__(self) -> None:
         self.parameters = frozenset(_parameters(self.fn))
+        self.any_keyword = _takes_any_keyword(self.fn)
+        # TRL's: it names completions, or takes keywords only (reward_func(environments, **kwargs))
+        self.trl = bool({"completions", "completion_ids"} & self.parameters) or (
+            self.any_keyword and not _takes_three(self.fn))
+
+    def columns(self) -> list[str]:
+        """The dataset columns it needs by name: a TRL function's required parameters that TRL does not pass
+        itself; a built-in reward's (``syncwise_columns``)."""
+        own = list(getattr(self.fn, "syncwise_columns", ()))
+        if not self.trl:
+            return own
+        return own + [name for name, p in _signature(self.fn).items() if name not in TRL_ARGUMENTS
+                      and p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    def check(self, columns: set[str], where: str) -> None:
+        """A ValueError in one line where the function fits no signature, or needs a column ``where`` lacks."""
+        if not self.trl and not self.batched and not _takes_three(self.fn):
+            raise ValueError(f"{self.label}: {self.name}({', '.join(_parameters(self.fn))}) fits no reward "
+                             "signature: TRL's (completions, **kwargs) -- prompts, completion_ids, trainer_state and "
+                             "the dataset's columns by name -- or syncwise's fn(prompt, response, row) / "
+                             "fn(prompts, responses, rows)")
+        missing = [c for c in self.columns() if c not in columns]
+        if missing:
+            raise ValueError(f"{self.label}: {self.name} reads the column(s) {', '.join(missing)}, which {where} "
+                             f"does not have (its columns: {', '.join(sorted(columns))})")
 
 
 def load_reward_fn(path: str) -> Callable[..., Any]:
@@ -40,12 +92,32 @@ def load_reward_fn(path: str) -> Callable[..., Any]:
     return load_function(path, "rl.reward_fn")
 
 
+def _signature(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return {}
+
+
 def _parameters(fn: Callable[..., Any]) -> list[str]:
     """``fn``'s parameters' names, in order (none for a builtin without a signature)."""
+    return [name for name, p in _signature(fn).items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _takes_any_keyword(fn: Callable[..., Any]) -> bool:
+    return any(p.kind is p.VAR_KEYWORD for p in _signature(fn).values())
+
+
+def _takes_three(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn(prompt, response, row)`` binds (a builtin without a signature is given the benefit)."""
+    signature = _signature(fn)
+    if not signature:
+        return True
     try:
-        return list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return []
+        inspect.signature(fn).bind(None, None, None)
+    except TypeError:
+        return False
+    return True
 
 
 def is_batched(fn: Callable[..., Any]) -> bool:
@@ -69,61 +141,107 @@ def reward_functions(paths: list[str], weights: list[float]) -> list[RewardFunct
     return out
 
 
-def score(functions: list[RewardFunction], prompts: list[Any], responses: list[str], rows: list[dict[str, Any]],
-          environments: list[Any] | None = None) -> tuple[list[float], dict[str, list[float]]]:
-    """Every response's weighted total and each function's own rewards (``environments``: each sample's episode,
-    for the functions that ask for it). A function that raises, returns the wrong number of rewards or a
-    non-finite one is a ValueError naming it (and, per sample, the prompt)."""
+def score(functions: list[RewardFunction], prompts: list[Any], responses: list[Any], rows: list[dict[str, Any]],
+          environments: list[Any] | None = None, completion_ids: list[list[int]] | None = None,
+          state: RewardState | None = None, trl_environments: bool = False
+          ) -> tuple[list[float], dict[str, list[float]]]:
+    """Every response's weighted total and each function's own rewards (NaN where it gave ``None``;
+    ``environments``: each sample's instance of the user's class, or its episode, for the functions that ask for
+    it -- a TRL function gets them with ``trl_environments``). A function that raises, returns the wrong number
+    of rewards or a non-finite one is a ValueError naming it (and, per sample, the prompt)."""
     parts: dict[str, list[float]] = {}
     envs = environments if environments is not None else [None] * len(responses)
     for reward in functions:
         wants = reward.parameters
-        if reward.batched:
+        if reward.trl:
+            parts[reward.name] = _trl(reward, prompts, responses, rows, completion_ids, state,
+                                      environments if trl_environments else None)
+        elif reward.batched:
             extra = {"environments": environments} if "environments" in wants and environments else {}
             parts[reward.name] = _batched(reward, prompts, responses, rows, extra)
         else:
             parts[reward.name] = [_one(reward, p, r, row, {"env": env} if "env" in wants and env is not None else {})
                                   for p, r, row, env in zip(prompts, responses, rows, envs, strict=True)]
-    totals = [sum(r.weight * parts[r.name][i] for r in functions) for i in range(len(responses))]
+    totals = [sum(r.weight * parts[r.name][i] for r in functions if not math.isnan(parts[r.name][i]))
+              for i in range(len(responses))]
     return totals, parts
 
 
 def score_samples(functions: list[RewardFunction], rows: list[dict[str, Any]], responses: list[Any], n: int,
                   environments: list[Any] | None = None, episode_rewards: list[float | None] = (),
-                  episode_name: str = "environment") -> tuple[list[float], dict[str, list[float]]]:
-    """:func:`score` for a rollout step's samples, ``n`` consecutive ones per row; an episode's own score (its
-    environment's ``reward()``, where it gives one) is one more part, ``episode_name``, added to the total."""
+                  episode_name: str = "environment", completion_ids: list[list[int]] | None = None,
+                  prompts: list[Any] | None = None, state: RewardState | None = None,
+                  trl_environments: bool = False) -> tuple[list[float], dict[str, list[float]]]:
+    """:func:`score` for a rollout step's samples, ``n`` consecutive ones per row (``prompts``: each sample's as
+    its episode opened it, else its row's); an episode's own score (its environment's ``reward()``, where it gives
+    one) is one more part, ``episode_name``, added to the total."""
     group_rows = [rows[i // n] for i in range(len(responses))]
-    totals, parts = score(functions, [row["prompt"] for row in group_rows], responses, group_rows, environments)
+    prompts = prompts if prompts is not None else [row["prompt"] for row in group_rows]
+    totals, parts = score(functions, prompts, responses, group_rows, environments, completion_ids, state,
+                          trl_environments)
     if any(r is not None for r in episode_rewards):
         parts[episode_name] = [r or 0.0 for r in episode_rewards]
         totals = [total + r for total, r in zip(totals, parts[episode_name], strict=True)]
     return totals, parts
 
 
+def _trl(reward: RewardFunction, prompts: list[Any], responses: list[Any], rows: list[dict[str, Any]],
+         completion_ids: list[list[int]] | None, state: RewardState | None, environments: list[Any] | None
+         ) -> list[float]:
+    """A TRL reward function called as TRL's ``_calculate_rewards`` calls it (what it cannot take left out where
+    it has no ``**kwargs``)."""
+    completions = [[{"role": "assistant", "content": r}] if isinstance(p, list) and isinstance(r, str) else r
+                   for p, r in zip(prompts, responses, strict=True)]
+    columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"} if rows else {}
+    given = {**columns, "prompts": prompts, "completions": completions,
+             "completion_ids": completion_ids if completion_ids is not None else [[] for _ in responses],
+             "trainer_state": state or RewardState()}
+    if environments is not None:
+        given["environments"] = environments
+    if not reward.any_keyword:
+        given = {k: v for k, v in given.items() if k in reward.parameters}
+    try:
+        values = list(reward.fn(**given))
+    except Exception as exc:  # user code: any exception
+        raise ValueError(f"{reward.label}: {reward.name} raised {type(exc).__name__}: {exc}") from exc
+    if len(values) != len(responses):
+        raise ValueError(f"{reward.label}: {reward.name} returned {len(values)} rewards for {len(responses)} "
+                         "completions")
+    return [_number(f"{reward.label}: {reward.name}", v) for v in values]
+
+
+def _number(who: str, value: Any, where: str = "") -> float:
+    """A function's reward as a float: NaN for None (no reward from it for that sample), else a finite number
+    (``who`` returned it; ``where``: for which sample)."""
+    if value is None:
+        return math.nan
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{who}: returned {value!r}{where}, not a number (None: no reward from it for that "
+                         "sample)") from exc
+    if not math.isfinite(number):
+        raise ValueError(f"{who}: returned {number}{where}; a reward must be a finite number (None: no reward "
+                         "from it for that sample)")
+    return number
+
 
 def _one(reward: RewardFunction, prompt: Any, response: str, row: dict[str, Any], extra: dict[str, Any]) -> float:
     try:
-        value = float(reward.fn(prompt, response, row, **extra))
+        value = reward.fn(prompt, response, row, **extra)
     except Exception as exc:  # user code: any exception
         raise ValueError(f"{reward.label}: raised {type(exc).__name__}: {exc} (prompt {prompt!r}, "
                          f"response {response!r})") from exc
-    if not math.isfinite(value):
-        raise ValueError(f"{reward.label}: returned {value} (prompt {prompt!r}, response {response!r}); "
-                         "a reward must be a finite number")
-    return value
+    return _number(reward.label, value, f" (prompt {prompt!r}, response {response!r})")
 
 
 def _batched(reward: RewardFunction, prompts: list[Any], responses: list[str], rows: list[dict[str, Any]],
              extra: dict[str, Any]) -> list:
     try:
-        values = [float(v) for v in reward.fn(prompts, responses, rows, **extra)]
+        values = list(reward.fn(prompts, responses, rows, **extra))
     except Exception as exc:  # user code: any exception
         raise ValueError(f"{reward.label} (batched): raised {type(exc).__name__}: {exc}") from exc
     if len(values) != len(responses):
         raise ValueError(f"{reward.label} (batched): returned {len(values)} rewards for "
                          f"{len(responses)} responses")
-    bad = [v for v in values if not math.isfinite(v)]
-    if bad:
-        raise ValueError(f"{reward.label} (batched): returned {bad[0]}; a reward must be a finite number")
-    return values
+    return [_number(f"{reward.label} (batched)", v) for v in values]

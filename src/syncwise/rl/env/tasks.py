@@ -200,6 +200,14 @@ def _prompt_problem(row: Any) -> str | None:
     return f"has a 'prompt' of type {type(prompt).__name__} (a string or a list of messages)"
 
 
+def check_reward_columns(rewards: list[RewardFunction], rows: list[dict[str, Any]], where: str) -> None:
+    """Before any rank starts: each reward function fits a signature and finds the columns it reads by name (a
+    TRL function's parameters, a built-in reward's ``answer``) in every row."""
+    columns = set.intersection(*(set(row) for row in rows)) if rows else set()
+    for reward in rewards:
+        reward.check(columns, where)
+
+
 def prompt_source(task: str, dataset: str | None, reward_fn: str | list[str] | None,
                   reward_weights: list[float] = (), tools: list[str] = (), environment: str | None = None
                   ) -> PromptSource:
@@ -210,6 +218,7 @@ def prompt_source(task: str, dataset: str | None, reward_fn: str | list[str] | N
         rows, where = load_dataset(dataset)
         source = PromptSource(rows, None, max_new_tokens=DATASET_MAX_NEW_TOKENS, where=where, name=dataset,
                               rewards=reward_functions(paths, list(reward_weights)), tools=load_tools(list(tools)))
+        check_reward_columns(source.rewards, rows, dataset)
         if environment:
             source.environment = EnvironmentClass(environment)
             clash = sorted(set(source.tools) & set(source.environment.schemas))
@@ -235,6 +244,7 @@ def prompt_source(task: str, dataset: str | None, reward_fn: str | list[str] | N
     source.name = f"task {task}"
     source.rewards = (reward_functions(paths, list(reward_weights)) if paths
                       else [RewardFunction(task, "rl.reward_fn", source.reward_fn)])
+    check_reward_columns(source.rewards, source.rows, source.name)
     return source
 
 

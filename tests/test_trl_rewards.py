@@ -1,0 +1,157 @@
+"""A TRL user's reward functions as written (issue 68): TRL's signature -- everything by keyword: ``prompts``,
+``completions`` (strings, or assistant messages for conversational prompts), ``completion_ids``,
+``trainer_state`` and every dataset column by name -- a list of them with weights, ``None`` for "not applicable";
+the project's own signatures beside them. Which one a function uses is read from its signature before any rank
+starts, and so are the columns it needs; real jobs on 2 gloo ranks with string and conversational prompts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from job_output import failed
+from syncwise.metrics import read_jsonl
+from syncwise.rl.env.scoring import RewardFunction, RewardState, reward_functions, score
+from syncwise.sft.tasks import write_example_data
+
+# As TRL's docs write them: keyword arguments, **kwargs for the rest, a dataset column by its name
+TRL_REWARDS = '''
+import json
+import os
+
+
+def correct(completions, answer, **kwargs):
+    """1 where the completion holds the row's answer (TRL: a column arrives by its name, one per completion)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [1.0 if str(a) in t else 0.0 for t, a in zip(texts, answer)]
+
+
+def short_even(prompts, completions, completion_ids, trainer_state, **kwargs):
+    """Not applicable (None) to every second completion; the others' length, negated."""
+    with open(os.environ["TRL_LOG"], "a") as log:
+        log.write(json.dumps({"prompt": type(prompts[0]).__name__, "completion": type(completions[0]).__name__,
+                              "first": completions[0] if isinstance(completions[0], list) else None,
+                              "ids": all(isinstance(i, int) for i in completion_ids[0]),
+                              "step": trainer_state.global_step, "max_steps": trainer_state.max_steps,
+                              "columns": sorted(kwargs)}) + "\\n")
+    return [None if i % 2 else -len(ids) / 100 for i, ids in enumerate(completion_ids)]
+'''
+
+QUICK = ["train.progress=false", "rl.prompts_per_rank=2", "rl.samples_per_prompt=4", "train.export=false",
+         "train.checkpoint_every=0", "optim.warmup_steps=0", "rl.max_new_tokens=8", "train.steps=2"]
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    return write_example_data(tmp_path_factory.mktemp("trl_chat"), train_rows=8, eval_rows=4, prompt_rows=16)
+
+
+def _train(cwd, *overrides: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({"HF_HUB_OFFLINE": "1", "TRL_LOG": str(cwd / "trl_log.jsonl")})
+    return subprocess.run([sys.executable, "-m", "syncwise", "train", *QUICK, *overrides], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("kind", ["conversational", "string"])
+def test_trl_reward_functions_train_as_written(chat, tmp_path, kind):
+    (tmp_path / "trl_rewards.py").write_text(TRL_REWARDS)
+    rows = [json.loads(line) for line in (chat / "prompts.jsonl").read_text().splitlines()]
+    if kind == "string":
+        rows = [{**row, "prompt": row["prompt"][-1]["content"]} for row in rows]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = _train(tmp_path, f"model.path={chat / 'model'}", "rl.dataset=prompts.jsonl",
+                  "rl.reward_fn=[trl_rewards.py:correct, trl_rewards.py:short_even]", "rl.reward_weights=[1, 0.5]",
+                  f"train.out_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
+    for row in read_jsonl(tmp_path / "out" / "metrics.jsonl"):
+        assert {"reward/correct", "reward/short_even"} <= set(row)
+        assert row["reward/short_even"] < 0  # the mean over the samples it scored: the Nones left out
+        # half the samples have short_even's None (nothing added): its part of the mean total is half its mean
+        assert row["reward/mean"] == pytest.approx(row["reward/correct"] + 0.5 * row["reward/short_even"] / 2,
+                                                   abs=1e-6)
+        assert "reward/all_none_fraction" not in row  # correct scored every sample
+    calls = [json.loads(line) for line in (tmp_path / "trl_log.jsonl").read_text().splitlines()]
+    assert len(calls) == 4  # 2 steps x 2 ranks, one call per batch
+    want_prompt, want_completion = ("list", "list") if kind == "conversational" else ("str", "str")
+    for call in calls:
+        assert (call["prompt"], call["completion"], call["ids"]) == (want_prompt, want_completion, True)
+        assert call["columns"] == ["answer"] and call["max_steps"] == 2 and call["step"] in (0, 1)
+        if kind == "conversational":
+            assert [m["role"] for m in call["first"]] == ["assistant"]
+
+
+def test_which_signature_a_function_uses_is_read_from_it():
+    def trl(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    def trl_named(prompts, completions, answer):  # no **kwargs: it gets what it names
+        return [float(a == "1") for a in answer]
+
+    def own(prompt, response, row):
+        return 1.0
+
+    def own_batched(prompts, responses, rows):
+        return [2.0] * len(prompts)
+
+    functions = [RewardFunction(f.__name__, "rl.reward_fn", f, batched=f is own_batched)
+                 for f in (trl, trl_named, own, own_batched)]
+    assert [f.trl for f in functions] == [True, True, False, False]
+    totals, parts = score(functions, ["q", "q"], ["a", "b"], [{"prompt": "q", "answer": "1"},
+                                                               {"prompt": "q", "answer": "2"}])
+    assert parts == {"trl": [0.0, 0.0], "trl_named": [1.0, 0.0], "own": [1.0, 1.0], "own_batched": [2.0, 2.0]}
+    assert totals == [4.0, 3.0]
+
+
+def test_none_is_no_reward_from_that_function_and_all_none_adds_nothing():
+    def half(completions, **kwargs):
+        return [None, 1.0, None]
+
+    def never(completions, **kwargs):
+        return [None, None, 2.0]
+
+    totals, parts = score([RewardFunction("half", "rl.reward_fn", half, 2.0),
+                           RewardFunction("never", "rl.reward_fn", never)], ["q"] * 3, ["a", "b", "c"],
+                          [{"prompt": "q"}] * 3, state=RewardState(3, 10))
+    assert totals == [0.0, 2.0, 2.0] and math.isnan(parts["half"][0]) and math.isnan(parts["never"][1])
+
+
+@pytest.mark.parametrize(("source", "said"), [
+    ("def f(text):\n    return 1.0\n", "rl.reward_fn: f(text) fits no reward signature: TRL's (completions, **kwargs)"),
+    ("def f(completions, level, **kwargs):\n    return [1.0]\n",
+     "rl.reward_fn: f reads the column(s) level, which prompts.jsonl does not have (its columns: answer, prompt)"),
+    ("def f(completions, **kwargs):\n    return ['high']\n", None),
+])
+def test_a_reward_function_that_cannot_run_is_one_line_before_any_rank(chat, tmp_path, monkeypatch, source, said):
+    from cli_harness import run_cli
+
+    (tmp_path / "bad.py").write_text(source)
+    rows = [json.loads(line) for line in (chat / "prompts.jsonl").read_text().splitlines()]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    monkeypatch.chdir(tmp_path)
+    if said is None:  # what it returns is seen only once it runs: one line naming it, from the rank
+        with pytest.raises(ValueError, match=r"rl.reward_fn: f: returned 'high', not a number \(None: no reward"):
+            score(reward_functions(["bad.py:f"], []), ["q"], ["a"], [{"prompt": "q"}])
+        return
+    proc = run_cli(["train", f"model.path={chat / 'model'}", "rl.dataset=prompts.jsonl", "rl.reward_fn=bad.py:f"],
+                   cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"syncwise: error: {said}"] or \
+        (proc.returncode == 2 and proc.stderr.strip().startswith(f"syncwise: error: {said}")), proc.stderr
+
+
+def test_the_built_in_rewards_need_the_answer_column_before_any_rank(chat, tmp_path):
+    from cli_harness import run_cli
+
+    rows = [json.loads(line) for line in (chat / "prompts.jsonl").read_text().splitlines()]
+    (tmp_path / "no_answer.jsonl").write_text("".join(json.dumps({"prompt": row["prompt"]}) + "\n" for row in rows))
+    proc = run_cli(["train", f"model.path={chat / 'model'}", f"rl.dataset={tmp_path / 'no_answer.jsonl'}",
+                    "rl.reward_fn=syncwise.rewards:final_number"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"syncwise: error: rl.reward_fn: final_number reads the column(s) answer, which {tmp_path / 'no_answer.jsonl'} "
+        "does not have (its columns: prompt)"]
