@@ -108,6 +108,17 @@ def test_export_chats_with_transformers(user):
     assert any(not torch.equal(start[k], trained[k]) for k in start)
 
 
+def test_the_export_keeps_the_model_folder_s_generation_config(user):
+    """Issue 68 (9): generate() on the export stops where the model's turns end -- its folder's own
+    generation_config.json, copied."""
+    from transformers import GenerationConfig
+
+    export = user["root"] / "full" / "export"
+    own = GenerationConfig.from_pretrained(user["data"] / "model")
+    assert GenerationConfig.from_pretrained(export).to_dict() == own.to_dict()
+    assert own.eos_token_id is not None
+
+
 def test_grpo_from_an_sft_export_picks_up_its_tokenizer_and_template(user):
     from syncwise.config import load_config
     from syncwise.rl.env.tasks import load_tokenizer

@@ -184,6 +184,8 @@ def test_export_loads_with_from_pretrained(runs):
     tokenizer = AutoTokenizer.from_pretrained(export, local_files_only=True)
     ids = tokenizer("target 3 :", return_tensors="pt")
     assert model(**ids).logits.shape == (1, 3, len(tokenizer))
+    # issue 68 (9): a generation_config from the tokenizer's end token, so that generate() stops there
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id is not None
     weights = _weights(export)
     for name, param in model.state_dict().items():
         if name in weights:

@@ -1,7 +1,8 @@
 """A trained model as a Hugging Face model folder (``export_hf``), written a shard at a time.
 
-``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it: safetensors shards with their index and
-``config.json``, the tokenizer beside them; with LoRA the merged model and peft's adapter folder.
+``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it: safetensors shards with their index,
+``config.json`` and ``generation_config.json`` (``generate()`` stops at the model's end token), the tokenizer beside
+them; with LoRA the merged model and peft's adapter folder.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | N
                           else str((out / "base").resolve()))
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
+        if not features.value_head:
+            generation_config(base_path, tokenizer, features.plain_hf_config).save_pretrained(out)
     if dist.is_initialized():
         dist.barrier()
     return out if rank == 0 else None
@@ -99,6 +102,20 @@ class _ShardWriter:
                  "weight_map": {k: final[v] for k, v in sorted(self.weight_map.items())}}
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         self.config.save_pretrained(self.out)
+
+
+def generation_config(base_path: str | None, tokenizer, hf_config):
+    """The export's ``generation_config.json``, so that ``generate()`` on it stops where the model's turns end: the
+    model folder's own, else one from the tokenizer's end, padding and start tokens (the config's where it has
+    none)."""
+    from transformers import GenerationConfig
+
+    if base_path and (Path(base_path) / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(base_path)
+    ends = {name: getattr(tokenizer, name, None) if tokenizer is not None else None
+            for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return GenerationConfig(**{name: value if value is not None else getattr(hf_config, name, None)
+                               for name, value in ends.items()})
 
 
 def copy_config(hf_config):
