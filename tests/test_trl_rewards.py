@@ -60,12 +60,19 @@ def _train(cwd, *overrides: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("kind", ["conversational", "string"])
 def test_trl_reward_functions_train_as_written(chat, tmp_path, kind):
+    """Conversational prompts from a datasets save_to_disk folder (issue 68, 6), string prompts from JSONL."""
+    import datasets
+
     (tmp_path / "trl_rewards.py").write_text(TRL_REWARDS)
     rows = [json.loads(line) for line in (chat / "prompts.jsonl").read_text().splitlines()]
     if kind == "string":
         rows = [{**row, "prompt": row["prompt"][-1]["content"]} for row in rows]
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    proc = _train(tmp_path, f"model.path={chat / 'model'}", "rl.dataset=prompts.jsonl",
+        (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        dataset = "prompts.jsonl"
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "prompts_on_disk"))
+        dataset = "prompts_on_disk"
+    proc = _train(tmp_path, f"model.path={chat / 'model'}", f"rl.dataset={dataset}",
                   "rl.reward_fn=[trl_rewards.py:correct, trl_rewards.py:short_even]", "rl.reward_weights=[1, 0.5]",
                   f"train.out_dir={tmp_path / 'out'}")
     assert proc.returncode == 0, failed(proc.stderr, 3000)

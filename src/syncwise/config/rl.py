@@ -88,7 +88,8 @@ class RLConfig:
     """GRPO: the task, rollouts, advantages and the policy loss (`syncwise train`)."""
 
     task: str = "target"  # built-in task (syncwise.rl.env.tasks.TASKS); ignored when dataset is set
-    dataset: str | None = None  # JSONL or Parquet with a "prompt" column (other columns reach the reward)
+    # JSONL, Parquet or a datasets save_to_disk folder with a "prompt" column (other columns reach the reward)
+    dataset: str | None = None
     # "package.module:function" (the job's folder on the path) or "path/to/file.py:function"; several as a
     # list [a:f, b:g]. Your code, run with the job's rights
     reward_fn: str | list[str] | None = None

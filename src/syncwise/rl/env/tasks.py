@@ -153,13 +153,18 @@ TASKS: dict[str, Callable[[], PromptSource]] = {"target": target_task, "repeat":
 
 
 def load_dataset(path: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows of a JSONL or Parquet file and where each is ("line 3" / "row 3"); each needs a ``prompt``: a
-    non-empty string or a non-empty list of ``{"role", "content"}`` messages. Errors name the file and the
-    line (JSONL) or row (Parquet)."""
+    """Rows of a JSONL or Parquet file or a ``datasets`` ``save_to_disk`` folder (as ``sft.dataset`` reads them) and
+    where each is ("line 3" / "row 3"); each needs a ``prompt``: a non-empty string or a non-empty list of
+    ``{"role", "content"}`` messages (TRL's two prompt formats); every other column reaches the rewards. Errors
+    name the file and the line (JSONL) or row (Parquet, a folder)."""
     file = Path(path)
-    if not file.is_file():
+    if not file.exists():
         raise ValueError(f"rl.dataset: file not found: {path}")
-    if file.suffix == ".parquet":
+    if file.is_dir():
+        from ...data.sft_dataset import read_rows
+
+        numbered = [(f"row {i}", row) for i, row in enumerate(read_rows(path, "rl.dataset").to_list(), start=1)]
+    elif file.suffix == ".parquet":
         import pyarrow.parquet as pq  # optional: only for Parquet datasets
 
         try:
