@@ -166,3 +166,17 @@ def test_lora_sft_saves_adapters_only_and_exports_both(user, tmp_path):
         merged = AutoModelForCausalLM.from_pretrained(export).eval()(input_ids=ids).logits
         adapter = AutoPeftModelForCausalLM.from_pretrained(export / "adapter").eval()(input_ids=ids).logits
     assert_close(merged, adapter, FP32_RTOL, "merged export vs adapter")
+
+
+def test_a_max_length_past_the_model_s_positions_is_clamped_and_said(user, tmp_path):
+    """Issue 68 (7): sft.max_length=1024 on a model of 96 positions failed after the workers started
+    ('sample 0 has 1024 tokens, more than the model's max_position_embeddings'). Now held to the model's positions,
+    said in the first lines, and the job trains."""
+    from user_models import save_model_dir
+
+    model = save_model_dir(tmp_path, "llama", hidden=32, layers=2, heads=4, inter=64, positions=96)
+    proc = _sft(tmp_path / "run", f"model.path={model}", f"sft.dataset={user['data'] / 'train.jsonl'}",
+                "sft.max_length=1024", "sft.steps=1", "sft.batch_size=4", "sft.export=false")
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
+    assert ("syncwise sft: sft.max_length=1024 is past the model's 96 positions (max_position_embeddings): rows are "
+            "held to 96 tokens (sft.truncation=right)") in proc.stdout.splitlines()

@@ -22,6 +22,7 @@ class SFTInputs:
     train: SFTData
     eval: SFTData | None
     model_path: str | None  # the model to start from (model.path, or the arith_chat task's own folder)
+    note: str = ""  # said in the job's first lines: sft.max_length clamped to the model's positions
 
     def check_world(self, world: int, sft) -> None:
         """Every rank needs a sample of every step (and of every evaluation pass)."""
@@ -65,14 +66,36 @@ def sft_inputs(config: Config) -> SFTInputs:
         held = progression_rows(sft.batch_size * EVAL_STEPS, sft.seed + 1, sft.min_len, sft.max_len, vocab)
         return SFTInputs(None, train, _built_in(held, sft, "task progression (eval)"), model_path)
     tokenizer = load_sft_tokenizer(sft.tokenizer or model_path)
-    train = load_sft_data(train_path, tokenizer, sft.max_length, sft.truncation, sft.on_bad_row, "sft.dataset")
+    max_length, note = usable_length(sft, _model_config(config, model_path))
+    train = load_sft_data(train_path, tokenizer, max_length, sft.truncation, sft.on_bad_row, "sft.dataset")
     held = None
     if eval_path:
-        held = load_sft_data(eval_path, tokenizer, sft.max_length, sft.truncation, sft.on_bad_row,
-                             "sft.eval_dataset")
+        held = load_sft_data(eval_path, tokenizer, max_length, sft.truncation, sft.on_bad_row, "sft.eval_dataset")
     elif sft.eval_fraction:
         train, held = split_off(train, sft.eval_fraction, sft.seed)
-    return SFTInputs(tokenizer, train, held, model_path)
+    return SFTInputs(tokenizer, train, held, model_path, note)
+
+
+def usable_length(sft, hf_config) -> tuple[int, str]:
+    """``sft.max_length``, clamped to the model's positions where it is past them (a row longer than the model can
+    place is cut, or dropped, by ``sft.truncation`` like any long row), and the line that says so."""
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if not positions or sft.max_length <= positions:
+        return sft.max_length, ""
+    return positions, (f"sft.max_length={sft.max_length} is past the model's {positions} positions "
+                       f"(max_position_embeddings): rows are held to {positions} tokens (sft.truncation="
+                       f"{sft.truncation})")
+
+
+def _model_config(config: Config, model_path: str | None):
+    """The config of the model the job trains (its directory's, or the preset's)."""
+    from transformers import AutoConfig
+
+    if model_path:
+        return AutoConfig.from_pretrained(model_path, local_files_only=True)
+    from ..models import preset_config
+
+    return preset_config(config.model.preset)
 
 
 def _model_vocab_size(config: Config) -> int:

@@ -50,6 +50,7 @@ class SFTTrainer:
         if info.world_size > 1:
             dist.barrier()
         inputs = sft_inputs(config)
+        self.length_note = inputs.note
         self.tokenizer, self.data, self.eval_data, self.model_path = (inputs.tokenizer, inputs.train, inputs.eval,
                                                                       inputs.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer is not None else 0
@@ -78,6 +79,8 @@ class SFTTrainer:
         size = (f"{sft.batch_tokens} tokens" if sft.batch_tokens else
                 f"{sft.batch_size} sequences ({self.total_steps * sft.batch_size / len(self.data):.3g} epochs)")
         held = f"; eval {self.eval_data.describe()}" if self.eval_data is not None else ""
+        if self.length_note:
+            print(f"syncwise sft: {self.length_note}", flush=True)
         print(f"syncwise sft: {self.data.describe()}{held}", flush=True)
         print(
             f"syncwise sft: {self.config.engine.strategy} on {self.info.world_size} rank(s), sync.mode="
