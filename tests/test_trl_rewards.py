@@ -162,3 +162,50 @@ def test_the_built_in_rewards_need_the_answer_column_before_any_rank(chat, tmp_p
     assert proc.stderr.strip().splitlines() == [
         f"syncwise: error: rl.reward_fn: final_number reads the column(s) answer, which {tmp_path / 'no_answer.jsonl'} "
         "does not have (its columns: prompt)"]
+
+
+def test_trl_and_verl_keys_name_syncwise_s_and_the_docs_page_is_the_table():
+    """Issue 68 (5): 'optim.learning_rate', 'sft.lr' were 'unknown key' with no suggestion."""
+    from pathlib import Path
+
+    from syncwise.config import ConfigError, load_config
+    from syncwise.config.peers import TRL_KEYS, VERL_KEYS, peer_table
+
+    said = {"optim.learning_rate=1e-6": "unknown key 'optim.learning_rate': TRL's learning_rate is optim.lr here",
+            "sft.lr=1e-5": "unknown key 'sft.lr': TRL's lr is optim.lr here",
+            "rl.num_generations=8": "unknown key 'rl.num_generations': TRL's num_generations is rl.samples_per_prompt",
+            "actor_rollout_ref.rollout.n=8": "unknown key 'actor_rollout_ref.rollout.n': verl's "
+                                             "actor_rollout_ref.rollout.n is rl.samples_per_prompt here",
+            "trainer.save_freq=10": "unknown key 'trainer.save_freq': verl's trainer.save_freq is "
+                                    "train.checkpoint_every here"}
+    for override, start in said.items():
+        with pytest.raises(ConfigError) as info:
+            load_config(None, [override])
+        assert str(info.value).startswith(start), str(info.value)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "coming-from-trl.md").read_text()
+    assert peer_table(TRL_KEYS, "TRL (GRPOConfig / SFTConfig)") in page and peer_table(VERL_KEYS, "verl") in page
+
+
+def test_the_built_in_task_s_recipe_stays_with_the_built_in_task(tmp_path):
+    """Issue 68 (4): `syncwise train model.path=...` layered the demo's recipe (lr 3e-3, warm-up 5, 8 prompts a
+    rank, 200 steps) under the user's overrides. Now the recipe is the built-in task's alone; a job on the user's
+    model starts from the defaults with TRL's GRPO learning rate, and says which keys differ and where from."""
+    from syncwise.config import load_job_config
+
+    demo, said = load_job_config("train", None, [])
+    assert (demo.optim.lr, demo.rl.prompts_per_rank, demo.train.steps) == (3e-3, 8, 200)
+    assert said == ["model.lora.target_modules=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head, "
+                    "model.preset=llama-grpo, optim.lr=0.003, optim.warmup_steps=5, rl.prompts_per_rank=8, "
+                    "train.steps=200 (the built-in task's recipe, grpo.yaml)"]
+    for given in (["model.path=/models/mine"], ["model.path=/models/mine", "rl.dataset=prompts.jsonl",
+                                                 "rl.reward_fn=my:f"]):
+        mine, said = load_job_config("train", None, [*given, "train.steps=3"])
+        assert (mine.optim.lr, mine.optim.warmup_steps, mine.rl.prompts_per_rank) == (1e-6, 0, 4)
+        assert mine.model.lora.target_modules == "all-linear"
+        assert said == [f"{', '.join(sorted(given))}, train.steps=3 (command line)",
+                        "optim.lr=1e-06 (the defaults for a pretrained model)"]
+    (tmp_path / "job.yaml").write_text("optim:\n  lr: 2.0e-5\nrl:\n  dataset: prompts.jsonl\n  reward_fn: my:f\n")
+    mine, said = load_job_config("train", tmp_path / "job.yaml", ["model.path=/models/mine"])
+    assert mine.optim.lr == 2e-5 and said == ["model.path=/models/mine (command line)",
+                                              f"optim.lr=2e-05, rl.dataset=prompts.jsonl, rl.reward_fn=my:f "
+                                              f"({tmp_path / 'job.yaml'})"]

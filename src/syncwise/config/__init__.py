@@ -10,7 +10,7 @@ and the checks), ``building`` (dicts into dataclasses), ``training`` (model, eng
 from .building import MOVED
 from .checks import ConfigError
 from .jobs import SFT_TASKS, SFT_TRUNCATION, SFTConfig, TrainConfig
-from .loading import PRESET_ONLY_KEYS, config_to_dict, load_config, load_config_dict, packaged_config
+from .loading import PRESET_ONLY_KEYS, config_to_dict, load_config, load_config_dict, load_job_config, packaged_config
 from .rl import (
     AGG_MODES,
     CRITIC_SECTIONS,
@@ -45,5 +45,5 @@ __all__ = [
     "SFT_TRUNCATION", "SHARDED_STRATEGIES", "STRATEGIES", "VLLM_SLEEP_LEVELS", "Config", "ConfigError",
     "CriticConfig", "DistConfig", "EngineConfig", "LoraConfig", "ModelConfig", "OptimConfig", "PolicyLossConfig",
     "RLConfig", "SFTConfig", "SyncConfig", "TrainConfig", "config_to_dict", "load_config", "load_config_dict",
-    "packaged_config", "reward_paths",
+    "load_job_config", "packaged_config", "reward_paths",
 ]

@@ -10,6 +10,7 @@ import typing
 from typing import Any
 
 from .checks import ConfigError
+from .peers import peer_hint
 
 # Keys that moved into a section: named in the error instead of a guess.
 MOVED = {f"rl.{old}": f"rl.loss.{new}" for old, new in (
@@ -32,6 +33,9 @@ def build(cls: type, data: Any, prefix: str) -> Any:
         if key not in names:
             if f"{prefix}{key}" in MOVED:
                 raise ConfigError(f"'{prefix}{key}' is now '{MOVED[prefix + key]}'")
+            peer = peer_hint(f"{prefix}{key}", value)
+            if peer:
+                raise ConfigError(f"unknown key '{peer[0]}': {peer[1]}")
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown key '{prefix}{key}'{hint}; known keys: {', '.join(names)}")

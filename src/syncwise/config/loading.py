@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from .building import build
+from .building import build, deep_merge
 from .checks import ConfigError
 from .root import Config
 
@@ -31,16 +31,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     ``packaged``: ``path`` is a config shipped with syncwise (:func:`packaged_config`), whose
     :data:`PRESET_ONLY_KEYS` do not apply to a ``model.path`` unless an override sets them.
     """
+    data = read_yaml(path) if path is not None else {}
+    data = deep_merge(data, overrides_dict(overrides or []))
+    if packaged and (data.get("model") or {}).get("path"):
+        overridden = {item.partition("=")[0].strip() for item in overrides or []}
+        for key in set(PRESET_ONLY_KEYS) - overridden:
+            *parents, leaf = key.split(".")
+            node = data
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node.pop(leaf, None)
+    return load_config_dict(data)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    loaded = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(loaded).__name__}")
+    return loaded
+
+
+def overrides_dict(overrides: list[str]) -> dict[str, Any]:
+    """``section.key=value`` items as a nested dict, each value read as YAML."""
     data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(loaded).__name__}")
-        data = loaded
-    for item in overrides or []:
+    for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected section.key=value")
@@ -56,16 +74,62 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]
             raise ConfigError(f"{key.strip()}: cannot read {raw!r} as a YAML value ({problem}); quote it, e.g. "
                               f"{key.strip()}=\"['...']\"") from exc
-    if packaged and (data.get("model") or {}).get("path"):
-        overridden = {item.partition("=")[0].strip() for item in overrides or []}
-        for key in set(PRESET_ONLY_KEYS) - overridden:
-            *parents, leaf = key.split(".")
-            node = data
-            for part in parents:
-                node = node.get(part) if isinstance(node, dict) else None
-            if isinstance(node, dict):
-                node.pop(leaf, None)
-    return load_config_dict(data)
+    return data
+
+
+# The built-in task's tuned recipe per job: it applies to the built-in task alone (no YAML of the user's, no
+# model.path, no rl.dataset) -- a job on the user's model or data starts from the defaults
+RECIPES = {"train": "grpo.yaml"}
+# Beside the defaults, for a job on the user's (pretrained) model: TRL's GRPO learning rate
+PRETRAINED = {"train": {"optim": {"lr": 1.0e-6}}}
+
+
+def load_job_config(job: str, path: str | Path | None, overrides: list[str]) -> tuple[Config, list[str]]:
+    """The config of ``syncwise <job>``, layered: the defaults, the built-in task's recipe (:data:`RECIPES`, only
+    for the built-in task), the defaults for a pretrained model (:data:`PRETRAINED`, with ``model.path``), the
+    YAML at ``path``, the command line -- and the lines that say which keys differ from the defaults and where
+    each came from."""
+    given = overrides_dict(overrides)
+    user_yaml = read_yaml(path) if path is not None else {}
+    mine = deep_merge(user_yaml, given)
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if path is None and job in RECIPES and not (mine.get("model") or {}).get("path") \
+            and not (mine.get("rl") or {}).get("dataset"):
+        recipe = packaged_config(RECIPES[job])
+        layers.append((f"the built-in task's recipe, {recipe.name}", read_yaml(recipe)))
+    if job in PRETRAINED and (mine.get("model") or {}).get("path"):
+        layers.append(("the defaults for a pretrained model", PRETRAINED[job]))
+    if path is not None:
+        layers.append((str(path), user_yaml))
+    layers.append(("command line", given))
+    merged: dict[str, Any] = {}
+    for _, layer in layers:
+        merged = deep_merge(merged, layer)
+    config = load_config_dict(merged)
+    return config, _differences(config, layers)
+
+
+def _leaves(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out |= _leaves(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _differences(config: Config, layers: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Per source, the keys whose value is not the default's, as ``key=value``."""
+    defaults = _leaves(config_to_dict(load_config_dict({})))
+    values = _leaves(config_to_dict(config))
+    by_source: dict[str, list[str]] = {}
+    for key, value in values.items():
+        if key in defaults and value == defaults[key]:
+            continue
+        source = next((name for name, layer in reversed(layers) if key in _leaves(layer)), "derived from these")
+        by_source.setdefault(source, []).append(f"{key}={value}")
+    return [f"{', '.join(keys)} ({source})" for source, keys in by_source.items()]
 
 
 def load_config_dict(data: dict[str, Any]) -> Config:

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from ..config import ROLLOUT_ENGINES, ConfigError, config_to_dict, load_config, packaged_config
+from ..config import ROLLOUT_ENGINES, ConfigError, config_to_dict, load_job_config
 from ..runtime.launcher import DEBUG_ENV, launch
 from ..runtime.rank_server import Gate, Worker
 from .bench import WORKLOADS, run_workload
@@ -24,7 +24,7 @@ def _split_args(values: list[str]) -> tuple[str | None, list[str]]:
     return path, values
 
 
-def _run_job(worker_path: str, args: argparse.Namespace, job: str, default_config: str | None = None) -> int:
+def _run_job(worker_path: str, args: argparse.Namespace, job: str) -> int:
     """Load and check the config, then run the job (``worker_path``, ``module:function``, is imported by its
     ranks: a config error is answered without torch), what it was given checked beside the ranks. Exit
     status: 0, 2 for a mistake found before any rank started, 1 for an error in a rank, 130 / 143 after Ctrl-C /
@@ -32,11 +32,10 @@ def _run_job(worker_path: str, args: argparse.Namespace, job: str, default_confi
     from .preflight import PreflightError
 
     path, overrides = _split_args(args.args)
-    packaged = path is None and default_config is not None
-    if packaged:
-        path = str(packaged_config(default_config))
     try:
-        config = load_config(path, overrides, packaged=packaged)
+        config, differences = load_job_config(job, path, overrides)
+        if os.environ.get("RANK", "0") == "0" and differences:
+            print(f"syncwise {job}: beside the defaults: {'; '.join(differences)}", flush=True)
         payload = config_to_dict(config)
         return launch(Worker(worker_path), config.dist.nproc, payload,
                       gate=Gate(Worker("syncwise.jobs.preflight:check_job"), (payload, job)))
@@ -65,7 +64,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "plan":
         return _run_plan(args)
     if args.command == "train":
-        return _run_job("syncwise.rl.job:train_worker", args, "train", default_config="grpo.yaml")
+        return _run_job("syncwise.rl.job:train_worker", args, "train")
     if args.command == "sft":
         if args.write_example_data:
             return _write_example_data(args.write_example_data, args.task)
