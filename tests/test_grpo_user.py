@@ -91,9 +91,9 @@ def test_first_on_policy_ratio_is_exactly_one_with_lora_dropout(gpt2, tmp_path):
 @pytest.mark.parametrize(("rows", "overrides", "message"), [
     ([{"prompt": "target 3 :"}, {"prompt": " "}], [], "line 2 has an empty 'prompt'"),
     ([{"text": "x"}], [], "line 1 has no 'prompt'"),
-    ([{"prompt": [{"role": "user", "content": "hi"}]}], [],
+    ([{"prompt": [{"role": "user", "content": "hi"}], "answer": "3"}], [],
      "line 1: the prompt needs the tokenizer's chat template, and the tokenizer has none"),
-    ([{"prompt": "target 3 : " * 20}], ["rl.max_prompt_length=8", "rl.prompt_overflow=error"],
+    ([{"prompt": "target 3 : " * 20, "answer": "3"}], ["rl.max_prompt_length=8", "rl.prompt_overflow=error"],
      "line 1: the prompt has 60 tokens, more than rl.max_prompt_length=8 (rl.prompt_overflow=truncate_left or drop)"),
 ])
 def test_a_bad_prompt_is_one_line_and_exit_2(gpt2, tmp_path, rows, overrides, message):
