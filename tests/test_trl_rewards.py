@@ -209,3 +209,38 @@ def test_the_built_in_task_s_recipe_stays_with_the_built_in_task(tmp_path):
     assert mine.optim.lr == 2e-5 and said == ["model.path=/models/mine (command line)",
                                               f"optim.lr=2e-05, rl.dataset=prompts.jsonl, rl.reward_fn=my:f "
                                               f"({tmp_path / 'job.yaml'})"]
+
+
+def test_rl_eval_dataset_is_scored_before_the_first_step_every_eval_every_and_after_the_last(chat, tmp_path):
+    """Issue 68 (8): held-out prompts (5: the two ranks take 3 and 2) sampled by the policy and scored with the job's
+    reward functions at steps 0, 1 and 2, logged as eval/... rows beside the steps' (the summary says the first and
+    last), every sample counted once."""
+    from syncwise.metrics import job_history
+
+    (tmp_path / "trl_rewards.py").write_text(TRL_REWARDS)
+    lines = (chat / "prompts.jsonl").read_text().splitlines()
+    (tmp_path / "held_out.jsonl").write_text("\n".join(lines[:5]) + "\n")
+    proc = _train(tmp_path, f"model.path={chat / 'model'}", f"rl.dataset={chat / 'prompts.jsonl'}",
+                  "rl.eval_dataset=held_out.jsonl", "train.eval_every=1",
+                  "rl.reward_fn=[trl_rewards.py:correct, trl_rewards.py:short_even]",
+                  f"train.out_dir={tmp_path / 'out'}")
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
+    rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    evaluations = [row for row in rows if "eval/reward/mean" in row]
+    assert [row["train/step"] for row in evaluations] == [0, 1, 2]
+    for row in evaluations:
+        assert row["eval/samples"] == 5 * 4  # rl.samples_per_prompt each
+        assert {"eval/reward/correct", "eval/reward/short_even", "eval/response/length_mean"} <= set(row)
+        assert row["eval/reward/short_even"] < 0
+    history = job_history(tmp_path / "out" / "metrics.jsonl")
+    assert [row["train/step"] for row in history] == [0, 1, 2] and "reward/mean" in history[1]
+    assert "eval/reward/mean" in history[1] and "eval/reward/mean" in history[2]
+    assert "; held out (rl.eval_dataset) " in proc.stdout and " at step 0, " in proc.stdout
+
+
+def test_rl_eval_dataset_beside_rollout_ranks_is_one_line():
+    from syncwise.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^rl.eval_dataset: the trainers sample the evaluation with a rollout copy"):
+        load_config(None, ["rl.dataset=p.jsonl", "rl.reward_fn=m:f", "rl.eval_dataset=e.jsonl", "dist.nproc=4",
+                           "dist.rollout_ranks=2"])

@@ -61,8 +61,18 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 def job_history(path: str | Path, step_key: str = "train/step") -> list[dict[str, Any]]:
     """Every step of a job from its JSONL log, across resumes (:func:`open_job_log`: a resumed run appends
-    from its checkpoint's step on); where a step was logged twice, the last row counts."""
-    rows = {row[step_key]: row for row in read_jsonl(path) if step_key in row}
+    from its checkpoint's step on); where a step was logged twice, the last row counts. An evaluation's row
+    (``eval/...`` only) joins its step's."""
+    rows: dict[int, dict[str, Any]] = {}
+    for row in read_jsonl(path):
+        if step_key not in row:
+            continue
+        evaluation = all(k == step_key or k.startswith("eval/") for k in row)
+        if evaluation:
+            rows.setdefault(row[step_key], {}).update(row)
+        else:
+            rows[row[step_key]] = {**{k: v for k, v in rows.get(row[step_key], {}).items() if k.startswith("eval/")},
+                                   **row}
     return [rows[step] for step in sorted(rows)]
 
 

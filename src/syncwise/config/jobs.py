@@ -74,9 +74,11 @@ class TrainConfig:
     resume: str = "none"  # none | auto (from <out_dir>/checkpoints/latest) | a checkpoint directory
     export: bool = True  # write a Hugging Face model (safetensors) to <out_dir>/export at the end
     max_consecutive_skips: int = 5  # stop (with a checkpoint) after this many non-finite steps in a row
+    eval_every: int = 0  # with rl.eval_dataset: evaluate every N steps (0: before the first and after the last only)
 
     def validate(self) -> TrainConfig:
         choice("train.logger", self.logger, ("jsonl", "tensorboard"))
         positive("train.steps", self.steps)
         non_negative("train.checkpoint_every", self.checkpoint_every)
+        non_negative("train.eval_every", self.eval_every, "0: before the first step and after the last only")
         return self

@@ -90,6 +90,9 @@ class RLConfig:
     task: str = "target"  # built-in task (syncwise.rl.env.tasks.TASKS); ignored when dataset is set
     # JSONL, Parquet or a datasets save_to_disk folder with a "prompt" column (other columns reach the reward)
     dataset: str | None = None
+    # Held-out prompts in the same form, sampled by the policy and scored with the job's rewards before the first
+    # step, every train.eval_every steps and after the last: eval/... in the log (TRL's eval_dataset)
+    eval_dataset: str | None = None
     # "package.module:function" (the job's folder on the path) or "path/to/file.py:function"; several as a
     # list [a:f, b:g]. Your code, run with the job's rights
     reward_fn: str | list[str] | None = None

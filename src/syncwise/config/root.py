@@ -54,6 +54,10 @@ class Config:
                               f"dist.timeout_s={self.dist.timeout_s:g}: the other ranks wait for this one's tools at "
                               f"the next collective, which gives up after dist.timeout_s")
         self._resolve_lag()
+        if self.rl.eval_dataset and self.dist.rollout_ranks:
+            raise ConfigError(f"rl.eval_dataset: the trainers sample the evaluation with a rollout copy of their own, "
+                              f"and beside dist.rollout_ranks={self.dist.rollout_ranks} they have none; evaluate "
+                              "without rollout ranks (or the export, afterwards)")
         loss = self.rl.loss  # the autos resolved here: what runs is what config.yaml records
         if loss.off_policy == "auto":
             loss.off_policy = "decoupled" if self.rl.is_off_policy and not loss.corrects_rollout else "none"

@@ -136,6 +136,10 @@ def check_rl(config: Config) -> None:
         if rl.tools or rl.environment:  # the template shows the tools and takes their results: it must know how
             choose_parser(tokenizer, rl.tool_parser)
         source.encode(tokenizer, rl)
+        if rl.eval_dataset:
+            from ..rl.evaluation import eval_source
+
+            eval_source(config, tokenizer)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
     check_sandbox(config, source.all_tools)

@@ -32,12 +32,18 @@ def first_line(config: Config, world_size: int, source: PromptSource, rollout_wo
 
 
 def print_summary(history: list[dict[str, Any]], out_dir: Path) -> None:
-    """The job's mean reward over its first and last ten steps, and where its metrics and plot are."""
+    """The job's mean reward over its first and last ten steps (and its last evaluation's), and where its metrics
+    and plot are."""
+    evaluated = [row for row in history if "eval/reward/mean" in row]
+    history = [row for row in history if "reward/mean" in row]
     window = min(10, len(history))
     first = sum(m["reward/mean"] for m in history[:window]) / window
     last = sum(m["reward/mean"] for m in history[-window:]) / window
+    held_out = (f"; held out (rl.eval_dataset) {evaluated[0]['eval/reward/mean']:.3f} at step "
+                f"{evaluated[0]['train/step']}, {evaluated[-1]['eval/reward/mean']:.3f} at step "
+                f"{evaluated[-1]['train/step']}" if evaluated else "")
     print(
-        f"mean reward: first {window} steps {first:.3f}, last {window} steps {last:.3f}; "
+        f"mean reward: first {window} steps {first:.3f}, last {window} steps {last:.3f}{held_out}; "
         f"metrics {out_dir / 'metrics.jsonl'}, plot {out_dir / 'curves.png'}",
         flush=True,
     )
@@ -77,6 +83,13 @@ class JobLogs:
         if self.bar is not None:
             self.bar.set_postfix_str(progress)
             self.bar.update(1)
+
+    def log_eval(self, row: dict[str, Any]) -> None:
+        """An evaluation's row (its step and ``eval/...``): in the logs beside the steps' rows, not a step."""
+        for logger in self.loggers:
+            logger.log(row)
+        if self.bar is not None:
+            self.bar.write(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
 
     def close(self) -> None:
         if self.bar is not None:

@@ -47,6 +47,7 @@ from .algorithm.ppo import Critic, ppo_advantages
 from .batches import batch_producer
 from .drawing import BatchDrawer
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
+from .evaluation import Evaluation, eval_row
 from .job_log import JobLogs, first_line, print_summary
 from .rollout.channel import RolloutChannel
 from .rollout.front import Rollout
@@ -125,6 +126,7 @@ class RLTrainer:
         resumes = bool(self.resumed_from) and config.rollout_mode.off_policy
         rank_state = self.checkpoints.rank_state(self.resumed_from) if resumes else None
         self.queue_note = self.batches.start(rank_state, self.start)
+        self.evaluation = Evaluation(config, info, self.rollout, self.tokenizer) if rl.eval_dataset else None
         self.logs = JobLogs()
         if info.is_main:
             self._open_logs()
@@ -268,6 +270,13 @@ class RLTrainer:
         with adapters_disabled(self.engine.model):
             return self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
 
+    def _evaluate(self, done: int) -> None:
+        """Collective: ``rl.eval_dataset`` scored by the policy after ``done`` steps, where due (logged on rank 0)."""
+        if self.evaluation is not None and self.evaluation.due(done):
+            metrics = self.evaluation.run(done)
+            if self.info.is_main:
+                self.logs.log_eval(eval_row(done, metrics))
+
     def save(self, done: int) -> Path:
         """Collective: a checkpoint of the state after ``done`` steps (PPO: the critic's beside the actor's)."""
         return self.checkpoints.save(done, self.engine, {"step": done}, self._others, self.batches.state_dict())
@@ -282,7 +291,7 @@ class RLTrainer:
         self.logs.close()
         if self.info.is_main and self.logs.history:  # the whole job's steps (a resumed run's memory has its own only)
             history = job_history(self.out_dir / "metrics.jsonl")
-            plot_curves(history, self.out_dir / "curves.png")
+            plot_curves(history, self.out_dir / "curves.png", (("reward/mean", "eval/reward/mean"), "loss"))
             plot_phases(history, self.out_dir / "phases.png", [f"time/{phase}_s" for phase in PHASES])
             print_summary(history, self.out_dir)
 
@@ -300,6 +309,8 @@ class RLTrainer:
         train = self.config.train
         consecutive_skips = 0
         self.warm_start()
+        if self.start == 0:
+            self._evaluate(0)
         for step in range(self.start, train.steps):
             metrics = self.step(step)
             done = step + 1
@@ -321,6 +332,7 @@ class RLTrainer:
             if stop:
                 self.logs.close()
                 raise stopped(stop, done, train.steps, f"checkpoint {path}; rerun with train.resume=auto to go on")
+            self._evaluate(done)
         self.finish()
         return self.logs.history
 
