@@ -111,12 +111,27 @@ def test_export_chats_with_transformers(user):
 def test_the_export_keeps_the_model_folder_s_generation_config(user):
     """Issue 68 (9): generate() on the export stops where the model's turns end -- its folder's own
     generation_config.json, copied."""
-    from transformers import GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
     export = user["root"] / "full" / "export"
     own = GenerationConfig.from_pretrained(user["data"] / "model")
     assert GenerationConfig.from_pretrained(export).to_dict() == own.to_dict()
     assert own.eos_token_id is not None
+
+    class EndAtThird(LogitsProcessor):  # the model "says" its end token as its third token
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] - start == 2:
+                scores[:, :] = -float("inf")
+                scores[:, own.eos_token_id] = 0.0
+            return scores
+
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    ids = torch.tensor([[5, 9, 12]])
+    start = ids.shape[1]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=20, do_sample=False,
+                             logits_processor=LogitsProcessorList([EndAtThird()]))
+    assert out.shape[1] == start + 3 and int(out[0, -1]) == own.eos_token_id  # stopped there, not at 20
 
 
 def test_grpo_from_an_sft_export_picks_up_its_tokenizer_and_template(user):
@@ -180,3 +195,22 @@ def test_a_max_length_past_the_model_s_positions_is_clamped_and_said(user, tmp_p
     assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert ("syncwise sft: sft.max_length=1024 is past the model's 96 positions (max_position_embeddings): rows are "
             "held to 96 tokens (sft.truncation=right)") in proc.stdout.splitlines()
+
+
+def test_the_export_s_generation_config_is_the_folder_s_else_the_tokenizer_s(tmp_path):
+    """Issue 68 (9), as Qwen ships it: config.json's eos is <|endoftext|>, generation_config.json's the chat
+    template's <|im_end|> too -- the export keeps the folder's (before, none: generate() went on past <|im_end|>);
+    a preset's export takes the tokenizer's end, padding and start tokens."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from syncwise.export import generation_config
+    from syncwise.rl.env.tasks import builtin_tokenizer
+    from user_models import save_model_dir
+
+    folder = save_model_dir(tmp_path, "qwen2", hidden=32, layers=2, heads=4, inter=64)
+    config = AutoConfig.from_pretrained(folder)
+    GenerationConfig(eos_token_id=[config.eos_token_id, 7], pad_token_id=config.pad_token_id).save_pretrained(folder)
+    assert generation_config(str(folder), None, config).eos_token_id == [config.eos_token_id, 7]
+    tokenizer = builtin_tokenizer()
+    made = generation_config(None, tokenizer, config)
+    assert (made.eos_token_id, made.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)

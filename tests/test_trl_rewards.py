@@ -244,3 +244,13 @@ def test_rl_eval_dataset_beside_rollout_ranks_is_one_line():
     with pytest.raises(ConfigError, match=r"^rl.eval_dataset: the trainers sample the evaluation with a rollout copy"):
         load_config(None, ["rl.dataset=p.jsonl", "rl.reward_fn=m:f", "rl.eval_dataset=e.jsonl", "dist.nproc=4",
                            "dist.rollout_ranks=2"])
+
+
+def test_samples_no_function_scored_are_counted():
+    import torch
+
+    from syncwise.rl.stats import _all_none
+
+    nan = float("nan")
+    parts = {"a": torch.tensor([nan, 1.0, nan]), "b": torch.tensor([nan, nan, 2.0])}
+    assert _all_none(parts) == 1.0 and _all_none({}) == 0.0
