@@ -17,14 +17,14 @@ class SFTConfig:
     built-in task (``progression``: the fast synthetic demo; ``arith_chat``: GSM8K-shaped chat problems)."""
 
     task: str = "progression"  # used when no sft.dataset is given
-    dataset: str | None = None
-    eval_dataset: str | None = None
+    dataset: str | None = None  # chat (messages), prompt/completion or text rows: JSONL, Parquet, save_to_disk
+    eval_dataset: str | None = None  # held-out rows in the same form: their loss every sft.eval_every steps
     eval_fraction: float = 0.0  # without sft.eval_dataset: hold out this fraction of sft.dataset
     tokenizer: str | None = None  # default: model.path's
     max_length: int = 1024  # longer samples are truncated (sft.truncation) and counted
     truncation: str = "right"  # right (keep the start) | left (keep the end) | drop
     on_bad_row: str = "error"  # error (one line naming the file and row) | skip (left out, counted)
-    epochs: float = 1.0
+    epochs: float = 1.0  # passes over sft.dataset (a fraction allowed)
     steps: int = 0  # > 0: this many steps instead of sft.epochs
     batch_size: int = 16  # sequences per step over all ranks
     batch_tokens: int = 0  # > 0: a step is this many real tokens over all ranks instead
@@ -33,11 +33,11 @@ class SFTConfig:
     resume: str = "none"  # none | auto (from <out_dir>/checkpoints/latest) | a checkpoint directory
     export: bool = True  # a Hugging Face model (and its tokenizer with the chat template) in <out_dir>/export
     progress: bool = False  # a progress bar on rank 0 (the default prints a line every sft.log_every steps)
-    seed: int = 0
-    out_dir: str = "runs/sft"
-    log_every: int = 1
-    min_len: int = 8  # the progression task's sequence lengths
-    max_len: int = 32
+    seed: int = 0  # the sample order (and the progression task's rows)
+    out_dir: str = "runs/sft"  # metrics.jsonl, curves.png, checkpoints/, export/
+    log_every: int = 1  # with the bar off: a line every N steps
+    min_len: int = 8  # the progression task's shortest sequence
+    max_len: int = 32  # the progression task's longest sequence
 
     def validate(self) -> SFTConfig:
         choice("sft.task", self.task, SFT_TASKS)
@@ -65,9 +65,11 @@ class SFTConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 60
-    seed: int = 0
-    out_dir: str = "runs/grpo"
+    """`syncwise train`'s run: how long, where, what it writes."""
+
+    steps: int = 60  # RL steps (each: a rollout, its rewards and the update)
+    seed: int = 0  # the prompt order, the sampling seeds and the ranks' generators
+    out_dir: str = "runs/grpo"  # metrics.jsonl, curves.png, phases.png, checkpoints/, export/
     logger: str = "jsonl"  # jsonl | tensorboard (also writes TensorBoard event files)
     progress: bool = True  # a progress bar on rank 0
     checkpoint_every: int = 20  # 0: only the final checkpoint

@@ -24,20 +24,20 @@ class PolicyLossConfig:
 
     kind: str = "ppo"  # ppo (clipped), gspo (sequence-level ratio), pg (REINFORCE / GPG), cispo
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.28
+    clip_high: float = 0.28  # the upper clip (DAPO's clip-higher: above clip_low)
     dual_clip: float = 0.0  # > 1: cap the loss of negative-advantage tokens at -A * dual_clip
-    agg: str = "token-mean"
+    agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     norm_constant: float = 0.0  # seq-mean-token-sum-norm's divisor (0: the longest loss span)
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # > 0: an entropy bonus of this weight
     kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial model
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (Schulman's estimators of KL(policy || reference))
     kl_clamp: float = 10.0  # k3: its value bounded to ±kl_clamp, zero gradient beyond, as verl (0: off)
     # Rollout importance correction: each token's policy loss weighted by exp(old - sampler log-prob),
     # truncated at rollout_is_cap and detached; per token, or one weight per sequence (its summed log-ratio).
     # auto: token where the sampler is another network than the trainer's (rl.rollout_engine=vllm, or
     # rl.rollout_dtype other than model.param_dtype), none where it is the same (Config.sampler_differs)
     rollout_is: str = "auto"
-    rollout_is_cap: float = 2.0
+    rollout_is_cap: float = 2.0  # the rollout correction's weights truncated here
     # The three-policy loss for samples drawn by an older policy (rl.off_policy_lag, rl.max_staleness): the PPO
     # ratio is to the proximal policy (the update's old log-probs), each token weighted by w = exp(proximal -
     # behaviour), behaviour being the sampler's log-prob when it drew the token. decoupled (AReaL): w, tokens with
@@ -46,8 +46,8 @@ class PolicyLossConfig:
     # log-ratio). auto: decoupled with rl.off_policy_lag or rl.max_staleness > 0 (unless rl.loss.rollout_is is
     # set), none otherwise
     off_policy: str = "auto"
-    behavior_cap: float = 2.0
-    behavior_level: str = "token"
+    behavior_cap: float = 2.0  # the off-policy weight's cap (its band [1/cap, cap] for mis)
+    behavior_level: str = "token"  # token | sequence: one off-policy weight per token, or per sequence
 
     @property
     def corrects_rollout(self) -> bool:
@@ -109,9 +109,9 @@ class RLConfig:
     temperature: float = 1.0  # sampling temperature; training-side log-probs use the same
     # Truncated sampling (0 / 1.0 / 0: off). The sampler's log-probs are of the distribution it drew from;
     # the trainer's of the full temperature-scaled one (rl.loss.rollout_is corrects the mismatch)
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
+    top_k: int = 0  # keep the k most likely tokens (0: off)
+    top_p: float = 1.0  # keep the smallest set whose mass reaches p (1.0: off)
+    min_p: float = 0.0  # keep tokens at least min_p times the most likely one's probability (0: off)
     # Strings that end a response (kept in it, as vLLM's include_stop_str_in_output would); every end token
     # of the tokenizer and the model's generation_config ends one too
     stop: list[str] = field(default_factory=list)
@@ -314,7 +314,7 @@ class CriticConfig:
     ``critic.optim.*`` take the actor's keys; what is not set is the actor's (:meth:`Config.critic_config`)."""
 
     model: dict[str, Any] = field(default_factory=dict)  # e.g. path (default: the policy's), lora.rank
-    engine: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)  # e.g. micro_batch_size (default: the actor's)
     sync: dict[str, Any] = field(default_factory=dict)  # mode: auto by default, like the actor's
     optim: dict[str, Any] = field(default_factory=dict)  # e.g. lr
     cliprange_value: float = 0.5  # the value loss's clip around the old values (verl's default; 0: off)

@@ -22,7 +22,7 @@ class LoraConfig:
 
     rank: int = 0  # 0: off (the whole model trains)
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
-    dropout: float = 0.0
+    dropout: float = 0.0  # on the adapter's input (model.dropout=auto turns it off for syncwise train)
     # "all-linear" (every linear projection of the decoder layers, not the LM head) or comma-separated
     # module names (q_proj,v_proj).
     target_modules: str = "all-linear"
@@ -49,12 +49,12 @@ class LoraConfig:
 class ModelConfig:
     """Which causal LM to build. ``path`` (a local Hugging Face directory) wins over ``preset``."""
 
-    preset: str = "qwen2-tiny"
-    path: str | None = None
-    param_dtype: str = "float32"
-    reduce_dtype: str = "float32"
-    attn_implementation: str = "sdpa"
-    seed: int = 0
+    preset: str = "qwen2-tiny"  # a built-in config (syncwise.models.PRESETS), built with seeded weights
+    path: str | None = None  # a local Hugging Face model folder (save_pretrained output); wins over preset
+    param_dtype: str = "float32"  # the compute dtype of the wrapped model (the master weights stay fp32)
+    reduce_dtype: str = "float32"  # the dtype gradients are reduced in across ranks
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 | ... (what the model class supports)
+    seed: int = 0  # a preset's initial weights and LoRA's adapters are drawn from it
     # Dropout in the model's config and in LoRA: keep | off | auto (off for `syncwise train`, whose ratios,
     # old log-probs and KL must see the same network the sampler drew from; kept for `syncwise sft`)
     dropout: str = "auto"
@@ -74,7 +74,7 @@ class ModelConfig:
 class EngineConfig:
     """How the model is wrapped and fed."""
 
-    strategy: str = "fsdp2"
+    strategy: str = "fsdp2"  # fsdp2 | fsdp1 | ddp | none: how the model is spread over the ranks
     # Sequences per micro-batch. 0 (the default): the token cap below splits the batch (2 where it is 0);
     # set, it wins over the cap's ``auto``.
     micro_batch_size: int = 0
@@ -83,7 +83,7 @@ class EngineConfig:
     # micro_batch_size is then ignored. auto: chosen with the sync mode from the memory budget (the
     # largest power of two whose predicted peak fits beside the fastest sync mode; see perf_tuning.md).
     max_tokens_per_micro_batch: int | str = "auto"
-    workload_linear_coef: float = 24576.0
+    workload_linear_coef: float = 24576.0  # a in the workload estimate a·L + L² that balances the micro-batches
     # Each micro-batch's sequences in one row without padding (models that keep packed sequences apart).
     packing: bool = True
     # Recompute each decoder layer's activations in backward instead of keeping them.
@@ -95,8 +95,8 @@ class EngineConfig:
     # auto: materialised where the logits and their gradient fit the memory budget beside the chosen sync
     # mode (faster), fused where they do not; decided with the sync mode.
     fused_lm_head: bool | str = "auto"
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
+    reshard_after_forward: bool = True  # FSDP: free the gathered parameters after forward (gather again in backward)
+    cpu_offload: bool = False  # FSDP: parameters, gradients and optimizer state in host memory
     # >1 builds a 2-D (replicate x shard) mesh: HSDP with this many replicas.
     hsdp_replicas: int = 1
     # DDP only: needed when some parameters get no gradient in a forward.
@@ -144,6 +144,8 @@ class EngineConfig:
 class SyncConfig:
     """When gradients are communicated across the micro-batches of one optimizer step."""
 
+    # When a step's micro-batches sync their gradients: auto (chosen from the memory budget) | per_microbatch |
+    # deferred | deferred_unsharded | partial | ... (syncwise.sync.modes; docs/perf_tuning.md)
     mode: str = "auto"
     # Bytes (> 1), a fraction of this rank's device memory ((0, 1]), or 0 for 90% of it. Used by auto.
     memory_budget: float = 0.0
@@ -175,12 +177,12 @@ class SyncConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    momentum: float = 0.0
-    grad_clip: float = 1.0
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 1e-3  # the peak learning rate (syncwise train on a model.path: 1e-6 unless set)
+    weight_decay: float = 0.0  # decoupled (AdamW), or L2 (SGD)
+    betas: tuple[float, float] = (0.9, 0.999)  # Adam's moment decays
+    momentum: float = 0.0  # SGD's
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this (0: no clipping)
     warmup_steps: int = 0  # linear warm-up from 0
     schedule: str = "constant"  # constant | cosine (decays to 10% over the job's steps)
 
@@ -197,9 +199,9 @@ class OptimConfig:
 class DistConfig:
     """Process-group set-up. Under torchrun the environment wins and ``nproc`` is ignored."""
 
-    nproc: int = 2
-    backend: str = "auto"
-    timeout_s: float = 600.0
+    nproc: int = 2  # local ranks the launcher starts (ignored under torchrun)
+    backend: str = "auto"  # auto (nccl with a GPU, else gloo) | nccl | gloo
+    timeout_s: float = 600.0  # a collective that waits longer ends the job, naming what it waited on
     # syncwise train: the job's last rollout_ranks ranks only sample (and score); the others train, and send them
     # the weights after each step (they draw step t + rl.off_policy_lag while step t trains, the lag 1 unless set;
     # with rl.max_staleness they draw partial rollouts on, taking each new policy between two rounds)

@@ -11,6 +11,7 @@ import os
 import sys
 
 from ..config import ROLLOUT_ENGINES, ConfigError, config_to_dict, load_job_config
+from ..config.reference import sections
 from ..runtime.launcher import DEBUG_ENV, launch
 from ..runtime.rank_server import Gate, Worker
 from .bench import WORKLOADS, run_workload
@@ -71,17 +72,27 @@ def _main(argv: list[str] | None) -> int:
         return _run_job("syncwise.jobs.sft:sft_worker", args, "sft")
     if args.command == "bench":
         return run_workload(args)
+    if args.command == "config":
+        return _print_config(args)
     return 1  # pragma: no cover - argparse rejects unknown commands
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="syncwise", description=__doc__.splitlines()[0])
+    keys_help = (f"a job's keys are section.key=value, in the sections {', '.join(sections())}; `syncwise config "
+                 "[train|sft]` prints every key with its doc and default")
+    parser = argparse.ArgumentParser(prog="syncwise", description=__doc__.splitlines()[0], epilog=keys_help)
     parser.add_argument("--debug", action="store_true", help="print the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="GRPO job (default: configs/grpo.yaml, the built-in task and model)")
+    train = sub.add_parser("train", help="GRPO job (default: the built-in task with its recipe, configs/grpo.yaml)",
+                           epilog=keys_help)
     train.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
-    sft = sub.add_parser("sft", help="supervised fine-tuning on a dataset or a built-in task (sft.task)")
+    sft = sub.add_parser("sft", help="supervised fine-tuning on a dataset or a built-in task (sft.task)",
+                         epilog=keys_help)
     sft.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
+    config = sub.add_parser("config", help="the resolved config of a job as YAML, every key with its doc and default",
+                            epilog=keys_help)
+    config.add_argument("job", nargs="?", choices=("train", "sft"), default="train")
+    config.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
     sft.add_argument("--write-example-data", metavar="DIR",
                      help="write a built-in chat task as a user brings data (DIR/train.jsonl, DIR/eval.jsonl, "
                           "DIR/prompts.jsonl, DIR/model with its tokenizer and chat template) and exit")
@@ -102,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "e.g. 'compact sampler, balanced' 'vLLM, balanced'")
     bench.add_argument("--job", nargs="+", metavar="KEY=VALUE",
                        help="grpo workload: your own job's keys in every configuration (rl.dataset=..., "
-                            "rl.environment=...); with model.path=... the warm start is skipped")
+                            "rl.environment=...); with model.path=... the warm start is skipped; regression "
+                            "workload: the job both trees run")
+    bench.add_argument("--against", help="regression workload: the earlier commit (default the pinned 76f4f05)")
+    bench.add_argument("--against-tree", help="regression workload: a checkout of the earlier commit instead")
     bench.add_argument("--microbatches", nargs="+", type=int, help="micro-batches per step (default 2 4 8)")
     bench.add_argument("--modes", nargs="+", help="engine sync modes (default: all but replica_deferred, + auto)")
     bench.add_argument("--no-baselines", action="store_true", help="skip the raw FSDP2 loop and the compute floor")
@@ -179,6 +193,27 @@ def _write_example_data(folder: str, task: str = "arith_chat") -> int:
           f"template){extra}; train on them with\n"
           f"  syncwise sft model.path={out / 'model'} sft.dataset={out / 'train.jsonl'} "
           f"sft.eval_dataset={out / 'eval.jsonl'}", flush=True)
+    return 0
+
+
+# The sections a job's config shows (the other job's own are left out)
+JOB_SECTIONS = {"train": ("model", "engine", "sync", "optim", "dist", "rl", "critic", "train"),
+                "sft": ("model", "engine", "sync", "optim", "dist", "sft")}
+
+
+def _print_config(args: argparse.Namespace) -> int:
+    """``syncwise config [train|sft] [config.yaml] [overrides]``: what the job would run with."""
+    from ..config.reference import describe
+
+    path, overrides = _split_args(args.args)
+    try:
+        config, differences = load_job_config(args.job, path, overrides)
+    except ConfigError as exc:
+        print(f"syncwise: config error: {exc}", file=sys.stderr)
+        return 2
+    print(describe(config, args.job, JOB_SECTIONS[args.job]))
+    if differences:
+        print(f"# beside the defaults: {'; '.join(differences)}")
     return 0
 
 

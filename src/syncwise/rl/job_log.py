@@ -63,6 +63,7 @@ class JobLogs:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config)))
         log, note = open_job_log(out_dir / "metrics.jsonl", resumed_at)
+        note = f"; its config in {out_dir / 'config.yaml'}{note}"
         self.loggers.append(log)
         if config.train.logger == "tensorboard":
             if resumed_at is None:

@@ -76,6 +76,7 @@ class SFTTrainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config)))
         self.logger, log_note = open_job_log(self.out_dir / "metrics.jsonl", self.start if self.resumed_from else None)
+        log_note = f"; its config in {self.out_dir / 'config.yaml'}{log_note}"
         size = (f"{sft.batch_tokens} tokens" if sft.batch_tokens else
                 f"{sft.batch_size} sequences ({self.total_steps * sft.batch_size / len(self.data):.3g} epochs)")
         held = f"; eval {self.eval_data.describe()}" if self.eval_data is not None else ""

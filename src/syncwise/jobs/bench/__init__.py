@@ -22,6 +22,9 @@ WORKLOADS: dict[str, Workload] = {
     "loss": Workload("the log-prob path alone against autograd's", "syncwise.jobs.bench.loss:run"),
     "grpo": Workload("whole GRPO steps on the repeat task, phase by phase (--repeats: rounds)",
                      "syncwise.jobs.bench.grpo:run"),
+    "regression": Workload("the current tree against a pinned earlier commit (--against, default 76f4f05) on one "
+                           "GRPO job, per phase and per token, A B B A (--repeats: rounds)",
+                           "syncwise.jobs.bench.regression:run"),
     "sft": Workload("syncwise sft's steps beside train_batch alone on the same batches", "syncwise.jobs.bench.sft:run"),
     "load": Workload("loading model.path: every rank whole on its CPU vs built on the meta device, each rank reading "
                      "its shards (peak host memory per rank, seconds)", "syncwise.jobs.bench.load:run"),
