@@ -164,8 +164,8 @@ def test_a_batch_written_into_the_store_by_anyone_but_the_job_is_refused():
         assert job.exit_code == 0, job.lines
         trainer = torch.load(Path(out_dir) / "rank0.pt", weights_only=False)
     assert trainer["refused"] == ("ForgedMessage", "the job's store held 'batch/4/0' not signed by this job: something "
-                                  "outside the job wrote it (another process on this machine or network); the job "
-                                  "stops rather than use it")
+                                  "outside the job wrote it (another process on this machine or network, or a value "
+                                  "recorded from another run); the job stops rather than use it")
     assert trainer["real"] == 50.0
 
 

@@ -587,7 +587,7 @@ def test_a_lagged_step_refreshes_once_draws_ahead_and_lets_the_engine_sleep_afte
                              prompt_ids=list(range(9)), encoded=SimpleNamespace(tools=[None] * 9))
     rollout = SimpleNamespace(sync_weights=lambda: calls.append("refresh"), generate=generate)
     drawer = BatchDrawer(config, (0, 1), rollout, source)
-    drawer.score = lambda result, rows: (torch.zeros(1), {}, [])
+    drawer.score = lambda result, rows, step: (torch.zeros(1), {}, [])
     batches = DrawAhead(drawer, lag=2, steps=5)
     versions = [batches.take(step, PhaseClock()).version for step in range(5)]
     assert versions == [0, 0, 0, 1, 2]  # step t's batch drawn by the policy of step max(t - 2, 0)

@@ -72,11 +72,19 @@ def test_trl_reward_functions_train_as_written(chat, tmp_path, kind):
     else:
         datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "prompts_on_disk"))
         dataset = "prompts_on_disk"
+    held_out = ["rl.eval_dataset=held_out.jsonl", "train.eval_every=1"] if kind == "conversational" else []
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:5]))
     proc = _train(tmp_path, f"model.path={chat / 'model'}", f"rl.dataset={dataset}",
                   "rl.reward_fn=[trl_rewards.py:correct, trl_rewards.py:short_even]", "rl.reward_weights=[1, 0.5]",
-                  f"train.out_dir={tmp_path / 'out'}")
+                  f"train.out_dir={tmp_path / 'out'}", *held_out)
     assert proc.returncode == 0, failed(proc.stderr, 3000)
+    assert ("syncwise train: beside the defaults: " in proc.stdout
+            and "optim.lr=1e-06 (the defaults for a pretrained model)" in proc.stdout)
+    if held_out:
+        _assert_evaluated(tmp_path, proc)
     for row in read_jsonl(tmp_path / "out" / "metrics.jsonl"):
+        if "reward/mean" not in row:
+            continue  # an evaluation's row
         assert {"reward/correct", "reward/short_even"} <= set(row)
         assert row["reward/short_even"] < 0  # the mean over the samples it scored: the Nones left out
         # half the samples have short_even's None (nothing added): its part of the mean total is half its mean
@@ -84,11 +92,13 @@ def test_trl_reward_functions_train_as_written(chat, tmp_path, kind):
                                                    abs=1e-6)
         assert "reward/all_none_fraction" not in row  # correct scored every sample
     calls = [json.loads(line) for line in (tmp_path / "trl_log.jsonl").read_text().splitlines()]
-    assert len(calls) == 4  # 2 steps x 2 ranks, one call per batch
+    # 2 steps x 2 ranks, one call per batch; each of the 3 evaluations in rl.prompts_per_rank=2 chunks of a rank's
+    # held-out prompts: 2 calls for rank 0's 3, 1 for rank 1's 2
+    assert len(calls) == 4 + (3 * 3 if held_out else 0)
     want_prompt, want_completion = ("list", "list") if kind == "conversational" else ("str", "str")
     for call in calls:
         assert (call["prompt"], call["completion"], call["ids"]) == (want_prompt, want_completion, True)
-        assert call["columns"] == ["answer"] and call["max_steps"] == 2 and call["step"] in (0, 1)
+        assert call["columns"] == ["answer"] and call["max_steps"] == 2 and call["step"] in (0, 1, 2)
         if kind == "conversational":
             assert [m["role"] for m in call["first"]] == ["assistant"]
 
@@ -211,20 +221,12 @@ def test_the_built_in_task_s_recipe_stays_with_the_built_in_task(tmp_path):
                                               f"({tmp_path / 'job.yaml'})"]
 
 
-def test_rl_eval_dataset_is_scored_before_the_first_step_every_eval_every_and_after_the_last(chat, tmp_path):
+def _assert_evaluated(tmp_path, proc) -> None:
     """Issue 68 (8): held-out prompts (5: the two ranks take 3 and 2) sampled by the policy and scored with the job's
     reward functions at steps 0, 1 and 2, logged as eval/... rows beside the steps' (the summary says the first and
     last), every sample counted once."""
     from syncwise.metrics import job_history
 
-    (tmp_path / "trl_rewards.py").write_text(TRL_REWARDS)
-    lines = (chat / "prompts.jsonl").read_text().splitlines()
-    (tmp_path / "held_out.jsonl").write_text("\n".join(lines[:5]) + "\n")
-    proc = _train(tmp_path, f"model.path={chat / 'model'}", f"rl.dataset={chat / 'prompts.jsonl'}",
-                  "rl.eval_dataset=held_out.jsonl", "train.eval_every=1",
-                  "rl.reward_fn=[trl_rewards.py:correct, trl_rewards.py:short_even]",
-                  f"train.out_dir={tmp_path / 'out'}")
-    assert proc.returncode == 0, failed(proc.stderr, 3000)
     rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     evaluations = [row for row in rows if "eval/reward/mean" in row]
     assert [row["train/step"] for row in evaluations] == [0, 1, 2]
