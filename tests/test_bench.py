@@ -261,3 +261,22 @@ def test_bench_grpo_takes_your_own_job(tmp_path):
     assert config["model"]["path"] == "runs/sft_guess/export" and config["rl"]["prompts_per_rank"] == 4
     assert config["rl"]["environment"] == "syncwise.environments:GuessNumber" and config["rl"]["max_staleness"] == 1
     assert config["optim"]["lr"] == 0 and config["rl"]["max_turns"] == 5
+
+
+def test_the_regression_bench_runs_two_trees_abba_and_prints_the_ratio_per_phase(tmp_path):
+    """Issue 71's guard, its mechanics on a tiny job: the earlier tree (here this one, as a checkout) and the current
+    one, A B B A, per phase per token; a tree against itself is within the run-to-run noise of a few steps."""
+    from pathlib import Path
+
+    out = tmp_path / "regression"
+    tree = Path(__file__).resolve().parents[1]
+    proc = _bench("--workload", "regression", "--against-tree", str(tree), "--repeats", "1", "--warmup", "0",
+                  "--out", str(out), "--job", "train.steps=3", "rl.prompts_per_rank=2", "rl.samples_per_prompt=2",
+                  "train.checkpoint_every=0", "train.export=false")
+    data = json.loads((out / "bench_regression.json").read_text())
+    assert len(data["runs"]["earlier"]) == len(data["runs"]["current"]) == 2
+    ratios = data["ratios"]
+    assert {"step", "rollout", "update", "response_length"} <= set(ratios)
+    assert ratios["response_length"]["ratio"] == 1.0  # the same tree samples the same responses
+    assert 0.2 < ratios["step"]["ratio"] < 5.0
+    assert "| step |" in proc.stdout and "ratio = current / earlier" in proc.stdout

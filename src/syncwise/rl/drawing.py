@@ -85,14 +85,15 @@ class BatchDrawer:
         env = self.source.environment
         episodes = result.episodes or None
         n = self.config.rl.samples_per_prompt
+        trl = any(reward.trl for reward in self.source.rewards)  # what only TRL's signature reads, made for it
         try:
             instances = [getattr(e, "instance", e) for e in episodes] if episodes else None
             prompts = [opened(rows[i // n]["prompt"], t.opening) if t.opening is not None else rows[i // n]["prompt"]
-                       for i, t in enumerate(result.trajectories)]
+                       for i, t in enumerate(result.trajectories)] if trl else None
             totals, parts = score_samples(self.source.rewards, rows, result.responses, n, instances,
                                           [t.env_reward for t in result.trajectories],
                                           env.name if env is not None else "environment",
-                                          [t.tokens for t in result.trajectories], prompts,
+                                          [t.tokens for t in result.trajectories] if trl else None, prompts,
                                           RewardState(step, self.config.train.steps), env is not None)
             episode_metrics = [episode.metrics() for episode in result.episodes]
         finally:
