@@ -89,10 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     sft = sub.add_parser("sft", help="supervised fine-tuning on a dataset or a built-in task (sft.task)",
                          epilog=keys_help)
     sft.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
-    config = sub.add_parser("config", help="the resolved config of a job as YAML, every key with its doc and default",
-                            epilog=keys_help)
-    config.add_argument("job", nargs="?", choices=("train", "sft"), default="train")
-    config.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
     sft.add_argument("--write-example-data", metavar="DIR",
                      help="write a built-in chat task as a user brings data (DIR/train.jsonl, DIR/eval.jsonl, "
                           "DIR/prompts.jsonl, DIR/model with its tokenizer and chat template) and exit")
@@ -101,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --write-example-data: arith_chat (word problems), arith_tools (the calculator, "
                           "and the same problems without it), arith_python (the python tool) or guess_number "
                           "(games of the built-in environment syncwise.environments:GuessNumber)")
+    config = sub.add_parser("config", help="the resolved config of a job as YAML, every key with its doc and default",
+                            epilog=keys_help)
+    config.add_argument("job", choices=("train", "sft"), help="the job whose config: train or sft")
+    config.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
     bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
     bench.add_argument("--workload", choices=tuple(WORKLOADS), default="modes",
                        help="; ".join(f"{name}: {workload.summary}" for name, workload in WORKLOADS.items()))
