@@ -80,6 +80,9 @@ def test_trl_reward_functions_train_as_written(chat, tmp_path, kind):
     assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert ("syncwise train: beside the defaults: " in proc.stdout
             and "optim.lr=1e-06 (the defaults for a pretrained model)" in proc.stdout)
+    # issue 69 (3): with the bar off (train.progress=false), a line a step (train.log_every=1)
+    assert [line.split(" reward ")[0] for line in proc.stdout.splitlines() if line.startswith("step ")] == \
+        ["step 1/2", "step 2/2"]
     if held_out:
         _assert_evaluated(tmp_path, proc)
     for row in read_jsonl(tmp_path / "out" / "metrics.jsonl"):

@@ -72,6 +72,7 @@ class TrainConfig:
     out_dir: str = "runs/grpo"  # metrics.jsonl, curves.png, phases.png, checkpoints/, export/
     logger: str = "jsonl"  # jsonl | tensorboard (also writes TensorBoard event files)
     progress: bool = True  # a progress bar on rank 0
+    log_every: int = 1  # with the bar off: a line every N steps (its reward, loss, collectives, phases)
     checkpoint_every: int = 20  # 0: only the final checkpoint
     resume: str = "none"  # none | auto (from <out_dir>/checkpoints/latest) | a checkpoint directory
     export: bool = True  # write a Hugging Face model (safetensors) to <out_dir>/export at the end
@@ -83,4 +84,5 @@ class TrainConfig:
         positive("train.steps", self.steps)
         non_negative("train.checkpoint_every", self.checkpoint_every)
         non_negative("train.eval_every", self.eval_every, "0: before the first step and after the last only")
+        positive("train.log_every", self.log_every)
         return self

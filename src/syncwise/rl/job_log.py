@@ -57,6 +57,7 @@ class JobLogs:
         self.history: list[dict[str, Any]] = []
         self.loggers: list[Any] = []
         self.bar = None
+        self.steps, self.every = 0, 1
 
     def open(self, config: Config, out_dir: Path, resumed_at: int | None) -> str:
         """The job's ``config.yaml`` written and its logs opened; what the first line says of them."""
@@ -69,6 +70,7 @@ class JobLogs:
             if resumed_at is None:
                 set_aside(out_dir / "tensorboard")
             self.loggers.append(TensorBoardLogger(out_dir / "tensorboard"))
+        self.steps, self.every = config.train.steps, config.train.log_every
         if config.train.progress:
             from tqdm import tqdm
 
@@ -77,13 +79,16 @@ class JobLogs:
         return note
 
     def log(self, metrics: dict[str, Any], progress: str) -> None:
-        """One step's metrics; ``progress``: the bar's line for it."""
+        """One step's metrics; ``progress``: the bar's line for it (with the bar off, printed every
+        ``train.log_every`` steps)."""
         for logger in self.loggers:
             logger.log(metrics)
         self.history.append(metrics)
         if self.bar is not None:
             self.bar.set_postfix_str(progress)
             self.bar.update(1)
+        elif metrics["train/step"] % self.every == 0 or metrics["train/step"] == self.steps:
+            print(f"step {metrics['train/step']}/{self.steps} {progress}", flush=True)
 
     def log_eval(self, row: dict[str, Any]) -> None:
         """An evaluation's row (its step and ``eval/...``): in the logs beside the steps' rows, not a step."""
