@@ -123,11 +123,12 @@ def _differences(config: Config, layers: list[tuple[str, dict[str, Any]]]) -> li
     """Per source, the keys whose value is not the default's, as ``key=value``."""
     defaults = _leaves(config_to_dict(load_config_dict({})))
     values = _leaves(config_to_dict(config))
+    set_by = [(name, set(_leaves(layer))) for name, layer in reversed(layers)]  # the last layer wins
     by_source: dict[str, list[str]] = {}
     for key, value in values.items():
         if key in defaults and value == defaults[key]:
             continue
-        source = next((name for name, layer in reversed(layers) if key in _leaves(layer)), "derived from these")
+        source = next((name for name, keys in set_by if key in keys), "derived from these")
         by_source.setdefault(source, []).append(f"{key}={value}")
     return [f"{', '.join(keys)} ({source})" for source, keys in by_source.items()]
 

@@ -112,16 +112,14 @@ def build_model(cfg: ModelConfig, value_head: bool = False, deferred: bool = Fal
         if cfg.path:
             layout = checkpoint_layout(model, cfg.path)
             note = untied_head(model, layout) if layout is not None else None
-            if note:  # from_pretrained keeps a head the file holds apart; so do training and the export
+            if note:  # from_pretrained keeps a head the file holds apart; so do training and the export (the
+                # layout stands: a tied model's state dict names both keys already)
                 hf_config.tie_word_embeddings = False
                 model = _on_meta(auto_class, hf_config)
-                layout = checkpoint_layout(model, cfg.path)
             on_meta = layout is not None  # else keys transformers converts: from_pretrained loads it whole
-    if on_meta:
-        pass  # built above
-    elif cfg.path:
+    if not on_meta and cfg.path:
         model = _from_pretrained(auto_class, cfg, hf_config, value_head)
-    else:
+    elif not on_meta:
         hf_config._attn_implementation = cfg.attn_implementation
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)

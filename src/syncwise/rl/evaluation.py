@@ -14,6 +14,7 @@ from ..runtime.distributed import DistInfo, agree_fields
 from .drawing import BatchDrawer
 from .env.tasks import PromptSource, prompt_source
 from .rollout.front import Rollout
+from .stats import reward_part_sums
 
 EVAL_SEED_STEP = 1 << 30  # the sampling seeds' step for evaluations: never a training step's
 
@@ -78,10 +79,9 @@ def _add(sums: dict[str, float], totals: torch.Tensor, parts: dict[str, torch.Te
     sums["solved"] += float((totals >= 1).sum())
     sums["response_tokens"] += float(lengths.sum())
     sums["clipped"] += float(clipped.sum())
-    for name, values in parts.items():
-        if f"reward/{name}" in sums:
-            sums[f"reward/{name}"] += float(values.double().nansum())
-            sums[f"scored_by/{name}"] += float((~values.isnan()).sum())
+    for key, value in reward_part_sums(parts).items():
+        if key in sums:  # the job's functions (an episode's own part is not summed: no rank may lack a field)
+            sums[key] += value
 
 
 def eval_row(version: int, metrics: dict[str, Any]) -> dict[str, Any]:

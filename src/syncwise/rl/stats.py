@@ -46,9 +46,7 @@ def rollout_stats(
         "trained_tokens": response_mask.sum(), "uniform_groups": uniform_groups, "groups": groups,
         "trained_samples": trained, "clipped": result.clipped.sum(), "kept_mass": kept.sum(),
         "kept_tokens": kept.numel(), "staleness": stale.sum(), **{f"decode/{k}": v for k, v in decode.items()},
-        **{f"reward/{name}": values.double().nansum() for name, values in result.reward_parts.items()},
-        **{f"scored_by/{name}": (~values.isnan()).sum() for name, values in result.reward_parts.items()},
-        "all_none": _all_none(result.reward_parts),
+        **reward_part_sums(result.reward_parts), "all_none": _all_none(result.reward_parts),
         **({f"tools/{k}": v for k, v in zip(TOOL_COUNTS, result.tool_counts.tolist(), strict=True)}
            if result.tool_counts is not None else {}),
     }
@@ -199,6 +197,16 @@ def progress_line(metrics: dict[str, Any]) -> str:
               f"{metrics['critic/sync/mode']}" if "critic/vf_loss" in metrics else "")
     return (f"reward {metrics['reward/mean']:.3f} {actor}{critic} | rollout {metrics['time/rollout_s']:.1f}s "
             f"update {metrics['time/update_s'] + metrics['time/critic_update_s']:.1f}s")
+
+
+def reward_part_sums(parts: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each reward source's sum over the samples it scored (``reward/<name>``) and how many it scored
+    (``scored_by/<name>``): a None (NaN, TRL's "not applicable") counts in neither."""
+    out: dict[str, float] = {}
+    for name, values in parts.items():
+        out[f"reward/{name}"] = float(values.double().nansum())
+        out[f"scored_by/{name}"] = float((~values.isnan()).sum())
+    return out
 
 
 def _all_none(parts: dict[str, torch.Tensor]) -> float:

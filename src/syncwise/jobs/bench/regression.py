@@ -35,6 +35,7 @@ JOB = ("rl.reward_fn=syncwise.rewards:final_number", "rl.prompts_per_rank=4", "r
        "optim.lr=1e-4", "optim.warmup_steps=0", "optim.grad_clip=1.0", "engine.micro_batch_size=8",
        "train.steps=30", "train.seed=0", "train.checkpoint_every=0", "train.export=false")
 PHASES = ("step", "rollout", "update")  # reported first; every other time/* after them
+CURRENT = Path(__file__).resolve().parents[3]  # this tree's src/
 
 
 @dataclass
@@ -60,20 +61,19 @@ def run(args) -> int:
         spec.warmup = args.warmup
     out = Path(spec.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    current = Path(__file__).resolve().parents[3]  # this tree's src/
     with tempfile.TemporaryDirectory(prefix="syncwise-earlier-") as folder:
         earlier = Path(spec.against_tree) / "src" if spec.against_tree else _worktree(spec.against, Path(folder))
         job = spec.job or [*JOB, *_default_data(out)]
         runs: dict[str, list[dict[str, float]]] = {"earlier": [], "current": []}
         for r in range(spec.rounds):
             for i, which in enumerate(("earlier", "current", "current", "earlier")):
-                tree = earlier if which == "earlier" else current
+                tree = earlier if which == "earlier" else CURRENT
                 runs[which].append(_run(tree, job, out / f"round{r}_{i}_{which}", spec))
         if not spec.against_tree:
             _drop_worktree(Path(folder) / "tree")
     results = _compare(runs)
     write_report(out, "bench_regression", spec, {"runs": runs, "ratios": results},
-                 _table(results, spec), [f"earlier: {spec.against_tree or spec.against}; current: {current.parent}; "
+                 _table(results), [f"earlier: {spec.against_tree or spec.against}; current: {CURRENT.parent}; "
                                          f"{spec.rounds} round(s) of A B B A; per token = over the median response "
                                          "length; ratio = current / earlier (above 1: slower now)"])
     return 0
@@ -110,13 +110,12 @@ def _syncwise(src: Path, args: list[str], cwd: Path) -> subprocess.CompletedProc
 def _default_data(out: Path) -> list[str]:
     """Issue 71's model and prompts, made once under ``out``: the SFT example's data, its model fine-tuned one
     epoch by this tree."""
-    current = Path(__file__).resolve().parents[3]
     export = out / "sft" / "export"
     if not (export / "config.json").is_file():
         for args in (["sft", "--write-example-data", str(out / "data")],
                      ["sft", f"model.path={out / 'data' / 'model'}", f"sft.dataset={out / 'data' / 'train.jsonl'}",
                       "sft.epochs=1", f"sft.out_dir={out / 'sft'}", "sft.progress=false"]):
-            proc = _syncwise(current, args, out)
+            proc = _syncwise(CURRENT, args, out)
             if proc.returncode != 0:
                 raise SystemExit(f"syncwise bench --workload regression: preparing the job failed: "
                                  f"{proc.stderr.strip().splitlines()[-1:]}")
@@ -160,7 +159,7 @@ def _compare(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     return out
 
 
-def _table(results: dict[str, Any], spec: RegressionSpec) -> str:
+def _table(results: dict[str, Any]) -> str:
     order = [*(p for p in PHASES if p in results), *sorted(k for k in results if k not in PHASES)]
     lines = ["| per token (rollout_tokens_per_s: higher is faster) | earlier | current | current / earlier | "
              "each round |", "|---|---|---|---|---|"]

@@ -110,11 +110,12 @@ def _takes_any_keyword(fn: Callable[..., Any]) -> bool:
 
 def _takes_three(fn: Callable[..., Any]) -> bool:
     """Whether ``fn(prompt, response, row)`` binds (a builtin without a signature is given the benefit)."""
-    signature = _signature(fn)
-    if not signature:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
         return True
     try:
-        inspect.signature(fn).bind(None, None, None)
+        signature.bind(None, None, None)
     except TypeError:
         return False
     return True
