@@ -186,6 +186,21 @@ def _rows(folder: Path, out: str) -> list[dict]:
     return [json.loads(line) for line in (folder / out / "metrics.jsonl").read_text().splitlines()]
 
 
+COMPLETION_COLUMNS = {"step", "prompt", "completion", "messages", "reward", "advantage", "length", "finish_reason",
+                      "turns", "tool_calls", "tool_errors"}
+
+
+def _completions(folder: Path, out: str, step: int):
+    """The job's completions table of ``step`` (issue 69), as pandas reads it: every sample of both ranks."""
+    import pandas as pd
+
+    frame = pd.read_parquet(folder / out / "completions" / f"completions_{step:05d}.parquet")
+    assert set(frame.columns) >= COMPLETION_COLUMNS, frame.columns
+    assert len(frame) == 16 and (frame["step"] == step).all()  # 2 ranks x 2 prompts x 4 samples
+    assert set(frame["finish_reason"]) <= {"eos", "stop", "length", "tool_error"}
+    return frame
+
+
 @pytest.fixture(scope="module")
 def through(folder):
     proc = _train(folder, "through", "train.steps=4")
@@ -205,6 +220,30 @@ def test_the_policy_calls_the_tool_and_trains_on_its_own_tokens_only(through):
         # (tool results and template text between the turns included), fp32; measured mean ~3e-7, max ~5e-6
         assert row["rollout/log_prob_diff"] < 2e-6 and row["rollout/log_prob_diff_max"] < 2e-5, row
         assert row["time/tools_s"] >= 0 and row["rollout/tool_errors/timeout"] == 0
+
+
+def test_each_step_s_conversations_are_in_the_completions_table_and_syncwise_show(folder, through):
+    """Issue 69: every step's samples in completions/ -- the whole conversation, its tool calls and the tool's
+    answers marked -- with the reward, the advantage (GRPO's, the group's reward standardised), the length in
+    tokens; ``syncwise show`` prints the step's best and worst conversations."""
+    frame = _completions(folder, "through", 4)
+    called = frame[frame["completion"].str.contains("-> tool call add(", regex=False)]
+    assert len(called) > 0 and (called["tool_calls"] > 0).all()
+    conversation = called.iloc[0]["completion"]
+    assert "tool (add): " in conversation, conversation
+    assert conversation.startswith("assistant: ") and "<tool_call>" not in conversation
+    messages = json.loads(called.iloc[0]["messages"])
+    assert [m["role"] for m in messages][:3] == ["assistant", "tool", "assistant"], messages
+    assert frame["turns"].max() >= 2 and (frame["length"] > 0).all()
+    assert (frame.groupby(frame.index // 4)["advantage"].sum().abs() < 1e-4).all()  # each group's sums to 0
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "show", str(folder / "through"), "--step", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("step 2: 16 samples, reward mean") and "--- best 1 of 16" in proc.stdout
+    assert "--- worst 1 of 16" in proc.stdout and "[completion]\nassistant: " in proc.stdout
+    missing = subprocess.run([sys.executable, "-m", "syncwise", "show", str(folder / "through"), "--step", "9"],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no table for step 9 (logged: 1, 2, 3, 4)" in missing.stderr
 
 
 def test_a_resumed_job_repeats_the_conversations(folder, through):
@@ -255,6 +294,10 @@ def test_an_environment_class_written_for_trl_trains_unchanged(folder):
         assert row["rollout/log_prob_diff"] < 2e-6, row
     closed = (folder / "environment.closed.jsonl").read_text().splitlines()
     assert len(closed) == 2 * 16  # every conversation's episode, both steps, both ranks
+    frame = _completions(folder, "environment", 2)  # each reward source's value beside the total
+    assert frame["reward"].to_numpy() == pytest.approx((frame["reward/AdderEnv"] + frame["reward/final_number"])
+                                                       .to_numpy(), rel=1e-9)
+    assert frame["completion"].str.contains("tool (add): ", regex=False).any()
 
 
 PARTIAL = ["rl.max_staleness=1", "rl.partial_chunk_tokens=8"]  # a turn of the memorised model: several rounds
@@ -280,6 +323,9 @@ def test_partial_rollouts_carry_conversations_and_a_resume_repeats_them(folder):
     # step 1's samples are all the initial policy's: its log-probs the trainer's; later ones went on under a new one
     assert through[0]["rollout/staleness_max"] == 0 and through[0]["rollout/log_prob_diff"] < 2e-6
     assert max(r["rollout/staleness_mean"] for r in through) > 0
+    frame = _completions(folder, "partial", 4)  # off-policy: each sample's policy version and how far behind
+    assert (frame["staleness"] == 3 - frame["policy_version"]).all() and frame["staleness"].between(0, 2).all()
+    assert frame["staleness"].mean() == pytest.approx(through[3]["rollout/staleness_mean"])
     first = _train(folder, "partial_resumed", "train.steps=2", "train.checkpoint_every=2", *partial, *SAVED_ENV)
     assert first.returncode == 0, failed(first.stderr, 3000)
     held = torch.load(folder / "partial_resumed" / "checkpoints" / "step_000002" / "rank0.pt",

@@ -76,10 +76,9 @@ def job_history(path: str | Path, step_key: str = "train/step") -> list[dict[str
     return [rows[step] for step in sorted(rows)]
 
 
-def format_step(metrics: dict[str, Any], total_steps: int) -> str:
-    """``step 3/30 loss 2.1043 grad_norm 0.812 | AG 36 RS 5 AR 3 (deferred) | 0.21 s``"""
+def format_step(metrics: dict[str, Any]) -> str:
+    """An engine step's words: ``loss 2.1043 grad_norm 0.812 | AG 36 RS 5 AR 3 (deferred) | 0.21 s``"""
     return (
-        f"step {metrics['train/step']:>3}/{total_steps} "
         f"loss {metrics.get('loss', float('nan')):.4f} "
         f"grad_norm {metrics['train/grad_norm']:.3f} | "
         f"AG {metrics['comm/all_gather_count']} "
@@ -87,27 +86,6 @@ def format_step(metrics: dict[str, Any], total_steps: int) -> str:
         f"AR {metrics['comm/all_reduce_count']} ({metrics['sync/mode']}) | "
         f"{metrics['train/step_time_s']:.2f} s"
     )
-
-
-class TensorBoardLogger:
-    """Scalar metrics as TensorBoard event files (via tensorboardX, no TensorFlow needed)."""
-
-    def __init__(self, log_dir: str | Path):
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError as exc:  # pragma: no cover - an install problem, reported plainly
-            raise RuntimeError("train.logger=tensorboard needs the tensorboardX package") from exc
-        self._writer = SummaryWriter(str(log_dir))
-
-    def log(self, metrics: dict[str, Any]) -> None:
-        step = int(metrics.get("train/step", 0))
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(key, value, step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        self._writer.close()
 
 
 def _pyplot():

@@ -3,11 +3,35 @@ checkpoints)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from .checks import ConfigError, choice, non_negative, positive
 
 SFT_TASKS = ("progression", "arith_chat")
+# Where a job's metrics go beside metrics.jsonl (always written): the packages are optional extras
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow", "trackio")
+LOGGER_PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+
+
+def logger_names(key: str, value: str | list[str]) -> list[str]:
+    """``train.logger`` / ``sft.logger`` as a list, jsonl first (always written): a name, a comma-separated list
+    or a list; a ConfigError naming the key for an unknown one, or one whose package is not installed."""
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else [str(n).strip() for n in value]
+    for name in names:
+        choice(key, name, LOGGERS)
+    missing = [n for n in names if n in LOGGER_PACKAGES and importlib.util.find_spec(LOGGER_PACKAGES[n]) is None]
+    if missing:
+        extras = ",".join(missing)
+        raise ConfigError(f"{key}: {', '.join(missing)} needs its package, which is not installed: "
+                          f"pip install 'syncwise[{extras}]'")
+    return ["jsonl", *dict.fromkeys(n for n in names if n != "jsonl")]
+
+
+def progress_choice(key: str, value: bool | str) -> bool | str:
+    if value not in (True, False, "auto"):
+        raise ConfigError(f"{key}: must be true, false or auto, got {value!r}")
+    return value
 SFT_TRUNCATION = ("right", "left", "drop")
 
 
@@ -32,10 +56,11 @@ class SFTConfig:
     checkpoint_every: int = 0  # 0: only the final checkpoint
     resume: str = "none"  # none | auto (from <out_dir>/checkpoints/latest) | a checkpoint directory
     export: bool = True  # a Hugging Face model (and its tokenizer with the chat template) in <out_dir>/export
-    progress: bool = False  # a progress bar on rank 0 (the default prints a line every sft.log_every steps)
+    progress: bool | str = "auto"  # a progress bar on rank 0: true | false | auto (on a terminal only)
+    logger: str | list[str] = "jsonl"  # also: tensorboard, wandb, mlflow, trackio -- a list, e.g. [jsonl,wandb]
     seed: int = 0  # the sample order (and the progression task's rows)
     out_dir: str = "runs/sft"  # metrics.jsonl, curves.png, checkpoints/, export/
-    log_every: int = 1  # with the bar off: a line every N steps
+    log_every: int = 1  # with the bar off: a line every N steps (its loss, collectives, time)
     min_len: int = 8  # the progression task's shortest sequence
     max_len: int = 32  # the progression task's longest sequence
 
@@ -51,6 +76,8 @@ class SFTConfig:
         non_negative("sft.eval_every", self.eval_every, "0: at the end only")
         non_negative("sft.checkpoint_every", self.checkpoint_every, "0: the final checkpoint only")
         positive("sft.log_every", self.log_every)
+        self.progress = progress_choice("sft.progress", self.progress)
+        self.logger = logger_names("sft.logger", self.logger)
         positive("sft.min_len", self.min_len)
         if self.max_len < self.min_len:
             raise ConfigError(f"sft.max_len: must be >= sft.min_len ({self.min_len}), got {self.max_len}")
@@ -70,9 +97,15 @@ class TrainConfig:
     steps: int = 60  # RL steps (each: a rollout, its rewards and the update)
     seed: int = 0  # the prompt order, the sampling seeds and the ranks' generators
     out_dir: str = "runs/grpo"  # metrics.jsonl, curves.png, phases.png, checkpoints/, export/
-    logger: str = "jsonl"  # jsonl | tensorboard (also writes TensorBoard event files)
-    progress: bool = True  # a progress bar on rank 0
+    # also: tensorboard, wandb, mlflow, trackio (rank 0; a resumed job continues their runs) -- a list, e.g.
+    # [jsonl,wandb]; wandb and trackio read WANDB_* / TRACKIO_* (WANDB_MODE=offline), mlflow MLFLOW_TRACKING_URI
+    # (unset: a file store in <out_dir>/mlruns)
+    logger: str | list[str] = "jsonl"
+    progress: bool | str = "auto"  # a progress bar on rank 0: true | false | auto (on a terminal only)
     log_every: int = 1  # with the bar off: a line every N steps (its reward, loss, collectives, phases)
+    # each step's samples (prompt, completion, rewards, advantage, how it ended) every N steps to
+    # <out_dir>/completions/completions_<step>.parquet and the loggers' tables (0: none); syncwise show reads them
+    log_completions_every: int = 1
     checkpoint_every: int = 20  # 0: only the final checkpoint
     resume: str = "none"  # none | auto (from <out_dir>/checkpoints/latest) | a checkpoint directory
     export: bool = True  # write a Hugging Face model (safetensors) to <out_dir>/export at the end
@@ -80,7 +113,9 @@ class TrainConfig:
     eval_every: int = 0  # with rl.eval_dataset: evaluate every N steps (0: before the first and after the last only)
 
     def validate(self) -> TrainConfig:
-        choice("train.logger", self.logger, ("jsonl", "tensorboard"))
+        self.logger = logger_names("train.logger", self.logger)
+        self.progress = progress_choice("train.progress", self.progress)
+        non_negative("train.log_completions_every", self.log_completions_every, "0: no completions table")
         positive("train.steps", self.steps)
         non_negative("train.checkpoint_every", self.checkpoint_every)
         non_negative("train.eval_every", self.eval_every, "0: before the first step and after the last only")

@@ -74,6 +74,8 @@ def _main(argv: list[str] | None) -> int:
         return run_workload(args)
     if args.command == "config":
         return _print_config(args)
+    if args.command == "show":
+        return _show(args)
     return 1  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -101,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                             epilog=keys_help)
     config.add_argument("job", choices=("train", "sft"), help="the job whose config: train or sft")
     config.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
+    show = sub.add_parser("show", help="a step's best and worst samples from a job's completions table")
+    show.add_argument("run", help="the job's output folder (train.out_dir)")
+    show.add_argument("--step", type=int, help="the step (default: the last logged)")
+    show.add_argument("--best", type=int, default=2, help="how many of the highest rewards (default 2)")
+    show.add_argument("--worst", type=int, default=2, help="how many of the lowest rewards (default 2)")
     bench = sub.add_parser("bench", help="time, count and measure every sync mode side by side")
     bench.add_argument("--workload", choices=tuple(WORKLOADS), default="modes",
                        help="; ".join(f"{name}: {workload.summary}" for name, workload in WORKLOADS.items()))
@@ -214,6 +221,18 @@ def _print_config(args: argparse.Namespace) -> int:
     print(describe(config, args.job, JOB_SECTIONS[args.job]))
     if differences:
         print(f"# beside the defaults: {'; '.join(differences)}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    """``syncwise show RUN [--step N]``: the step's samples, best and worst, from ``RUN/completions``."""
+    from ..completions import view
+
+    try:
+        print(view(args.run, args.step, args.best, args.worst))
+    except (ValueError, OSError) as exc:
+        print(f"syncwise show: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -20,6 +20,7 @@ from .rollout.partial import PartialPool
 from .rollout.queue import ScoredBatch
 from .rollout.turns import opened
 from .stats import PhaseClock
+from .transcripts import transcripts
 
 
 class BatchDrawer:
@@ -48,7 +49,8 @@ class BatchDrawer:
         clock.move("rollout", "tools", result.tool_s)  # run between the turns
         with clock("reward"):
             rewards, reward_parts, episode_metrics = self.score(result, rows, step)
-        return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics)
+        return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics,
+                              self.transcripts(result, rows))
 
     def draw_partial(self, pool: PartialPool, step: int, clock: PhaseClock,
                      version_now: Callable[[], int] | None = None) -> ScoredBatch:
@@ -63,13 +65,23 @@ class BatchDrawer:
             result, groups = self.rollout.generate_partial(pool, step, lambda k: self.source.prompt_ids[self.stream(k)],
                                                            version_now, self.seat)
         clock.move("rollout", "tools", result.tool_s)  # opening episodes, running calls between the turns
+        rows = [self.source.rows[self.stream(g.index)] for g in groups]
         with clock("reward"):
-            rewards, reward_parts, episode_metrics = self.score(result, [self.source.rows[self.stream(g.index)]
-                                                                         for g in groups], step)
+            rewards, reward_parts, episode_metrics = self.score(result, rows, step)
         # colocated every round drew by this step's policy; drawing on, the newest a round drew by
         version = step if version_now is None else max((v for t in result.trajectories for v in t.versions),
                                                        default=step)
-        return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics)
+        return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics,
+                              self.transcripts(result, rows))
+
+    def transcripts(self, result: RolloutResult, rows: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """Each sample's transcript for the completions table (``rows``: one per prompt, ``samples_per_prompt``
+        samples each); None where the job writes none (``train.log_completions_every=0``)."""
+        if not self.config.train.log_completions_every:
+            return None
+        n = self.config.rl.samples_per_prompt
+        return transcripts(result.trajectories, [rows[i // n]["prompt"] for i in range(len(result.trajectories))],
+                           self.rollout.end_ids)
 
     def stream(self, k: int) -> int:
         """The row of this trainer's k-th prompt: the synchronous job's, in its order (step k // prompts_per_rank)."""

@@ -30,13 +30,14 @@ from typing import Any
 import torch
 
 from ..checkpoint import CheckpointManager
-from ..config import Config
+from ..config import Config, config_to_dict
 from ..engine import Engine
 from ..export import export_hf
+from ..job_logs import JobLogs, LogSettings
 from ..metrics import job_history, plot_curves, plot_phases
 from ..models import build_model
 from ..models.lora import adapters_disabled
-from ..runtime.distributed import DistInfo, init_distributed
+from ..runtime.distributed import DistInfo, gather_to_main, init_distributed
 from ..runtime.roles import JobRoles
 from ..runtime.signals import stopped
 from .algorithm.advantages import grpo_advantages, rloo_advantages
@@ -48,9 +49,10 @@ from .batches import batch_producer
 from .drawing import BatchDrawer
 from .env.tasks import end_token_ids, load_tokenizer, prompt_source
 from .evaluation import Evaluation, eval_row
-from .job_log import JobLogs, first_line, print_summary
+from .job_log import first_line, print_summary
 from .rollout.channel import RolloutChannel
 from .rollout.front import Rollout
+from .rollout.queue import ScoredBatch
 from .rollout_rank import rollout_ranks_line, share_network
 from .stats import (
     PHASES,
@@ -63,6 +65,7 @@ from .stats import (
     rollout_stats,
     throughput,
 )
+from .transcripts import completion_rows
 from .warm_start import keep_changed_bases, start_from_policy, warm_start_step
 
 
@@ -119,8 +122,8 @@ class RLTrainer:
         self.loss_fn = make_policy_loss(rl.loss, temperature=rl.temperature)
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
         self.resumed_from = self.checkpoints.resolve(train.resume)
-        self.start = (int(self.checkpoints.load(self.resumed_from, self.engine, self._others)["step"])
-                      if self.resumed_from else 0)
+        saved = self.checkpoints.load(self.resumed_from, self.engine, self._others) if self.resumed_from else {}
+        self.start = int(saved.get("step", 0))
         drawer = BatchDrawer(config, (info.rank, info.world_size), self.rollout, self.source) if self.rollout else None
         self.batches = batch_producer(config, info, drawer, self.channel, self.engine.full_weights_by_unit)
         resumes = bool(self.resumed_from) and config.rollout_mode.off_policy
@@ -129,7 +132,7 @@ class RLTrainer:
         self.evaluation = Evaluation(config, info, self.rollout, self.tokenizer) if rl.eval_dataset else None
         self.logs = JobLogs()
         if info.is_main:
-            self._open_logs()
+            self._open_logs(saved.get("loggers", {}))
 
     @property
     def uses_reference(self) -> bool:
@@ -158,8 +161,12 @@ class RLTrainer:
         models = (self.reference, self.engine, self.critic.engine if self.critic else None)
         return sum(e.resident_bytes() for e in models if e is not None and e is not engine)
 
-    def _open_logs(self) -> None:
-        log_note = self.logs.open(self.config, self.out_dir, self.start if self.resumed_from else None)
+    def _open_logs(self, runs: dict[str, str]) -> None:
+        """The job's logs opened (``runs``: the loggers' run ids a resumed checkpoint kept) and its first line."""
+        train = self.config.train
+        settings = LogSettings(train.logger, train.progress, train.log_every, train.steps, self.config.rl.algorithm)
+        log_note = self.logs.open(config_to_dict(self.config), self.out_dir, settings,
+                                  self.start if self.resumed_from else None, runs)
         rollout_words = self.rollout.describe() if self.rollout else rollout_ranks_line(self.config,
                                                                                          self.info.world_size)
         print(first_line(self.config, self.info.world_size, self.source, rollout_words,
@@ -179,7 +186,9 @@ class RLTrainer:
         batch = dict(scored.batch)
         if self.critic is None:
             batch["advantages"] = advantages_for(rewards, self.config)
+            self._log_completions(scored, batch["advantages"], step + 1)
         else:
+            self._log_completions(scored, None, step + 1)
             batch["rewards"] = rewards.float()  # moves with its sample; GAE reads it after balancing
         batch["rollout_log_probs"] = scored.log_probs  # moves with its sample; the loss reads it if asked
         with clock("balance"):
@@ -243,6 +252,17 @@ class RLTrainer:
             self.logs.log(metrics, progress_line(metrics))
         return metrics
 
+    def _log_completions(self, scored: ScoredBatch, advantages: torch.Tensor | None, done: int) -> None:
+        """Collective where due (``train.log_completions_every``): every rank's samples of the step, with their
+        rewards and advantages, gathered to rank 0 into the completions table."""
+        every = self.config.train.log_completions_every
+        if not every or (done % every and done != self.config.train.steps):
+            return
+        rows = completion_rows(scored, advantages, done, self.config.rl.is_off_policy)
+        gathered = gather_to_main(rows, "the completions table's gather", self.config.dist.timeout_s)
+        if gathered is not None:
+            self.logs.log_completions([row for rank_rows in gathered for row in rank_rows], done)
+
     def warm_start(self) -> None:
         """``rl.warm_start_steps`` supervised steps on the task's correct responses through the same engine,
         then the reference (and a critic of the policy's weights) start from the warm-started policy
@@ -279,7 +299,8 @@ class RLTrainer:
 
     def save(self, done: int) -> Path:
         """Collective: a checkpoint of the state after ``done`` steps (PPO: the critic's beside the actor's)."""
-        return self.checkpoints.save(done, self.engine, {"step": done}, self._others, self.batches.state_dict())
+        return self.checkpoints.save(done, self.engine, {"step": done, "loggers": self.logs.run_ids()}, self._others,
+                                     self.batches.state_dict())
 
     def finish(self) -> None:
         """Export, close the logs, plot and summarise."""

@@ -67,6 +67,17 @@ def collective_timeout(name: str, timeout_s: float) -> Iterator[None]:
         raise
 
 
+def gather_to_main(obj: Any, what: str, timeout_s: float) -> list[Any] | None:
+    """Collective: every rank's ``obj`` (picklable) on rank 0, in rank order; None on the others."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return [obj]
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    with collective_timeout(what, timeout_s):
+        dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
 def agree(
     sums: list[float], own: list[float], what: str, device: torch.device, timeout_s: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from ..checkpoint import CheckpointManager
 from ..config import Config, config_to_dict
 from ..data.sft_dataset import SampleOrder, padded_batch, rank_share
 from ..engine import Engine
 from ..export import export_hf
+from ..job_logs import JobLogs, LogSettings
 from ..losses import sft_loss
-from ..metrics import JsonlLogger, format_step, job_history, open_job_log, plot_curves
+from ..metrics import format_step, job_history, plot_curves
 from ..models import build_model
 from ..runtime.distributed import DistInfo
 from ..runtime.signals import stopped
@@ -62,21 +62,18 @@ class SFTTrainer:
         self.engine = Engine(config, build_model(model_config, deferred=True), info, total_steps=self.total_steps)
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
         self.resumed_from = self.checkpoints.resolve(sft.resume)
-        self.start, self.position = 0, 0
-        if self.resumed_from:
-            state = self.checkpoints.load(self.resumed_from, self.engine)
-            self.start, self.position = int(state["step"]), int(state["position"])
-        self.logger: JsonlLogger | None = None
-        self.bar = None
+        state = self.checkpoints.load(self.resumed_from, self.engine) if self.resumed_from else {}
+        self.start, self.position = int(state.get("step", 0)), int(state.get("position", 0))
+        self.logs = JobLogs()
         if info.is_main:
-            self._open_logs()
+            self._open_logs(state.get("loggers", {}))
 
-    def _open_logs(self) -> None:
+    def _open_logs(self, runs: dict[str, str]) -> None:
+        """The logs opened (``runs``: the loggers' run ids a resumed checkpoint kept) and the job's first lines."""
         sft = self.config.sft
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config)))
-        self.logger, log_note = open_job_log(self.out_dir / "metrics.jsonl", self.start if self.resumed_from else None)
-        log_note = f"; its config in {self.out_dir / 'config.yaml'}{log_note}"
+        settings = LogSettings(sft.logger, sft.progress, sft.log_every, self.total_steps, "sft")
+        log_note = self.logs.open(config_to_dict(self.config), self.out_dir, settings,
+                                  self.start if self.resumed_from else None, runs)
         size = (f"{sft.batch_tokens} tokens" if sft.batch_tokens else
                 f"{sft.batch_size} sequences ({self.total_steps * sft.batch_size / len(self.data):.3g} epochs)")
         held = f"; eval {self.eval_data.describe()}" if self.eval_data is not None else ""
@@ -90,10 +87,6 @@ class SFTTrainer:
             + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else "") + log_note,
             flush=True,
         )
-        if sft.progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total_steps, initial=self.start, desc="sft", dynamic_ncols=True)
 
     def step(self, step: int) -> dict[str, Any]:
         """One optimizer step on the next samples of the order; returns its metrics (same on every rank)."""
@@ -137,7 +130,8 @@ class SFTTrainer:
 
     def save(self, done: int) -> Path:
         """Collective: a checkpoint after ``done`` steps, with the position in the sample order."""
-        return self.checkpoints.save(done, self.engine, {"step": done, "position": self.position})
+        return self.checkpoints.save(done, self.engine, {"step": done, "position": self.position,
+                                                         "loggers": self.logs.run_ids()})
 
     def run(self) -> list[dict[str, Any]]:
         """Train from the start (or the resumed) step; rank 0 returns every step's metrics of this run."""
@@ -162,23 +156,18 @@ class SFTTrainer:
         return history
 
     def _log(self, metrics: dict[str, Any], done: int) -> None:
-        if self.logger is None:
+        if not self.info.is_main:
             return
-        self.logger.log(metrics)
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {metrics['loss']:.4f} {metrics['sync/mode']}")
-            self.bar.update(1)
-        elif (done - 1) % self.config.sft.log_every == 0 or done == self.total_steps or "eval/loss" in metrics:
-            line = format_step(metrics, self.total_steps)
-            if "eval/loss" in metrics:
-                line += f" | eval loss {metrics['eval/loss']:.4f} acc {metrics['eval/token_accuracy']:.3f}"
-            print(line, flush=True)
+        if self.logs.bar is not None:
+            self.logs.log(metrics, f"loss {metrics['loss']:.4f} {metrics['sync/mode']}")
+            return
+        line = format_step(metrics)
+        if "eval/loss" in metrics:
+            line += f" | eval loss {metrics['eval/loss']:.4f} acc {metrics['eval/token_accuracy']:.3f}"
+        self.logs.log(metrics, line, always="eval/loss" in metrics)
 
     def _close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.logger is not None:
-            self.logger.close()
+        self.logs.close()
 
     def finish(self) -> None:
         """Export (model and tokenizer), close the logs, plot and summarise the whole job."""

@@ -45,14 +45,17 @@ class ScoredBatch:
     # drawn on a rollout rank: its seconds [sampling, scoring, idle waiting for weights, receiving them]; the last
     # two on the first batch it drew by those weights for this trainer, else 0
     rollout_rank_s: torch.Tensor | None = None
+    # per sample, what the completions table shows of it (:mod:`syncwise.rl.transcripts`): plain strings and numbers
+    transcripts: list[dict[str, Any]] | None = None
 
     @classmethod
     def of(cls, step: int, version: int, result: RolloutResult, rewards: torch.Tensor,
-           reward_parts: dict[str, torch.Tensor], episode_metrics: list[dict[str, Any]]) -> ScoredBatch:
+           reward_parts: dict[str, torch.Tensor], episode_metrics: list[dict[str, Any]],
+           transcripts: list[dict[str, Any]] | None = None) -> ScoredBatch:
         started = torch.tensor([min(t.versions, default=version) for t in result.trajectories])
         return cls(step, version, dict(result.batch), result.log_probs, rewards, reward_parts, episode_metrics,
                    result.response_lengths, result.clipped, result.kept_mass, result.tool_counts, result.tool_s,
-                   started, result.decode)
+                   started, result.decode, transcripts=transcripts)
 
     @property
     def start_versions(self) -> torch.Tensor:

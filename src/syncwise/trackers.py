@@ -1,0 +1,189 @@
+"""Where a job's metrics go beside its ``metrics.jsonl`` (``train.logger`` / ``sft.logger``): TensorBoard, Weights &
+Biases, MLflow and Trackio, through their own packages (optional extras), on rank 0 only. Each tracker gets every
+step's numbers, the evaluations' rows, the completions table (:mod:`syncwise.completions`) and the job's config;
+a resumed job continues the same run, whose id its checkpoint keeps (:meth:`Tracker.run_id`).
+
+Where each writes is its package's own setting: wandb's ``WANDB_PROJECT`` / ``WANDB_MODE`` (``offline``: a run
+folder under ``<out_dir>/wandb`` for ``wandb sync``), MLflow's ``MLFLOW_TRACKING_URI`` (unset: a file store in
+``<out_dir>/mlruns``) and ``MLFLOW_EXPERIMENT_NAME``, Trackio's ``TRACKIO_DIR`` and ``TRACKIO_PROJECT``; the
+project or experiment is ``syncwise`` unless set, the run named after the output folder."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from .metrics import set_aside
+
+PROJECT = "syncwise"
+
+
+def numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a metrics row (a tracker plots numbers; the sync mode's name stays in the JSONL)."""
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class Tracker:
+    """One logger's run: metrics by step, the completions table, the run's id (kept in checkpoints)."""
+
+    name = ""
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        raise NotImplementedError
+
+    def log_table(self, frame: Any, step: int) -> None:
+        """The step's completions (a pandas DataFrame)."""
+
+    def run_id(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardTracker(Tracker):
+    """Event files in ``<out_dir>/tensorboard`` (tensorboardX, no TensorFlow): the scalars, and the completions
+    as a text table."""
+
+    name = "tensorboard"
+
+    def __init__(self, out_dir: Path, config: dict[str, Any], resumed: str | None, fresh: bool):
+        from tensorboardX import SummaryWriter
+
+        if fresh:  # an earlier run's events set aside, as metrics.jsonl is
+            set_aside(out_dir / "tensorboard")
+        self._writer = SummaryWriter(str(out_dir / "tensorboard"))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for key, value in numbers(metrics).items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def log_table(self, frame: Any, step: int) -> None:
+        self._writer.add_text("completions", frame.to_markdown(index=False) if _has_tabulate() else
+                              frame.to_string(index=False), step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbTracker(Tracker):
+    """A Weights & Biases run (``WANDB_MODE=offline``: no network, synced later with ``wandb sync``)."""
+
+    name = "wandb"
+
+    def __init__(self, out_dir: Path, config: dict[str, Any], resumed: str | None, fresh: bool):
+        import wandb
+
+        self._wandb = wandb
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=out_dir.name,
+                               dir=str(out_dir), config=config, id=resumed, resume="allow" if resumed else None)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self._run.log(numbers(metrics), step=step)
+
+    def log_table(self, frame: Any, step: int) -> None:
+        self._run.log({"completions": self._wandb.Table(dataframe=frame)}, step=step)
+
+    def run_id(self) -> str:
+        return self._run.id
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MlflowTracker(Tracker):
+    """An MLflow run: the config as parameters (and ``config.yaml``), the metrics by step, each completions table
+    as a JSON artifact (``completions/completions_<step>.json``, what ``mlflow.load_table`` reads)."""
+
+    name = "mlflow"
+
+    def __init__(self, out_dir: Path, config: dict[str, Any], resumed: str | None, fresh: bool):
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for it: we chose a file store
+            os.environ["MLFLOW_TRACKING_URI"] = (out_dir / "mlruns").resolve().as_uri()
+        import mlflow
+
+        self._mlflow = mlflow
+        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT))
+        self._run = mlflow.start_run(run_id=resumed) if resumed else mlflow.start_run(run_name=out_dir.name)
+        if not resumed:
+            mlflow.log_params({_key(k): str(v)[:6000] for k, v in _flat(config).items()})
+            mlflow.log_dict(config, "config.yaml")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self._mlflow.log_metrics({_key(k): v for k, v in numbers(metrics).items()}, step=step)
+
+    def log_table(self, frame: Any, step: int) -> None:
+        self._mlflow.log_table(frame, artifact_file=f"completions/completions_{step:05d}.json")
+
+    def run_id(self) -> str:
+        return self._run.info.run_id
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+class TrackioTracker(Tracker):
+    """A Trackio run in its local store (``TRACKIO_DIR``), resumed by name."""
+
+    name = "trackio"
+
+    def __init__(self, out_dir: Path, config: dict[str, Any], resumed: str | None, fresh: bool):
+        import trackio
+
+        self._trackio = trackio
+        self._name = resumed or f"{out_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        trackio.init(project=os.environ.get("TRACKIO_PROJECT", PROJECT), name=self._name, config=config,
+                     resume="must" if resumed else "never")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self._trackio.log(numbers(metrics), step=step)
+
+    def log_table(self, frame: Any, step: int) -> None:
+        self._trackio.log({"completions": self._trackio.Table(dataframe=frame)}, step=step)
+
+    def run_id(self) -> str:
+        return self._name
+
+    def close(self) -> None:
+        self._trackio.finish()
+
+
+TRACKERS: dict[str, type[Tracker]] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker,
+                                      "mlflow": MlflowTracker, "trackio": TrackioTracker}
+
+
+def open_trackers(names: list[str], out_dir: Path, config: dict[str, Any],
+                  resumed: dict[str, str] | None) -> list[Tracker]:
+    """The trackers ``names`` asks for (jsonl is the job log's own), each continuing its run in ``resumed`` (a
+    checkpoint's run ids; None: a new job)."""
+    runs = resumed or {}
+    return [TRACKERS[name](out_dir, config, runs.get(name), resumed is None) for name in names if name in TRACKERS]
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _key(name: str) -> str:
+    """A name as MLflow takes it (letters, digits, ``_ - . / `` and spaces)."""
+    return re.sub(r"[^\w\-./ ]", "_", name)
+
+
+def _has_tabulate() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tabulate") is not None
