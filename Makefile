@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make demo` (set up + the default GRPO job on 2 local CPU ranks)
-# and `make test` (set up + lint + the test suite). Everything installs into ./.venv.
+# and `make test` (set up + lint + the docs site + the test suite). Everything installs into ./.venv.
 PYTHON ?= python3
 VENV ?= .venv
 # CPU wheel pinned for the set-up; GPU users: make TORCH_SPEC="torch" (or install torch first).
@@ -13,7 +13,7 @@ BIN = $(VENV)/bin
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: demo test test-torch-floor lint install clean
+.PHONY: demo test test-torch-floor lint docs install clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,11 +32,15 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests
 	$(BIN)/lint-imports
 
+# The docs site (MkDocs Material, sources in docs/) into site/; --strict: a broken link, anchor or page fails
+docs: $(BIN)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
+
 # Two workers, a module whole on one, in tests/conftest.py's order (slowest first; xdist's own reorder, by
 # number of tests, would leave the two README recipes for last, alone); one thread each, so that two workers
 # on two cores do not oversubscribe them (the ranks a test starts get their share anyway).
 TEST_WORKERS ?= 2
-test: lint
+test: lint docs
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--durations=25
 
@@ -49,4 +53,4 @@ test-torch-floor:
 	$(MAKE) test VENV=$(FLOOR_VENV) TORCH_SPEC="$(FLOOR_TORCH_SPEC)" VLLM_SPEC=
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOOR_VENV) runs site .pytest_cache .ruff_cache

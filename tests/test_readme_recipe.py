@@ -1,8 +1,8 @@
-"""README's "From SFT to GRPO to transformers" block, run as written in a scratch folder (issue 29), then the
-PPO section's commands in the same folder (issue 31; one trains on the recipe's SFT export), then the vLLM
-section's job on the recipe's export (issue 39), and the tools recipe (issue 40): each
-`syncwise` command with overrides appended that only shorten it (steps, rollout size), the Python step
-verbatim. A README that drifts from the program fails here."""
+"""The docs' recipes run as written: the SFT page's "From SFT to GRPO to transformers" block -- the README's tour is
+the same block -- in a scratch folder (issue 29), then the PPO page's commands in the same folder (issue 31; one
+trains on the recipe's SFT export), then the vLLM page's job on the recipe's export (issue 39), and the tools and
+environments pages' recipes (issues 40, 49): each `syncwise` command with overrides appended that only shorten it
+(steps, rollout size), the Python step verbatim. A page that drifts from the program fails here."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from pathlib import Path
 from job_output import failed
 from syncwise.config.rollout_engines import ROLLOUT_ENGINES
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 HAS_VLLM = ROLLOUT_ENGINES["vllm"].installed()
 SHORTER = {
     "syncwise sft model.path": ["sft.steps=4", "sft.batch_size=8", "sft.eval_every=0"],
@@ -25,9 +26,10 @@ SHORTER = {
 }
 
 
-def _block(heading: str) -> str:
-    """The first bash block after ``heading``, its continued lines joined."""
-    text = README.read_text()
+def _block(heading: str, page: str = "README.md") -> str:
+    """The first bash block after ``heading`` in ``page`` (the README, or a page of docs/), its continued lines
+    joined."""
+    text = (ROOT / page).read_text()
     start = text.index(heading)
     return re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1).replace("\\\n", "")
 
@@ -48,16 +50,18 @@ def _shortened(block: str) -> list[str]:
 
 
 def test_the_readme_recipe_runs_as_written(tmp_path):
-    script = _shortened(_block("**From SFT to GRPO to transformers**"))
+    recipe = _block("**From SFT to GRPO to transformers**", "docs/sft.md")
+    assert _block("## A short tour") == recipe  # the README's tour is the page's recipe
+    script = _shortened(recipe)
     # then PPO's commands, in the folder the recipe left (one of them starts from its SFT export)
     ppo = []
-    for i, line in enumerate(_shortened(_block("## PPO with a critic"))):
+    for i, line in enumerate(_shortened(_block("## PPO with a critic", "docs/ppo.md"))):
         if "-m syncwise train" in line:
             warm = " rl.warm_start_steps=2" if "rl.warm_start_steps" in line else ""
             line = f"{line}{warm} critic.warmup_steps=1 train.out_dir=runs/ppo_{i}"
         ppo.append(line)
     # then the vLLM section's job on the recipe's export and prompts (where vLLM is installed: make install)
-    vllm = _shortened(_block("## Rollouts on vLLM")) if HAS_VLLM else []
+    vllm = _shortened(_block("## Rollouts on vLLM", "docs/vllm.md")) if HAS_VLLM else []
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script + ppo + vllm)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=1200)
@@ -65,6 +69,7 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
     assert (tmp_path / "runs" / "sft_arith" / "export" / "chat_template.jinja").is_file()
     assert (tmp_path / "runs" / "grpo_arith" / "metrics.jsonl").is_file()
     assert "GRPO on data/arith/prompts.jsonl" in proc.stdout
+    assert "step 2: 8 samples, reward mean" in proc.stdout and "[completion]\n" in proc.stdout  # syncwise show
     assert "PPO on task repeat" in proc.stdout and "PPO on data/arith/prompts.jsonl" in proc.stdout
     assert (tmp_path / "runs" / "ppo_1" / "export" / "critic" / "config.json").is_file()
     assert "auto would choose: actor " in proc.stdout  # syncwise plan --critic
@@ -77,9 +82,9 @@ def test_the_tools_recipe_runs_as_written(tmp_path):
     """README's "From SFT to GRPO with tools" block (issue 40): the arith_tools data, SFT, GRPO with the
     calculator, and the baseline without it; then (issue 49) the same with the python tool, and the environment
     recipe: the guess_number games, SFT, GRPO in the built-in environment; each shortened."""
-    script = _shortened(_block("**From SFT to GRPO with tools**"))
-    script += _shortened(_block("**The same recipe with the `python` tool**"))
-    script += _shortened(_block("**A stateful task to learn, from SFT to GRPO**"))
+    script = _shortened(_block("**From SFT to GRPO with tools**", "docs/tools.md"))
+    script += _shortened(_block("**The same recipe with the `python` tool**", "docs/tools.md"))
+    script += _shortened(_block("**A stateful task to learn, from SFT to GRPO**", "docs/environments.md"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=1200)

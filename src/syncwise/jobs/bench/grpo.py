@@ -19,7 +19,7 @@ shortcut -- is the reference. Writes ``bench_grpo.json``, ``bench_grpo.md`` and 
 
 ``--job KEY=VALUE ...`` benches your own job instead: its keys go into every configuration's (after the row's:
 ``rl.dataset=...``, ``rl.environment=...``, ``rl.max_turns=5``), and with ``model.path`` among them the
-configurations start from that model (an SFT export) and the warm start is skipped -- how the README's
+configurations start from that model (an SFT export) and the warm start is skipped -- how the docs' (docs/sft.md)
 multi-turn recipes are measured mode against mode.
 """
 
