@@ -117,6 +117,11 @@ def test_grpo_metrics_config_and_completions_go_to_wandb_mlflow_trackio_and_a_re
                for s in (1, 2, 3))
     assert sum("completions" in json.loads(m) for _, _, m in rows) == 3  # Trackio's
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    import pandas as pd  # and the job's own table, a step a file
+
+    frame = pd.read_parquet(out / "completions" / "completions_00003.parquet")
+    assert len(frame) == 128 and frame["reward"].tolist() == [row[table["columns"].index("reward")]
+                                                         for row in table["data"]]
 
 
 def test_sft_logs_through_the_same_loggers_and_a_resume_continues_them(tmp_path):

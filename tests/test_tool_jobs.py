@@ -375,6 +375,9 @@ def test_rollout_ranks_draw_conversations_on_and_checkpoint_them(folder):
         assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
         assert 0 < row["reward/SavedAdderEnv"] <= 1 and row["rollout/staleness_max"] <= 1, row
         assert row["rollout_rank/sample_s"] > 0 and row["time/tools_s"] >= 0, row
+    frame = _completions(folder, "partial_ranks", 3)  # drawn on the rollout ranks, their transcripts came along
+    assert frame["completion"].str.contains("tool (add): ", regex=False).any()
+    assert frame["staleness"].between(0, 1).all()
     unaccounted, dropped = 0, sum(r["rollout/dropped_stale"] for r in rows[:2])
     for rank in (0, 1):
         held = torch.load(folder / "partial_ranks" / "checkpoints" / "step_000002" / f"rank{rank}.pt",
