@@ -25,10 +25,16 @@ import json
 import os
 
 
-def correct(completions, answer, **kwargs):
-    """1 where the completion holds the row's answer (TRL: a column arrives by its name, one per completion)."""
+def correct(completions, answer, log_extra=None, log_metric=None, **kwargs):
+    """1 where the completion holds the row's answer (TRL: a column arrives by its name, one per completion); the
+    answers a column of the completions table and the batch's accuracy a metric, as TRL's docs log them."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return [1.0 if str(a) in t else 0.0 for t, a in zip(texts, answer)]
+    scores = [1.0 if str(a) in t else 0.0 for t, a in zip(texts, answer)]
+    if log_extra:
+        log_extra("golden_answer", list(answer))
+    if log_metric:
+        log_metric("accuracy", sum(scores) / len(scores))
+    return scores
 
 
 def short_even(prompts, completions, completion_ids, trainer_state, **kwargs):
@@ -94,6 +100,14 @@ def test_trl_reward_functions_train_as_written(chat, tmp_path, kind):
         assert row["reward/mean"] == pytest.approx(row["reward/correct"] + 0.5 * row["reward/short_even"] / 2,
                                                    abs=1e-6)
         assert "reward/all_none_fraction" not in row  # correct scored every sample
+        # TRL's log_metric: each rank's batch accuracy, averaged over the calls (equal batches: the mean)
+        assert row["accuracy"] == pytest.approx(row["reward/correct"], abs=1e-9)
+    import pandas as pd  # TRL's log_extra: a column of the completions table, beside each function's reward
+
+    frame = pd.read_parquet(tmp_path / "out" / "completions" / "completions_00002.parquet")
+    answers = {str(row["answer"]) for row in rows}
+    assert len(frame) == 16 and set(frame["golden_answer"].astype(str)) <= answers
+    assert frame["reward/short_even"].isna().sum() == 8 and frame["reward/correct"].notna().all()
     calls = [json.loads(line) for line in (tmp_path / "trl_log.jsonl").read_text().splitlines()]
     # 2 steps x 2 ranks, one call per batch; each of the 3 evaluations in rl.prompts_per_rank=2 chunks of a rank's
     # held-out prompts: 2 calls for rank 0's 3, 1 for rank 1's 2
@@ -101,7 +115,8 @@ def test_trl_reward_functions_train_as_written(chat, tmp_path, kind):
     want_prompt, want_completion = ("list", "list") if kind == "conversational" else ("str", "str")
     for call in calls:
         assert (call["prompt"], call["completion"], call["ids"]) == (want_prompt, want_completion, True)
-        assert call["columns"] == ["answer"] and call["max_steps"] == 2 and call["step"] in (0, 1, 2)
+        assert call["columns"] == ["answer", "log_extra", "log_metric"]  # TRL's reward_kwargs
+        assert call["max_steps"] == 2 and call["step"] in (0, 1, 2)
         if kind == "conversational":
             assert [m["role"] for m in call["first"]] == ["assistant"]
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..config import Config
-from .env.scoring import RewardState, score_samples
+from .env.scoring import RewardLogs, RewardState, score_samples
 from .env.tasks import PromptSource
 from .rollout.base import StopStrings
 from .rollout.front import Rollout, RolloutResult
@@ -48,9 +48,9 @@ class BatchDrawer:
                                            release=last, version=version, seat=self.seat)
         clock.move("rollout", "tools", result.tool_s)  # run between the turns
         with clock("reward"):
-            rewards, reward_parts, episode_metrics = self.score(result, rows, step)
+            rewards, reward_parts, episode_metrics, logs = self.score(result, rows, step)
         return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics,
-                              self.transcripts(result, rows))
+                              self.transcripts(result, rows, logs), logs.metrics)
 
     def draw_partial(self, pool: PartialPool, step: int, clock: PhaseClock,
                      version_now: Callable[[], int] | None = None) -> ScoredBatch:
@@ -67,21 +67,27 @@ class BatchDrawer:
         clock.move("rollout", "tools", result.tool_s)  # opening episodes, running calls between the turns
         rows = [self.source.rows[self.stream(g.index)] for g in groups]
         with clock("reward"):
-            rewards, reward_parts, episode_metrics = self.score(result, rows, step)
+            rewards, reward_parts, episode_metrics, logs = self.score(result, rows, step)
         # colocated every round drew by this step's policy; drawing on, the newest a round drew by
         version = step if version_now is None else max((v for t in result.trajectories for v in t.versions),
                                                        default=step)
         return ScoredBatch.of(step, version, result, rewards, reward_parts, episode_metrics,
-                              self.transcripts(result, rows))
+                              self.transcripts(result, rows, logs), logs.metrics)
 
-    def transcripts(self, result: RolloutResult, rows: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    def transcripts(self, result: RolloutResult, rows: list[dict[str, Any]],
+                    logs: RewardLogs) -> list[dict[str, Any]] | None:
         """Each sample's transcript for the completions table (``rows``: one per prompt, ``samples_per_prompt``
-        samples each); None where the job writes none (``train.log_completions_every=0``)."""
+        samples each), with the columns TRL-signature rewards logged (``log_extra``); None where the job writes
+        none (``train.log_completions_every=0``)."""
         if not self.config.train.log_completions_every:
             return None
         n = self.config.rl.samples_per_prompt
-        return transcripts(result.trajectories, [rows[i // n]["prompt"] for i in range(len(result.trajectories))],
-                           self.rollout.end_ids)
+        out = transcripts(result.trajectories, [rows[i // n]["prompt"] for i in range(len(result.trajectories))],
+                          self.rollout.end_ids)
+        for column, values in logs.extra.items():
+            for transcript, value in zip(out, values, strict=True):
+                transcript[column if column not in transcript else f"extra/{column}"] = value
+        return out
 
     def stream(self, k: int) -> int:
         """The row of this trainer's k-th prompt: the synchronous job's, in its order (step k // prompts_per_rank)."""
@@ -89,15 +95,18 @@ class BatchDrawer:
         step, position = divmod(k, per_step)
         return self.source.batch_indices(step, self.seat[0], self.seat[1], per_step)[position]
 
-    def score(self, result: RolloutResult, rows: list[dict[str, Any]], step: int) -> tuple[torch.Tensor, dict, list]:
-        """Every sample's reward (the weighted total), each source's, and what each episode says about itself;
-        the episodes are closed after, also when scoring fails. The functions see the user's own instances of
-        ``rl.environment``'s class (TRL's ``environments``), each sample's prompt as its episode opened it, its
-        completion's token ids and the step (TRL's ``trainer_state``)."""
+    def score(self, result: RolloutResult, rows: list[dict[str, Any]], step: int
+              ) -> tuple[torch.Tensor, dict, list, RewardLogs]:
+        """Every sample's reward (the weighted total), each source's, what each episode says about itself, and
+        what TRL-signature functions logged; the episodes are closed after, also when scoring fails. The
+        functions see the user's own instances of ``rl.environment``'s class (TRL's ``environments``), each
+        sample's prompt as its episode opened it, its completion's token ids and the step (TRL's
+        ``trainer_state``)."""
         env = self.source.environment
         episodes = result.episodes or None
         n = self.config.rl.samples_per_prompt
         trl = any(reward.trl for reward in self.source.rewards)  # what only TRL's signature reads, made for it
+        logs = RewardLogs()
         try:
             instances = [getattr(e, "instance", e) for e in episodes] if episodes else None
             prompts = [opened(rows[i // n]["prompt"], t.opening) if t.opening is not None else rows[i // n]["prompt"]
@@ -106,8 +115,8 @@ class BatchDrawer:
                                           [t.env_reward for t in result.trajectories],
                                           env.name if env is not None else "environment",
                                           [t.tokens for t in result.trajectories] if trl else None, prompts,
-                                          RewardState(step, self.config.train.steps), env is not None)
+                                          RewardState(step, self.config.train.steps), env is not None, logs)
             episode_metrics = [episode.metrics() for episode in result.episodes]
         finally:
             result.close_episodes()
-        return torch.tensor(totals), {name: torch.tensor(v) for name, v in parts.items()}, episode_metrics
+        return torch.tensor(totals), {name: torch.tensor(v) for name, v in parts.items()}, episode_metrics, logs

@@ -58,7 +58,7 @@ class Evaluation:
             result = self.rollout.generate(rows, [self.source.prompt_ids[i] for i in indices],
                                            EVAL_SEED_STEP + version, [self.source.encoded.tools[i] for i in indices],
                                            version=version)
-            totals, parts, _ = self.drawer.score(result, rows, version)
+            totals, parts, _, _ = self.drawer.score(result, rows, version)
             _add(sums, totals, parts, result.response_lengths, result.clipped)
         totals, _ = agree_fields(sums, {}, "the evaluation's all-reduce", self.info.device,
                                  self.config.dist.timeout_s)

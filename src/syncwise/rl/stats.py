@@ -170,9 +170,11 @@ def rollout_rank_metrics(rollout_rank_s: torch.Tensor, transfer: Any) -> dict[st
             "weights/largest_unit_bytes": float(transfer.largest_unit_bytes), "weights/send_s": transfer.seconds}
 
 
-def env_metrics(per_episode: list[dict[str, float]], info: DistInfo, timeout_s: float) -> dict[str, float]:
+def env_metrics(per_episode: list[dict[str, float]], info: DistInfo, timeout_s: float,
+                prefix: str = "env/") -> dict[str, float]:
     """``env/<name>``: each number an environment's ``metrics`` gave, its mean over the step's episodes
-    that gave it, over every rank (the names agreed first: an episode may give some only sometimes)."""
+    that gave it, over every rank (the names agreed first: an episode may give some only sometimes). The same
+    for TRL's ``log_metric`` calls (``prefix`` ""): each name's mean over the calls that gave it."""
     import torch.distributed as dist
 
     names = sorted(set().union(*per_episode)) if per_episode else []
@@ -184,7 +186,7 @@ def env_metrics(per_episode: list[dict[str, float]], info: DistInfo, timeout_s: 
     counts = [sum(name in m for m in per_episode) for name in names]
     totals, _ = agree([*sums, *counts], [], "the environment metrics all-reduce", info.device, timeout_s)
     values = totals.tolist()
-    return {f"env/{name}": values[i] / max(values[len(names) + i], 1.0) for i, name in enumerate(names)}
+    return {f"{prefix}{name}": values[i] / max(values[len(names) + i], 1.0) for i, name in enumerate(names)}
 
 
 def progress_line(metrics: dict[str, Any]) -> str:

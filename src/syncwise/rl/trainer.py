@@ -236,8 +236,7 @@ class RLTrainer:
             metrics.update(critic_metrics)
             metrics["stop/signal"] = max(metrics["stop/signal"], critic_metrics["critic/stop/signal"])
         metrics.update(balance_metrics)
-        if self.source.environment is not None:
-            metrics.update(env_metrics(scored.episode_metrics, self.info, self.config.dist.timeout_s))
+        metrics.update({k: v for k, v in self._scoring_metrics(scored).items() if k not in metrics})
         metrics.update(rollout_stats(scored, before_update, sampler_log_probs, batch["loss_mask"][:, 1:].double(),
                                      counts, self.info, self.config.dist.timeout_s,
                                      step if rl.is_off_policy else None))
@@ -251,6 +250,16 @@ class RLTrainer:
         if self.info.is_main:
             self.logs.log(metrics, progress_line(metrics))
         return metrics
+
+    def _scoring_metrics(self, scored: ScoredBatch) -> dict[str, float]:
+        """Collective: what the episodes said of themselves (``env/...``) and what TRL-signature rewards logged
+        with ``log_metric`` (under its name), each averaged over the step's entries on every rank."""
+        out: dict[str, float] = {}
+        if self.source.environment is not None:
+            out.update(env_metrics(scored.episode_metrics, self.info, self.config.dist.timeout_s))
+        if any(reward.trl for reward in self.source.rewards):
+            out.update(env_metrics(scored.reward_metrics or [], self.info, self.config.dist.timeout_s, prefix=""))
+        return out
 
     def _log_completions(self, scored: ScoredBatch, advantages: torch.Tensor | None, done: int) -> None:
         """Collective where due (``train.log_completions_every``): every rank's samples of the step, with their

@@ -10,6 +10,7 @@ starts:
   ``completions`` (strings for string prompts; for conversational prompts ``[{"role": "assistant", "content":
   ...}]``, with tools the whole conversation after the prompt), ``completion_ids``, ``trainer_state``
   (``global_step``, ``max_steps``), every dataset column but ``prompt`` by its name (one entry per completion),
+  ``log_extra`` (a column of the completions table) and ``log_metric`` (a number logged with the step's metrics),
   and with ``rl.environment`` ``environments`` (the user's own instances); it returns one number per completion,
   or ``None`` where it does not apply;
 - per-sample, ``fn(prompt, response, row) -> float``;
@@ -35,7 +36,33 @@ from typing import Any
 
 from .loader import load_function
 
-TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "environments")
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "environments", "log_extra",
+                 "log_metric")
+
+
+@dataclass
+class RewardLogs:
+    """What TRL-signature functions logged while scoring a batch: ``log_extra(column, values)`` -- one value per
+    completion, a column of the completions table -- and ``log_metric(name, value)`` -- a number, averaged over the
+    step's calls on every rank, logged as ``name``."""
+
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    size: int = 0  # completions in the batch
+
+    def log_extra(self, column: str, values: list[Any]) -> None:
+        values = list(values)
+        if len(values) != self.size:
+            raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {self.size} completions")
+        self.extra[str(column)] = [_plain(v) for v in values]
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.append({str(name): float(value)})
+
+
+def _plain(value: Any) -> Any:
+    """A logged value as the table keeps it: a number, a string or None (anything else as its text)."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
 @dataclass
@@ -144,19 +171,22 @@ def reward_functions(paths: list[str], weights: list[float]) -> list[RewardFunct
 
 def score(functions: list[RewardFunction], prompts: list[Any], responses: list[Any], rows: list[dict[str, Any]],
           environments: list[Any] | None = None, completion_ids: list[list[int]] | None = None,
-          state: RewardState | None = None, trl_environments: bool = False
+          state: RewardState | None = None, trl_environments: bool = False, logs: RewardLogs | None = None
           ) -> tuple[list[float], dict[str, list[float]]]:
     """Every response's weighted total and each function's own rewards (NaN where it gave ``None``;
     ``environments``: each sample's instance of the user's class, or its episode, for the functions that ask for
     it -- a TRL function gets them with ``trl_environments``). A function that raises, returns the wrong number
-    of rewards or a non-finite one is a ValueError naming it (and, per sample, the prompt)."""
+    of rewards or a non-finite one is a ValueError naming it (and, per sample, the prompt); ``logs``: where TRL's
+    ``log_extra`` / ``log_metric`` write."""
     parts: dict[str, list[float]] = {}
+    logs = logs if logs is not None else RewardLogs()
+    logs.size = len(responses)
     envs = environments if environments is not None else [None] * len(responses)
     for reward in functions:
         wants = reward.parameters
         if reward.trl:
             parts[reward.name] = _trl(reward, prompts, responses, rows, completion_ids, state,
-                                      environments if trl_environments else None)
+                                      environments if trl_environments else None, logs)
         elif reward.batched:
             extra = {"environments": environments} if "environments" in wants and environments else {}
             parts[reward.name] = _batched(reward, prompts, responses, rows, extra)
@@ -172,14 +202,15 @@ def score_samples(functions: list[RewardFunction], rows: list[dict[str, Any]], r
                   environments: list[Any] | None = None, episode_rewards: list[float | None] = (),
                   episode_name: str = "environment", completion_ids: list[list[int]] | None = None,
                   prompts: list[Any] | None = None, state: RewardState | None = None,
-                  trl_environments: bool = False) -> tuple[list[float], dict[str, list[float]]]:
+                  trl_environments: bool = False, logs: RewardLogs | None = None
+                  ) -> tuple[list[float], dict[str, list[float]]]:
     """:func:`score` for a rollout step's samples, ``n`` consecutive ones per row (``prompts``: each sample's as
     its episode opened it, else its row's); an episode's own score (its environment's ``reward()``, where it gives
     one) is one more part, ``episode_name``, added to the total."""
     group_rows = [rows[i // n] for i in range(len(responses))]
     prompts = prompts if prompts is not None else [row["prompt"] for row in group_rows]
     totals, parts = score(functions, prompts, responses, group_rows, environments, completion_ids, state,
-                          trl_environments)
+                          trl_environments, logs)
     if any(r is not None for r in episode_rewards):
         parts[episode_name] = [r or 0.0 for r in episode_rewards]
         totals = [total + r for total, r in zip(totals, parts[episode_name], strict=True)]
@@ -187,8 +218,8 @@ def score_samples(functions: list[RewardFunction], rows: list[dict[str, Any]], r
 
 
 def _trl(reward: RewardFunction, prompts: list[Any], responses: list[Any], rows: list[dict[str, Any]],
-         completion_ids: list[list[int]] | None, state: RewardState | None, environments: list[Any] | None
-         ) -> list[float]:
+         completion_ids: list[list[int]] | None, state: RewardState | None, environments: list[Any] | None,
+         logs: RewardLogs) -> list[float]:
     """A TRL reward function called as TRL's ``_calculate_rewards`` calls it (what it cannot take left out where
     it has no ``**kwargs``)."""
     completions = [[{"role": "assistant", "content": r}] if isinstance(p, list) and isinstance(r, str) else r
@@ -196,7 +227,7 @@ def _trl(reward: RewardFunction, prompts: list[Any], responses: list[Any], rows:
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"} if rows else {}
     given = {**columns, "prompts": prompts, "completions": completions,
              "completion_ids": completion_ids if completion_ids is not None else [[] for _ in responses],
-             "trainer_state": state or RewardState()}
+             "trainer_state": state or RewardState(), "log_extra": logs.log_extra, "log_metric": logs.log_metric}
     if environments is not None:
         given["environments"] = environments
     if not reward.any_keyword:

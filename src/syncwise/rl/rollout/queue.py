@@ -47,15 +47,18 @@ class ScoredBatch:
     rollout_rank_s: torch.Tensor | None = None
     # per sample, what the completions table shows of it (:mod:`syncwise.rl.transcripts`): plain strings and numbers
     transcripts: list[dict[str, Any]] | None = None
+    # what TRL-signature rewards logged with log_metric while scoring it: {name: value} a call
+    reward_metrics: list[dict[str, float]] | None = None
 
     @classmethod
     def of(cls, step: int, version: int, result: RolloutResult, rewards: torch.Tensor,
            reward_parts: dict[str, torch.Tensor], episode_metrics: list[dict[str, Any]],
-           transcripts: list[dict[str, Any]] | None = None) -> ScoredBatch:
+           transcripts: list[dict[str, Any]] | None = None,
+           reward_metrics: list[dict[str, float]] | None = None) -> ScoredBatch:
         started = torch.tensor([min(t.versions, default=version) for t in result.trajectories])
         return cls(step, version, dict(result.batch), result.log_probs, rewards, reward_parts, episode_metrics,
                    result.response_lengths, result.clipped, result.kept_mass, result.tool_counts, result.tool_s,
-                   started, result.decode, transcripts=transcripts)
+                   started, result.decode, transcripts=transcripts, reward_metrics=reward_metrics)
 
     @property
     def start_versions(self) -> torch.Tensor:
