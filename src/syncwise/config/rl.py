@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +139,13 @@ class RLConfig:
     # contract (syncwise.rl.env.classes): one instance per conversation, reset(**row), its public methods but
     # reset and get_reward the tools, get_reward() one more reward; a metrics property logged as env/<name>
     environment: str | None = None
+    # Your agent, "file.py:function" or "package.module:function", sync or async (syncwise.rl.rollout.agent_loop):
+    # run once per sample against an OpenAI-compatible endpoint on the sampling process (token in, token out),
+    # given by name any of row, base_url, api_key, model, client (an openai.AsyncOpenAI); it returns its reward,
+    # or None for rl.reward_fn to score the final conversation
+    agent: str | None = None
+    agent_workers: int = 64  # rl.agent: runs at once on a sampling process (their requests sampled together)
+    agent_timeout_s: float = 300.0  # rl.agent: one run's seconds; past it the run is cancelled (counted, masked)
     # What samples the responses (syncwise.rl.rollout.front): compact -- each prompt prefilled once, ended
     # sequences dropped, only drawn tokens' log-probs kept (syncwise.rl.rollout.compact); generate -- Hugging Face
     # generate (the earlier path, for comparison); vllm -- a vLLM engine on every rank (syncwise.rl.rollout.vllm)
@@ -209,7 +217,9 @@ class RLConfig:
         self._validate_rollout()
         self._validate_tools()
         self.loss.validate()
-        if self.dataset and not self.reward_fn and not self.environment:  # the environment's get_reward may score
+        self._validate_agent()
+        # the environment's get_reward, or the agent, may score
+        if self.dataset and not self.reward_fn and not self.environment and not self.agent:
             raise ConfigError("rl.dataset needs rl.reward_fn (package.module:function): a prompt file brings no reward")
         positive("rl.prompts_per_rank", self.prompts_per_rank)
         positive("rl.samples_per_prompt", self.samples_per_prompt)
@@ -290,6 +300,25 @@ class RLConfig:
     def is_off_policy(self) -> bool:
         """Whether a step may train on samples an older policy drew (a lag, or partial rollouts)."""
         return bool(self.off_policy_lag or self.max_staleness)
+
+    def _validate_agent(self) -> None:
+        if not self.agent:
+            return
+        positive("rl.agent_workers", self.agent_workers)
+        positive("rl.agent_timeout_s", self.agent_timeout_s)
+        for key, clash in (("rl.tools", self.tools), ("rl.environment", self.environment)):
+            if clash:
+                raise ConfigError(f"rl.agent with {key}: the agent brings its own tools (the endpoint takes `tools=` "
+                                  "and answers with `tool_calls`); give one of them")
+        if self.max_staleness:
+            raise ConfigError("rl.agent with rl.max_staleness: partial rollouts would carry an agent's run across "
+                              "steps, which its code cannot pause; use rl.off_policy_lag for an off-policy agent job")
+        if self.skip_uniform_groups:
+            raise ConfigError("rl.agent with rl.skip_uniform_groups: a session may have several segments, and groups "
+                              "are not skipped by row; leave rl.skip_uniform_groups=false")
+        missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ConfigError(f"rl.agent: the endpoint needs {', '.join(missing)}: pip install 'syncwise[agent]'")
 
     def _validate_tools(self) -> None:
         positive("rl.max_turns", self.max_turns)

@@ -76,6 +76,8 @@ def _main(argv: list[str] | None) -> int:
         return _print_config(args)
     if args.command == "show":
         return _show(args)
+    if args.command == "serve":
+        return _serve(args)
     return 1  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -103,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                             epilog=keys_help)
     config.add_argument("job", choices=("train", "sft"), help="the job whose config: train or sft")
     config.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible endpoint on a model folder (an export): evaluate "
+                                         "it with the agent code that trained it", epilog=keys_help)
+    serve.add_argument("args", nargs="*", help="[config.yaml] model.path=DIR [section.key=value ...]")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="the port (default 8000; 0: a free one)")
     show = sub.add_parser("show", help="a step's best and worst samples from a job's completions table")
     show.add_argument("run", help="the job's output folder (train.out_dir)")
     show.add_argument("--step", type=int, help="the step (default: the last logged)")
@@ -232,6 +239,29 @@ def _show(args: argparse.Namespace) -> int:
         print(view(args.run, args.step, args.best, args.worst))
     except (ValueError, OSError) as exc:
         print(f"syncwise show: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """``syncwise serve model.path=DIR``: until Ctrl-C (exit 130)."""
+    path, overrides = _split_args(args.args)
+    try:
+        config, _ = load_job_config("serve", path, overrides)
+        if not config.model.path:
+            raise ConfigError("model.path: syncwise serve needs a model folder (a job's export, or save_pretrained's)")
+    except ConfigError as exc:
+        print(f"syncwise: config error: {exc}", file=sys.stderr)
+        return 2
+    from ..rl.serve import serve
+
+    try:
+        serve(config, args.host, args.port, ready=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        print("syncwise serve: stopped", file=sys.stderr)
+        return 130
+    except (OSError, ValueError) as exc:
+        print(f"syncwise serve: {exc}", file=sys.stderr)
         return 2
     return 0
 

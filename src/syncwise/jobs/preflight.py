@@ -140,6 +140,10 @@ def check_rl(config: Config) -> None:
             from ..rl.evaluation import eval_source
 
             eval_source(config, tokenizer)
+        if rl.agent:  # it imports, and asks only for what an agent is given
+            from ..rl.env.agents import AgentFunction
+
+            AgentFunction.load(rl.agent)
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
     check_sandbox(config, source.all_tools)

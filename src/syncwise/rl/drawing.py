@@ -6,6 +6,7 @@ trainer it serves)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -82,11 +83,11 @@ class BatchDrawer:
         if not self.config.train.log_completions_every:
             return None
         n = self.config.rl.samples_per_prompt
-        out = transcripts(result.trajectories, [rows[i // n]["prompt"] for i in range(len(result.trajectories))],
-                          self.rollout.end_ids)
+        samples = result.sample_of or range(len(result.trajectories))  # rl.agent: a sample's segments, a row each
+        out = transcripts(result.trajectories, [rows[k // n]["prompt"] for k in samples], self.rollout.end_ids)
         for column, values in logs.extra.items():
-            for transcript, value in zip(out, values, strict=True):
-                transcript[column if column not in transcript else f"extra/{column}"] = value
+            for transcript, k in zip(out, samples, strict=True):
+                transcript[column if column not in transcript else f"extra/{column}"] = values[k]
         return out
 
     def stream(self, k: int) -> int:
@@ -102,6 +103,8 @@ class BatchDrawer:
         functions see the user's own instances of ``rl.environment``'s class (TRL's ``environments``), each
         sample's prompt as its episode opened it, its completion's token ids and the step (TRL's
         ``trainer_state``)."""
+        if result.agent is not None:
+            return self._score_agents(result, rows, step)
         env = self.source.environment
         episodes = result.episodes or None
         n = self.config.rl.samples_per_prompt
@@ -120,3 +123,31 @@ class BatchDrawer:
         finally:
             result.close_episodes()
         return torch.tensor(totals), {name: torch.tensor(v) for name, v in parts.items()}, episode_metrics, logs
+
+    def _score_agents(self, result: RolloutResult, rows: list[dict[str, Any]], step: int
+                      ) -> tuple[torch.Tensor, dict, list, RewardLogs]:
+        """rl.agent: each sample's reward -- its agent's, else ``rl.reward_fn``'s on its final segment, 0 where
+        its agent failed -- spread over its segments' rows (``agent`` and each function's part beside)."""
+        run, n, logs = result.agent, self.config.rl.samples_per_prompt, RewardLogs()
+        last: dict[int, Any] = {}
+        for trajectory, k in zip(result.trajectories, run.sample_of, strict=True):
+            last[k] = trajectory
+        samples = len(run.rewards)
+        unscored = [k for k, value in enumerate(run.rewards) if value is None]
+        parts: dict[str, list[float]] = {"agent": [math.nan if v is None else v for v in run.rewards]}
+        totals = [0.0 if v is None else v for v in run.rewards]
+        if unscored:
+            if not self.source.rewards:
+                raise ValueError(f"rl.agent: {self.config.rl.agent} returned None for a sample and no rl.reward_fn "
+                                 "scores it; return a number, or set rl.reward_fn")
+            responses = [last[k].messages or last[k].text for k in range(samples)]
+            scored, by_function = score_samples(self.source.rewards, rows, responses, n,
+                                                completion_ids=[last[k].tokens for k in range(samples)],
+                                                state=RewardState(step, self.config.train.steps), logs=logs)
+            for k in unscored:
+                totals[k] = scored[k]
+            parts.update({name: [v if run.rewards[k] is None else math.nan for k, v in enumerate(values)]
+                          for name, values in by_function.items()})
+        index = torch.tensor(run.sample_of)
+        return (torch.tensor(totals)[index], {name: torch.tensor(v)[index] for name, v in parts.items()}, [],
+                logs)

@@ -15,6 +15,7 @@ import torch
 from ..losses import is_maximum
 from ..runtime.distributed import DistInfo, agree, agree_fields
 from .env.tools import ANSWER_KINDS, ERROR_KINDS
+from .rollout.agent_loop import AGENT_COUNTS
 from .rollout.queue import ScoredBatch
 from .rollout.turns import TOOL_COUNTS
 
@@ -49,6 +50,9 @@ def rollout_stats(
         **reward_part_sums(result.reward_parts), "all_none": _all_none(result.reward_parts),
         **({f"tools/{k}": v for k, v in zip(TOOL_COUNTS, result.tool_counts.tolist(), strict=True)}
            if result.tool_counts is not None else {}),
+        **({f"agent/{k}": v for k, v in zip(AGENT_COUNTS, result.agent_counts.tolist(), strict=True)}
+           if result.agent_counts is not None else {}),
+        "agent_samples": len(result.per_sample(rewards)),
     }
     own = {"log_prob_diff_max": float(diff.max()) if diff.numel() else 0.0,
            "staleness_max": float(stale.max()) if stale.numel() else 0.0}
@@ -62,6 +66,7 @@ def rollout_stats(
     tools = [totals[f"tools/{k}"] for k in TOOL_COUNTS] if result.tool_counts is not None else []
     return {
         **(tool_metrics(tools, count) if tools else {}),
+        **(agent_metrics(totals) if result.agent_counts is not None else {}),
         **(by_function if len(by_function) > 1 else {}),
         **({"reward/all_none_fraction": totals["all_none"] / count} if totals["all_none"] else {}),
         "response/clipped_fraction": totals["clipped"] / count,  # cut by rl.max_new_tokens
@@ -168,6 +173,16 @@ def rollout_rank_metrics(rollout_rank_s: torch.Tensor, transfer: Any) -> dict[st
     return {"rollout_rank/sample_s": sample_s, "rollout_rank/reward_s": reward_s, "rollout_rank/idle_s": idle_s,
             "rollout_rank/weight_sync_s": weights_s, "weights/bytes": float(transfer.bytes),
             "weights/largest_unit_bytes": float(transfer.largest_unit_bytes), "weights/send_s": transfer.seconds}
+
+
+def agent_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """rl.agent's runs over every rank: requests, segments (a rewritten history opens one), tokens sampled and
+    inserted between them, refusals, cut answers, failures, and each run's mean seconds."""
+    samples = max(totals["agent_samples"], 1.0)
+    out = {f"agent/{k}": totals[f"agent/{k}"] for k in AGENT_COUNTS if k != "wall_s"}
+    out["agent/segments_per_sample"] = totals["agent/segments"] / samples
+    out["agent/wall_s_mean"] = totals["agent/wall_s"] / samples
+    return out
 
 
 def env_metrics(per_episode: list[dict[str, float]], info: DistInfo, timeout_s: float,

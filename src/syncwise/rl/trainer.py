@@ -184,15 +184,15 @@ class RLTrainer:
         scored = self.batches.take(step, clock)
         rewards = scored.rewards
         batch = dict(scored.batch)
-        if self.critic is None:
-            batch["advantages"] = advantages_for(rewards, self.config)
+        if self.critic is None:  # a group's samples (rl.agent: their segments carry the sample's advantage)
+            batch["advantages"] = scored.per_row(advantages_for(scored.per_sample(rewards), self.config))
             self._log_completions(scored, batch["advantages"], step + 1)
         else:
             self._log_completions(scored, None, step + 1)
             batch["rewards"] = rewards.float()  # moves with its sample; GAE reads it after balancing
         batch["rollout_log_probs"] = scored.log_probs  # moves with its sample; the loss reads it if asked
         with clock("balance"):
-            batch, balance_metrics, counts = samples_that_train(batch, rewards, self.config.rl,
+            batch, balance_metrics, counts = samples_that_train(batch, scored.per_sample(rewards), self.config.rl,
                                                                 self.info, self.tokenizer.pad_token_id,
                                                                 self.config.dist.timeout_s)
         sampler_log_probs = batch["rollout_log_probs"]
@@ -332,6 +332,8 @@ class RLTrainer:
             return self._run()
         finally:
             self.batches.close()
+            if self.rollout is not None:
+                self.rollout.close()
             if self.channel is not None:
                 self.channel.end()
 

@@ -35,6 +35,7 @@ from ...runtime.distributed import DistInfo, local_tensor
 from ..env.base import Environment, FunctionTools, close_all
 from ..env.classes import ClassEpisode
 from ..env.tasks import PromptSource
+from .agent_loop import AgentLoop, AgentRun
 from .base import RolloutEngine, RolloutSetup, Trajectory, sample_seed
 from .partial import Group, PartialPool
 from .turns import TurnLoop, counts_tensor
@@ -63,6 +64,12 @@ def episodes_of(source: PromptSource) -> Callable[[dict[str, Any]], Environment]
     return None
 
 
+def model_name(config: Config) -> str:
+    """The name the endpoint serves the policy as (``model``): its folder's, or the preset's."""
+    path = config.model.path
+    return os.path.basename(os.path.normpath(path)) if path else config.model.preset
+
+
 def least_training_bytes(engine: Engine, beside_bytes: int, tokens: int) -> int:
     """What this rank's training needs at the least beside a rollout engine: the policy's parameters and
     optimizer state, its sharded gradients, ``beside_bytes`` (the other models kept beside it) and the first
@@ -86,6 +93,12 @@ class RolloutResult:
     episodes: list[Environment] = field(default_factory=list)  # with tools, each sample's: open until closed
     # partial rollouts (queue.DECODE_FIELDS): tokens drawn this step, rows x longest per call, dropped, decode steps
     decode: dict[str, float] | None = None
+    agent: AgentRun | None = None  # rl.agent: the runs whose segments the trajectories are
+
+    @property
+    def sample_of(self) -> list[int] | None:
+        """rl.agent: which sample each trajectory (a segment) is; None: each trajectory is its own sample."""
+        return self.agent.sample_of if self.agent is not None else None
 
     def close_episodes(self) -> None:
         """Every episode is over (scored, or failed): each closed, all of them even where one raises."""
@@ -95,7 +108,8 @@ class RolloutResult:
     @property
     def responses(self) -> list[Any]:
         """What the reward functions see: the text, or with tools each conversation's messages after the prompt."""
-        return [t.messages if self.tool_counts is not None else t.text for t in self.trajectories]
+        return [t.messages if self.tool_counts is not None or (self.agent and t.messages) else t.text
+                for t in self.trajectories]
 
     @property
     def response_lengths(self) -> torch.Tensor:
@@ -128,6 +142,9 @@ class Rollout:
             training_bytes))
         self.turns = TurnLoop(self.cfg, tokenizer, self.end_ids, episodes_of(source), list(source.all_tools),
                               source.environment.name if source.environment else None)
+        self.agents = (AgentLoop(self.cfg, tokenizer, self.end_ids, model_name(config),
+                                 getattr(hf_config, "max_position_embeddings", None) or 2**31)
+                       if self.cfg.agent else None)
 
     @classmethod
     def beside(cls, config: Config, engine: Engine, tokenizer: PreTrainedTokenizerBase, source: PromptSource,
@@ -146,8 +163,13 @@ class Rollout:
         return self.sampler.held_bytes()
 
     def describe(self) -> str:
-        loop = self.turns.describe()
+        loop = self.agents.describe() if self.agents is not None else self.turns.describe()
         return self.sampler.describe() + (f", {loop}" if loop else "")
+
+    def close(self) -> None:
+        """The job is over: what the rollout holds open beside the engine (the agents' endpoint) let go."""
+        if self.agents is not None:
+            self.agents.close()
 
     @torch.no_grad()
     def sync_weights(self, units: Iterator[dict[str, torch.Tensor]] | None = None) -> None:
@@ -167,6 +189,11 @@ class Rollout:
         samples are for, whose seeds they take (this rank's where not given; a rollout rank serves others)."""
         n = self.cfg.samples_per_prompt
         rank, world = seat or (self.info.rank, self.info.world_size)
+        if self.agents is not None:
+            run = self.agents.run(self.sampler, rows, prompt_ids, n, self.max_new_tokens,
+                                  (self.config.train.seed, step, rank, world), step if version is None else version)
+            return self._finish(RolloutResult({}, run.trajectories, torch.zeros(0), torch.zeros(0), 0.0, None,
+                                              agent=run), release)
         seeds = [sample_seed(self.config.train.seed, step, rank, world, turn, self.turns.max_turns,
                              len(prompt_ids) * n) for turn in range(self.turns.max_turns)]
         trajectories, tool_s, episodes = self.turns.run(self.sampler, rows, prompt_ids,

@@ -49,6 +49,9 @@ class ScoredBatch:
     transcripts: list[dict[str, Any]] | None = None
     # what TRL-signature rewards logged with log_metric while scoring it: {name: value} a call
     reward_metrics: list[dict[str, float]] | None = None
+    # rl.agent: per row (a session's segment), the sample it is; None: each row its own sample
+    sample_index: torch.Tensor | None = None
+    agent_counts: torch.Tensor | None = None  # rl.agent: AGENT_COUNTS summed over the samples
 
     @classmethod
     def of(cls, step: int, version: int, result: RolloutResult, rewards: torch.Tensor,
@@ -56,9 +59,24 @@ class ScoredBatch:
            transcripts: list[dict[str, Any]] | None = None,
            reward_metrics: list[dict[str, float]] | None = None) -> ScoredBatch:
         started = torch.tensor([min(t.versions, default=version) for t in result.trajectories])
+        agent = result.agent
         return cls(step, version, dict(result.batch), result.log_probs, rewards, reward_parts, episode_metrics,
                    result.response_lengths, result.clipped, result.kept_mass, result.tool_counts, result.tool_s,
-                   started, result.decode, transcripts=transcripts, reward_metrics=reward_metrics)
+                   started, result.decode, transcripts=transcripts, reward_metrics=reward_metrics,
+                   sample_index=torch.tensor(agent.sample_of) if agent is not None else None,
+                   agent_counts=agent.counts if agent is not None else None)
+
+    def per_sample(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` per row as one per sample (a sample's segments carry its value: the first row's)."""
+        if self.sample_index is None:
+            return values
+        first = torch.ones_like(self.sample_index, dtype=torch.bool)
+        first[1:] = self.sample_index[1:] != self.sample_index[:-1]
+        return values[first]
+
+    def per_row(self, values: torch.Tensor) -> torch.Tensor:
+        """One value per sample spread over its rows (its segments)."""
+        return values if self.sample_index is None else values[self.sample_index]
 
     @property
     def start_versions(self) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""``rl.agent``: the user's own agent -- ``file.py:function`` or ``package.module:function``, sync or ``async`` --
+run once per sample against the rank's OpenAI-compatible endpoint. It is given, by parameter name, any of ``row``
+(the dataset row), ``base_url``, ``api_key``, ``model`` and ``client`` (an ``openai.AsyncOpenAI`` made for its
+session), talks to the endpoint as much as it likes (several calls, tools, calls side by side), and returns its
+reward -- a number -- or ``None`` to have ``rl.reward_fn`` score the final conversation. Its parameters are
+checked before any rank starts. It is your code and runs with the job's rights."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .loader import load_function
+
+AGENT_ARGUMENTS = ("row", "base_url", "api_key", "model", "client")
+
+
+@dataclass
+class AgentFunction:
+    path: str
+    fn: Callable[..., Any]
+
+    @classmethod
+    def load(cls, path: str) -> AgentFunction:
+        """The function ``rl.agent`` names, its parameters checked: a ValueError in one line otherwise."""
+        fn = load_function(path, "rl.agent")
+        try:
+            parameters = inspect.signature(fn).parameters
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"rl.agent: {path} has no signature to read") from exc
+        unknown = [name for name, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                   and name not in AGENT_ARGUMENTS and p.default is p.empty]
+        if unknown:
+            raise ValueError(f"rl.agent: {path} asks for {', '.join(unknown)}; an agent is given by name any of "
+                             f"{', '.join(AGENT_ARGUMENTS)}")
+        return cls(path, fn)
+
+    @property
+    def wants(self) -> set[str]:
+        parameters = inspect.signature(self.fn).parameters
+        if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            return set(AGENT_ARGUMENTS)
+        return {name for name in parameters if name in AGENT_ARGUMENTS}
+
+    async def run(self, row: dict[str, Any], base_url: str, api_key: str, model: str) -> float | None:
+        """One run: the function awaited (a sync one in a worker thread), its reward checked."""
+        wants = self.wants
+        given: dict[str, Any] = {"row": row, "base_url": base_url, "api_key": api_key, "model": model}
+        client = None
+        if "client" in wants:
+            import openai
+
+            client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+            given["client"] = client
+        given = {k: v for k, v in given.items() if k in wants}
+        try:
+            if inspect.iscoroutinefunction(self.fn):
+                value = await self.fn(**given)
+            else:
+                value = await asyncio.to_thread(self.fn, **given)
+        finally:
+            if client is not None:
+                await client.close()
+        return reward_value(self.path, value)
+
+
+def reward_value(path: str, value: Any) -> float | None:
+    """An agent's return as its sample's reward: None (rl.reward_fn scores), or a finite number."""
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"rl.agent: {path} returned {value!r}, not a number (None: rl.reward_fn scores)") from exc
+    if not math.isfinite(number):
+        raise ValueError(f"rl.agent: {path} returned {number}; a reward must be finite")
+    return number

@@ -1,0 +1,170 @@
+"""A rollout step with ``rl.agent``: every sample is one run of the user's agent against this process's endpoint
+(:mod:`syncwise.rl.rollout.endpoint`), ``rl.agent_workers`` runs at a time; their requests, from every session,
+are sampled together by the rank's engine (:class:`~syncwise.rl.rollout.serving.TurnServer`) on this thread while
+the agents run on the endpoint's. Each sample ends as its session's segments -- one trajectory each, exactly the
+tokens sampled and inserted -- with the agent's reward (or None: rl.reward_fn scores it) and how its run went.
+
+Faults are the agent's, never the job's: an agent that raises, runs past ``rl.agent_timeout_s`` (cancelled; a
+sync one's thread is left to finish, its session closed) or sends what the endpoint refuses is counted; a sample
+whose agent failed keeps its tokens out of the loss and scores 0 in its group; one that never called the model is
+its prompt alone (nothing to train), scored as its agent says."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...config import RLConfig
+from ..env.agents import AgentFunction
+from .base import RolloutEngine, Trajectory, sample_seed
+from .endpoint import Endpoint
+from .serving import TurnServer
+from .sessions import Session
+
+AGENT_COUNTS = ("requests", "segments", "rewritten", "sampled_tokens", "inserted_tokens", "malformed", "length",
+                "sampling_overridden", "exceptions", "timeouts", "no_requests", "wall_s")
+
+
+@dataclass
+class AgentRun:
+    """A rollout step's agent runs on this rank: the segments as trajectories (each sample's consecutive), which
+    sample each is (``sample_of``), each sample's reward from its agent (None: rl.reward_fn's), whether its agent
+    failed, and the counts of :data:`AGENT_COUNTS` summed over the samples."""
+
+    trajectories: list[Trajectory]
+    sample_of: list[int]
+    rewards: list[float | None]
+    failed: list[bool]
+    counts: torch.Tensor
+    errors: list[str] = field(default_factory=list)  # the first few failures' words, for the job's log
+
+
+class AgentLoop:
+    """Runs ``rl.agent`` for every sample of a step on this process, through an endpoint started on first use."""
+
+    def __init__(self, cfg: RLConfig, tokenizer, end_ids: list[int], model_name: str, max_positions: int):
+        self.cfg, self.tokenizer, self.end_ids = cfg, tokenizer, end_ids
+        self.agent = AgentFunction.load(cfg.agent)
+        self.model_name, self.max_positions = model_name, max_positions
+        self.endpoint: Endpoint | None = None
+
+    def describe(self) -> str:
+        return (f"rl.agent {self.cfg.agent} through an OpenAI-compatible endpoint on loopback "
+                f"({self.cfg.agent_workers} agents at a time, {self.cfg.agent_timeout_s:g} s each)")
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+
+    def run(self, engine: RolloutEngine, rows: list[dict[str, Any]], prompt_ids: list[list[int]], n: int,
+            max_new_tokens: int, seed: tuple[int, int, int, int], version: int) -> AgentRun:
+        """``n`` agent runs per row (consecutive); ``seed``: (job seed, step, rank, world size) the sampling
+        seeds are reserved from."""
+        if self.endpoint is None:
+            self.endpoint = Endpoint(self.model_name)
+            self.endpoint.start()
+        endpoint = self.endpoint
+        server = TurnServer(endpoint, engine, self.tokenizer,
+                            {"temperature": self.cfg.temperature, "top_p": self.cfg.top_p})
+        samples = len(rows) * n
+        sessions = {endpoint.open_session(): Session(self.tokenizer, self.end_ids, max_new_tokens,
+                                                     self.max_positions, self.cfg.tool_parser)
+                    for _ in range(samples)}
+        ids = list(sessions)
+        state = _RunState(samples)
+        runs = asyncio.run_coroutine_threadsafe(self._all(rows, n, ids, state), endpoint.loop)
+        calls = 0
+        while not runs.done() or not endpoint.requests.empty():
+            batch = server.collect(state.running)
+            if batch:
+                server.answer(batch, sessions.get, version,
+                              sample_seed(seed[0], seed[1], seed[2], seed[3], calls, 1 << 16, samples))
+                calls += 1
+        runs.result()
+        for sid in ids:
+            sessions[sid].closed = True
+            endpoint.close_session(sid)
+        return self._collect([sessions[sid] for sid in ids], prompt_ids, n, state, server.counts)
+
+    async def _all(self, rows: list[dict[str, Any]], n: int, ids: list[str], state: _RunState) -> None:
+        gate = asyncio.Semaphore(self.cfg.agent_workers)
+        await asyncio.gather(*(self._one(k, rows[k // n], sid, gate, state) for k, sid in enumerate(ids)))
+
+    async def _one(self, k: int, row: dict[str, Any], sid: str, gate: asyncio.Semaphore, state: _RunState) -> None:
+        """Sample ``k``'s agent run: its outcome and seconds into ``state``; its session closed after."""
+        async with gate:
+            state.started(k)
+            try:
+                state.rewards[k] = await asyncio.wait_for(
+                    self.agent.run(row, self.endpoint.base_url(sid), self.endpoint.key, self.model_name),
+                    self.cfg.agent_timeout_s)
+            except asyncio.TimeoutError:
+                state.fail(k, "timeouts", f"ran past rl.agent_timeout_s={self.cfg.agent_timeout_s:g}")
+            except Exception as exc:  # the agent's own code: any exception is its sample's, not the job's
+                state.fail(k, "exceptions", f"{type(exc).__name__}: {exc}")
+            finally:
+                self.endpoint.close_session(sid)
+                state.ended(k)
+
+    def _collect(self, sessions: list[Session], prompt_ids: list[list[int]], n: int, state: _RunState,
+                 served: Counter) -> AgentRun:
+        trajectories, sample_of = [], []
+        counts = Counter({key: served[key] for key in ("requests", "malformed", "length", "sampling_overridden")})
+        counts.update({key: state.counts[key] for key in ("exceptions", "timeouts")})
+        counts["wall_s"] = sum(state.wall)
+        for k, session in enumerate(sessions):
+            counts.update({key: session.counts[key] for key in ("rewritten", "sampled_tokens", "inserted_tokens")})
+            segments = [segment.trajectory for segment in session.segments]
+            if not segments:  # the agent never called the model: its prompt alone
+                counts["no_requests"] += 1
+                segments = [Trajectory(prompt=list(prompt_ids[k // n]), ended=True)]
+            counts["segments"] += len(segments)
+            for trajectory in segments:
+                trajectory.done = True
+                if state.failed[k]:  # nothing of a failed run trains
+                    trajectory.sampled = [0] * len(trajectory.sampled)
+                trajectories.append(trajectory)
+                sample_of.append(k)
+        rewards = [0.0 if failed else value for failed, value in zip(state.failed, state.rewards, strict=True)]
+        return AgentRun(trajectories, sample_of, rewards, list(state.failed),
+                        torch.tensor([float(counts[key]) for key in AGENT_COUNTS], dtype=torch.float64),
+                        state.errors[:3])
+
+
+class _RunState:
+    """What the agents' thread tells this one: how many are running, and each run's outcome."""
+
+    def __init__(self, samples: int):
+        self.rewards: list[float | None] = [None] * samples
+        self.failed = [False] * samples
+        self.wall = [0.0] * samples
+        self.counts: Counter = Counter()
+        self.errors: list[str] = []
+        self._begun: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def running(self) -> int:
+        with self._lock:
+            return len(self._begun)
+
+    def started(self, k: int) -> None:
+        with self._lock:
+            self._begun[k] = time.perf_counter()
+
+    def ended(self, k: int) -> None:
+        with self._lock, contextlib.suppress(KeyError):
+            self.wall[k] = time.perf_counter() - self._begun.pop(k)
+
+    def fail(self, k: int, kind: str, words: str) -> None:
+        with self._lock:
+            self.failed[k] = True
+            self.counts[kind] += 1
+            self.errors.append(f"sample {k}: {words}")

@@ -1,0 +1,189 @@
+"""An OpenAI-compatible HTTP endpoint on loopback (FastAPI on uvicorn, in a thread of its own): the door through
+which agent code written against OpenAI's API -- the ``openai`` client, LangGraph, smolagents -- reaches the rank's
+rollout engine.
+
+Routes, under a session's base URL ``http://127.0.0.1:PORT/s/<session>/v1`` (:mod:`syncwise.rl.rollout.sessions`:
+token in, token out), and under ``/v1`` for ``syncwise serve`` (each request its own session):
+
+- ``POST /chat/completions`` -- ``messages``, ``tools`` / ``tool_choice``, ``max_tokens`` /
+  ``max_completion_tokens``, ``stop``, ``logprobs``; ``n`` 1; ``temperature``, ``top_p`` and ``seed`` are the job's
+  (what it trains on: a request's own are not applied, and counted); ``stream`` refused in OpenAI's error shape;
+- ``POST /completions`` -- a text prompt, or token ids;
+- ``GET /models``.
+
+Every request needs the job's key (``Authorization: Bearer ...``; 401 otherwise). The handlers only check and
+queue a request; the rank's own thread takes the queued requests of all its sessions together and samples them
+in one engine call (:class:`~syncwise.rl.rollout.serving.TurnServer`), then answers each. Errors are OpenAI's
+JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the route functions' annotations at run time, and
+# its Request is imported where the app is made (fastapi and uvicorn are the rl.agent extra's)
+import asyncio
+import queue
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+REQUEST_FIELDS = {"chat": "messages", "text": "prompt"}
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class Pending:
+    """A queued request: its session, kind (``chat`` or ``text``), body, and where its answer goes."""
+
+    session: str
+    kind: str
+    body: dict[str, Any]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    arrived: float = field(default_factory=time.perf_counter)
+
+    def answer(self, status: int, body: dict[str, Any]) -> None:
+        """Called from the sampling thread: the HTTP handler returns ``body`` with ``status``."""
+        def settle() -> None:
+            if not self.future.done():
+                self.future.set_result((status, body))
+        self.loop.call_soon_threadsafe(settle)
+
+
+class Endpoint:
+    """The endpoint of one process: ``model`` the name it serves, a fresh key; ``stateless``: ``/v1`` routes, a
+    session per request (``syncwise serve``)."""
+
+    def __init__(self, model: str, stateless: bool = False, key: str | None = None):
+        self.model, self.stateless = model, stateless
+        self.key = key or "sk-syncwise-" + secrets.token_urlsafe(24)
+        self.requests: queue.Queue[Pending] = queue.Queue()
+        self.sessions: set[str] = set()
+        self.port = 0
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def base_url(self, session: str | None = None) -> str:
+        return f"http://127.0.0.1:{self.port}" + (f"/s/{session}/v1" if session else "/v1")
+
+    def open_session(self) -> str:
+        session = secrets.token_hex(8)
+        self.sessions.add(session)
+        return session
+
+    def close_session(self, session: str) -> None:
+        self.sessions.discard(session)
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Serve from a thread of its own until :meth:`close` (loopback unless ``host`` says otherwise)."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        started = threading.Event()
+
+        def serve() -> None:
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+            self.loop.call_soon(started.set)
+            self.loop.run_until_complete(self._server.serve(sockets=[sock]))
+
+        self._thread = threading.Thread(target=serve, name="syncwise-endpoint", daemon=True)
+        self._thread.start()
+        started.wait(30)
+        deadline = time.monotonic() + 30
+        while not self._server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._thread is not None:
+                self._thread.join(10)
+            self._server = None
+
+    def _app(self):
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse
+
+        app = FastAPI(title="syncwise", docs_url=None, redoc_url=None, openapi_url=None)
+
+        async def handle(request: Request, session: str | None, kind: str) -> JSONResponse:
+            status, body = await self._handle(request, session, kind)
+            return JSONResponse(body, status_code=status)
+
+        @app.post("/s/{session}/v1/chat/completions")
+        async def chat(session: str, request: Request):
+            return await handle(request, session, "chat")
+
+        @app.post("/s/{session}/v1/completions")
+        async def text(session: str, request: Request):
+            return await handle(request, session, "text")
+
+        @app.get("/s/{session}/v1/models")
+        async def models(session: str, request: Request):
+            return await handle(request, session, "models")
+
+        if self.stateless:
+            @app.post("/v1/chat/completions")
+            async def chat_once(request: Request):
+                return await handle(request, None, "chat")
+
+            @app.post("/v1/completions")
+            async def text_once(request: Request):
+                return await handle(request, None, "text")
+
+            @app.get("/v1/models")
+            async def models_once(request: Request):
+                return await handle(request, None, "models")
+        return app
+
+    async def _handle(self, request: Any, session: "str | None", kind: str) -> "tuple[int, dict[str, Any]]":
+        """Checks what needs no model (the key, the session, the body's shape), then queues the request and waits
+        for the sampling thread's answer."""
+        if request.headers.get("authorization", "") != f"Bearer {self.key}":
+            return 401, error_body("Incorrect API key provided: use the key the job gave the agent (api_key).",
+                                   code="invalid_api_key")
+        if session is not None and session not in self.sessions:
+            return 404, error_body(f"session {session} is not open (its agent run is over)", code="session_closed")
+        if kind == "models":
+            return 200, {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
+                                                     "owned_by": "syncwise"}]}
+        try:
+            body = await request.json()
+        except ValueError:
+            return 400, error_body("the request body is not JSON")
+        problem = check_body(body, kind)
+        if problem is not None:
+            return 400, error_body(*problem)
+        future = asyncio.get_running_loop().create_future()
+        self.requests.put(Pending(session or "", kind, body, future, asyncio.get_running_loop()))
+        return await future
+
+
+def check_body(body: Any, kind: str) -> tuple[str, str, str] | None:
+    """What the handler refuses before queueing: (message, type, param), or None."""
+    if not isinstance(body, dict):
+        return "the request body must be a JSON object", "invalid_request_error", None
+    needed = REQUEST_FIELDS[kind]
+    if needed not in body:
+        return f"{needed}: required", "invalid_request_error", needed
+    if body.get("stream"):
+        return ("stream: streaming is not served here; send stream=false (the whole answer in one response)",
+                "invalid_request_error", "stream")
+    if body.get("n", 1) != 1:
+        return "n: one choice a request (a session is one conversation)", "invalid_request_error", "n"
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            return f"{key}: a positive integer, got {value!r}", "invalid_request_error", key
+    return None

@@ -1,0 +1,174 @@
+"""The sampling side of the endpoint: a batch of queued requests, from any number of sessions, planned (token in:
+:mod:`syncwise.rl.rollout.sessions`), sampled together in one call of the rank's rollout engine (the compact sampler,
+``generate``, vLLM), each cut to what it asked for (``max_tokens``, ``stop``), recorded (token out) and answered in
+OpenAI's shape with vLLM's ``prompt_token_ids`` / ``token_ids`` beside."""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from .base import RolloutEngine
+from .endpoint import Endpoint, Pending, error_body
+from .sessions import RequestError, Session, Turn
+
+BATCH_WAIT_S = 0.02  # after a request, how long to wait for another before sampling those queued
+
+
+class TurnServer:
+    """Answers an endpoint's requests with ``engine``; ``session_of``: a request's session (None: closed)."""
+
+    def __init__(self, endpoint: Endpoint, engine: RolloutEngine, tokenizer, sampling: dict[str, Any]):
+        self.endpoint, self.engine, self.tokenizer = endpoint, engine, tokenizer
+        self.sampling = sampling  # the job's temperature and top_p: what a request's own are compared with
+        self.counts: Counter = Counter()
+        self.calls = 0
+
+    def collect(self, waiting: Callable[[], int], first_wait_s: float = 0.05) -> list[Pending]:
+        """The requests queued now: after the first, more until every agent that is running is waiting on the
+        model (``waiting()``: how many could still send one) or none came for :data:`BATCH_WAIT_S`."""
+        try:
+            batch = [self.endpoint.requests.get(timeout=first_wait_s)]
+        except queue.Empty:
+            return []
+        while len(batch) < waiting():
+            try:
+                batch.append(self.endpoint.requests.get(timeout=BATCH_WAIT_S))
+            except queue.Empty:
+                break
+        return batch
+
+    def answer(self, batch: list[Pending], session_of: Callable[[str], Session | None], version: int,
+               seed: int) -> None:
+        """Plan every request of ``batch``, sample the planned ones in one engine call, answer each."""
+        planned: list[tuple[Pending, Session, Turn]] = []
+        for pending in batch:
+            self.counts["requests"] += 1
+            session = session_of(pending.session)
+            if session is None or session.closed:
+                pending.answer(404, error_body(f"session {pending.session} is closed", code="session_closed"))
+                continue
+            try:
+                turn = self._plan(pending, session)
+            except RequestError as exc:
+                self.counts["malformed"] += 1
+                pending.answer(400, error_body(str(exc), param=exc.param))
+                continue
+            if turn.room <= 0:  # no room left in the context or the sample's budget
+                self.counts["length"] += 1
+                pending.answer(200, self._response(pending, session, turn, [], [], None, "length", ""))
+                continue
+            planned.append((pending, session, turn))
+        if not planned:
+            return
+        room = max(min(turn.room, _asked(p.body) or turn.room) for p, _, turn in planned)
+        self.calls += 1
+        samples = self.engine.sample([turn.prompt for _, _, turn in planned], 1, room, seed)
+        for k, (pending, session, turn) in enumerate(planned):
+            self._record(pending, session, turn, samples, k, version)
+
+    def _plan(self, pending: Pending, session: Session) -> Turn:
+        body = pending.body
+        for key in ("temperature", "top_p"):
+            if body.get(key) is not None and float(body[key]) != float(self.sampling[key]):
+                self.counts["sampling_overridden"] += 1  # the job samples what it trains on
+        if pending.kind == "chat":
+            tools = body.get("tools") or None
+            if tools is not None and not isinstance(tools, list):
+                raise RequestError("tools: a list of tool schemas", "tools")
+            return session.plan_chat(body["messages"], tools)
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt = list(self.tokenizer(prompt)["input_ids"])
+        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            raise RequestError("prompt: a string, or a list of token ids", "prompt")
+        return session.plan_text(prompt)
+
+    def _record(self, pending: Pending, session: Session, turn: Turn, samples, k: int, version: int) -> None:
+        """Sample ``k`` cut to what the request allows, appended to its session, and the request answered."""
+        body = pending.body
+        limit = min(turn.room, _asked(body) or turn.room)
+        tokens = samples.tokens[k].tolist()[:limit]
+        ended = bool(samples.ended[k]) and len(samples.tokens[k]) <= limit
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        cut = _stop_at(self.tokenizer, tokens, stops) if stops else None
+        if cut is not None:
+            tokens, ended = tokens[:cut], True
+        full = samples.full_log_probs[k][: len(tokens)].float().tolist()
+        drawn = samples.log_probs[k][: len(tokens)].float().tolist() if samples.log_probs is not None else None
+        session.take(tokens, full, drawn, ended, version)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if cut is not None:
+            text = _before_stop(text, stops)
+        try:
+            shown = self.tokenizer.decode(tokens[:-1] if ended and cut is None else tokens, skip_special_tokens=False)
+            parsed = session.answer(shown if body.get("tools") else text, body.get("tools") if pending.kind == "chat"
+                                    else None)
+        except RequestError as exc:
+            self.counts["malformed"] += 1
+            pending.answer(400, error_body(str(exc), param=exc.param))
+            return
+        reason = "tool_calls" if parsed.calls else ("stop" if ended else "length")
+        self.counts["length"] += reason == "length"
+        logprobs = drawn if drawn is not None else full
+        pending.answer(200, self._response(pending, session, turn, tokens, logprobs, parsed, reason,
+                                           parsed.content if pending.kind == "chat" else text))
+
+    def _response(self, pending: Pending, session: Session, turn: Turn, tokens: list[int], logprobs: list[float],
+                  parsed, reason: str, text: str) -> dict[str, Any]:
+        """OpenAI's response body, with vLLM's ``prompt_token_ids`` and ``token_ids``."""
+        usage = {"prompt_tokens": len(turn.prompt), "completion_tokens": len(tokens),
+                 "total_tokens": len(turn.prompt) + len(tokens)}
+        common = {"created": int(time.time()), "model": self.endpoint.model, "usage": usage}
+        wants_logprobs = bool(pending.body.get("logprobs"))
+        if pending.kind == "text":
+            choice = {"index": 0, "text": text, "finish_reason": reason, "token_ids": tokens,
+                      "prompt_token_ids": turn.prompt,
+                      "logprobs": {"tokens": [self.tokenizer.decode([t]) for t in tokens],
+                                   "token_logprobs": logprobs, "top_logprobs": None,
+                                   "text_offset": None} if wants_logprobs else None}
+            return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", **common, "choices": [choice]}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if parsed is not None and parsed.calls:
+            message["tool_calls"] = [
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments if isinstance(c.arguments, str)
+                              else _json(c.arguments)}} for c in parsed.calls]
+        content = [{"token": (piece := self.tokenizer.decode([t])), "logprob": lp, "bytes": list(piece.encode()),
+                    "top_logprobs": []} for t, lp in zip(tokens, logprobs, strict=True)]
+        choice = {"index": 0, "message": message, "finish_reason": reason, "token_ids": tokens,
+                  "logprobs": {"content": content} if wants_logprobs else None}
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", **common, "choices": [choice],
+                "prompt_token_ids": turn.prompt}
+
+
+def _asked(body: dict[str, Any]) -> int | None:
+    return body.get("max_completion_tokens") or body.get("max_tokens")
+
+
+def _stop_at(tokenizer, tokens: list[int], stops: list[str]) -> int | None:
+    """The length up to the token that completes the first of ``stops`` in the decoded text, or None."""
+    for end in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        if any(s and s in text for s in stops):
+            return end
+    return None
+
+
+def _before_stop(text: str, stops: list[str]) -> str:
+    """The text up to the first stop string (OpenAI leaves it out of the answer)."""
+    at = min((text.find(s) for s in stops if s and s in text), default=len(text))
+    return text[:at]
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=False)
