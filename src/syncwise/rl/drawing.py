@@ -84,7 +84,10 @@ class BatchDrawer:
             return None
         n = self.config.rl.samples_per_prompt
         samples = result.sample_of or range(len(result.trajectories))  # rl.agent: a sample's segments, a row each
-        out = transcripts(result.trajectories, [rows[k // n]["prompt"] for k in samples], self.rollout.end_ids)
+        # an agent's segment starts from what its agent sent (its own system prompt, its tools): that, decoded
+        prompts = ([self.rollout.tokenizer.decode(t.prompt, skip_special_tokens=True) for t in result.trajectories]
+                   if result.agent is not None else [rows[k // n]["prompt"] for k in samples])
+        out = transcripts(result.trajectories, prompts, self.rollout.end_ids)
         for column, values in logs.extra.items():
             for transcript, k in zip(out, samples, strict=True):
                 transcript[column if column not in transcript else f"extra/{column}"] = values[k]

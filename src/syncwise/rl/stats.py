@@ -60,14 +60,15 @@ def rollout_stats(
                                     "the rollout statistics all-reduce", info.device, timeout_s)
     count, drawn = totals["samples"], totals["decode/drawn_tokens"]
     mean = totals["reward"] / count
-    # each function's mean over the samples it scored (a None, TRL's "not applicable", is left out)
-    by_function = {k: v / max(totals["scored_by/" + k.removeprefix("reward/")], 1.0) for k, v in totals.items()
-                   if k.startswith("reward/")}
+    # each function's mean over the samples it scored (a None, TRL's "not applicable", is left out; one that scored
+    # none this step is not logged, as TRL logs None)
+    by_function = {k: v / totals["scored_by/" + k.removeprefix("reward/")] for k, v in totals.items()
+                   if k.startswith("reward/") and totals["scored_by/" + k.removeprefix("reward/")]}
     tools = [totals[f"tools/{k}"] for k in TOOL_COUNTS] if result.tool_counts is not None else []
     return {
         **(tool_metrics(tools, count) if tools else {}),
         **(agent_metrics(totals) if result.agent_counts is not None else {}),
-        **(by_function if len(by_function) > 1 else {}),
+        **(by_function if sum(k.startswith("reward/") for k in totals) > 1 else {}),
         **({"reward/all_none_fraction": totals["all_none"] / count} if totals["all_none"] else {}),
         "response/clipped_fraction": totals["clipped"] / count,  # cut by rl.max_new_tokens
         "reward/mean": mean,

@@ -28,8 +28,9 @@ from .endpoint import Endpoint
 from .serving import TurnServer
 from .sessions import Session
 
-AGENT_COUNTS = ("requests", "segments", "rewritten", "sampled_tokens", "inserted_tokens", "malformed", "length",
-                "sampling_overridden", "exceptions", "timeouts", "no_requests", "wall_s")
+AGENT_COUNTS = ("requests", "segments", "rewritten", "sampled_tokens", "inserted_tokens", "malformed", "unauthorized",
+                "length", "sampling_overridden", "exceptions", "timeouts", "no_requests", "too_long", "engine_calls",
+                "wall_s")
 
 
 @dataclass
@@ -80,6 +81,7 @@ class AgentLoop:
                     for _ in range(samples)}
         ids = list(sessions)
         state = _RunState(samples)
+        refused_before = Counter(endpoint.refused)
         runs = asyncio.run_coroutine_threadsafe(self._all(rows, n, ids, state), endpoint.loop)
         calls = 0
         while not runs.done() or not endpoint.requests.empty():
@@ -92,6 +94,8 @@ class AgentLoop:
         for sid in ids:
             sessions[sid].closed = True
             endpoint.close_session(sid)
+        server.counts.update(Counter(endpoint.refused) - refused_before)  # answered by the handlers themselves
+        server.counts["engine_calls"] = server.calls
         return self._collect([sessions[sid] for sid in ids], prompt_ids, n, state, server.counts)
 
     async def _all(self, rows: list[dict[str, Any]], n: int, ids: list[str], state: _RunState) -> None:
@@ -117,14 +121,18 @@ class AgentLoop:
     def _collect(self, sessions: list[Session], prompt_ids: list[list[int]], n: int, state: _RunState,
                  served: Counter) -> AgentRun:
         trajectories, sample_of = [], []
-        counts = Counter({key: served[key] for key in ("requests", "malformed", "length", "sampling_overridden")})
+        counts = Counter({key: served[key] for key in ("requests", "malformed", "unauthorized", "length",
+                                                       "sampling_overridden", "engine_calls")})
         counts.update({key: state.counts[key] for key in ("exceptions", "timeouts")})
         counts["wall_s"] = sum(state.wall)
         for k, session in enumerate(sessions):
             counts.update({key: session.counts[key] for key in ("rewritten", "sampled_tokens", "inserted_tokens")})
             segments = [segment.trajectory for segment in session.segments]
-            if not segments:  # the agent never called the model: its prompt alone
-                counts["no_requests"] += 1
+            fits = [t for t in segments if len(t.prompt) + len(t.tokens) <= self.max_positions]
+            counts["too_long"] += len(segments) - len(fits)  # a prompt past the context: answered, never trained
+            segments = fits
+            if not segments:  # the agent never called the model (or only past the context): its prompt alone
+                counts["no_requests"] += not session.segments
                 segments = [Trajectory(prompt=list(prompt_ids[k // n]), ended=True)]
             counts["segments"] += len(segments)
             for trajectory in segments:

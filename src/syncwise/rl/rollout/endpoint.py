@@ -24,6 +24,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,7 @@ class Endpoint:
         self.key = key or "sk-syncwise-" + secrets.token_urlsafe(24)
         self.requests: queue.Queue[Pending] = queue.Queue()
         self.sessions: set[str] = set()
+        self.refused: Counter = Counter()  # requests answered here, never queued: unauthorized, malformed
         self.port = 0
         self._server = None
         self._thread: threading.Thread | None = None
@@ -151,6 +153,7 @@ class Endpoint:
         """Checks what needs no model (the key, the session, the body's shape), then queues the request and waits
         for the sampling thread's answer."""
         if request.headers.get("authorization", "") != f"Bearer {self.key}":
+            self.refused["unauthorized"] += 1
             return 401, error_body("Incorrect API key provided: use the key the job gave the agent (api_key).",
                                    code="invalid_api_key")
         if session is not None and session not in self.sessions:
@@ -161,9 +164,10 @@ class Endpoint:
         try:
             body = await request.json()
         except ValueError:
-            return 400, error_body("the request body is not JSON")
+            body = None
         problem = check_body(body, kind)
         if problem is not None:
+            self.refused["malformed"] += 1
             return 400, error_body(*problem)
         future = asyncio.get_running_loop().create_future()
         self.requests.put(Pending(session or "", kind, body, future, asyncio.get_running_loop()))

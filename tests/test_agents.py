@@ -1,0 +1,323 @@
+"""Issue 70: the agent people already have, written against OpenAI's API with the real ``openai`` package, trained
+unchanged through ``rl.agent`` -- an OpenAI-compatible endpoint on each sampling process, token in and token out.
+
+Real jobs on 2 gloo ranks on the memorised tool model (a tiny Qwen2 that calls ``add`` and answers): a calculator
+agent using ``tools=`` and ``tool_calls`` trains with the sampled tokens exactly (each request's prompt ids extend the
+last answer's, the trainer's log-probs the sampler's); a history-rewriting agent gives segments; agents that raise,
+hang, send malformed or unauthorised requests, run past the context or never call the model are counted on rollout
+ranks of their own and the job goes on; 64 concurrent sessions a rank keep their rewards and prompts. Then the
+endpoint's contract alone (key, errors, batching), the sessions' token bookkeeping against the chat template, and
+``syncwise serve`` with Ctrl-C; vLLM's path where it is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from job_output import failed
+from syncwise.config.rollout_engines import ROLLOUT_ENGINES
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "description": "One number."},
+                                     "b": {"type": "integer", "description": "The other."}},
+    "required": ["a", "b"]}}}]
+CONVERSATION = [
+    {"role": "user", "content": "What is 12 + 7?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 7}}}]},
+    {"role": "tool", "name": "add", "content": "19"},
+    {"role": "assistant", "content": "It is 19.\n#### 19"},
+]
+# As users write one with the openai package: the client it is given, tools=, tool_calls answered, a loop
+CALC_AGENT = '''
+import json
+import os
+
+TOOLS = TOOLS_JSON
+
+
+async def agent(row, client, model):
+    messages, requests = list(row["prompt"]), []
+    for _ in range(4):
+        response = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=64)
+        choice = response.choices[0]
+        requests.append({"prompt": response.model_extra["prompt_token_ids"], "tokens": choice.model_extra["token_ids"]})
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if not choice.message.tool_calls:
+            break
+        for call in choice.message.tool_calls:
+            args = json.loads(call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
+                             "content": str(int(args["a"]) + int(args["b"]))})
+    with open(os.environ["AGENT_LOG"] + f".{os.getpid()}", "a") as log:
+        log.write(json.dumps(requests) + "\\n")
+    return None  # rl.reward_fn scores the final conversation
+'''.replace("TOOLS_JSON", json.dumps(TOOLS))
+# One behaviour a run, by the process's count: what goes wrong with real agents
+CHAOS_AGENT = '''
+import asyncio
+import itertools
+import os
+
+import openai
+
+runs = itertools.count()
+
+
+def note(what):
+    with open(os.environ["AGENT_LOG"], "a") as log:
+        log.write(what + "\\n")
+
+
+async def agent(row, client, model, base_url):
+    kind = next(runs) % 8
+    question = list(row["prompt"])
+    if kind == 0:  # a plain run
+        await client.chat.completions.create(model=model, messages=question, max_tokens=8)
+    elif kind == 1:  # its history rewritten: the second request does not extend the first answer
+        first = await client.chat.completions.create(model=model, messages=question, max_tokens=8)
+        await client.chat.completions.create(model=model, max_tokens=8, messages=question + [
+            {"role": "assistant", "content": "Let me think again."}, {"role": "user", "content": "Go on."}])
+    elif kind == 2:
+        raise RuntimeError("the agent's own bug")
+    elif kind == 3:
+        await asyncio.sleep(120)  # hangs: rl.agent_timeout_s cancels it
+    elif kind == 4:  # malformed: a stream it may not ask for, refused in OpenAI's shape
+        try:
+            await client.chat.completions.create(model=model, messages=question, stream=True)
+        except openai.BadRequestError as exc:
+            note(f"400 {exc.body['param']}")
+            raise
+    elif kind == 5:  # another key: refused
+        try:
+            await openai.AsyncOpenAI(base_url=base_url, api_key="sk-stolen", max_retries=0).models.list()
+        except openai.AuthenticationError as exc:
+            note(f"401 {exc.body['code']}")
+        return 1.0
+    elif kind == 6:
+        return 0.5  # never calls the model
+    else:  # past the model's context (512 positions): finish_reason length, nothing sampled
+        long = [{"role": "user", "content": "1 " * 600}]
+        response = await client.chat.completions.create(model=model, messages=long, max_tokens=4000)
+        note(f"finish {response.choices[0].finish_reason}")
+    return None
+'''
+# Each run says which row it serves in its own system prompt and returns that row's number
+ECHO_AGENT = '''
+async def agent(row, client, model):
+    messages = [{"role": "system", "content": f"session of row {row['answer']}"}, *row["prompt"]]
+    await client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    return float(row["answer"])
+'''
+JOB = ["rl.reward_fn=syncwise.rewards:final_number", "rl.max_new_tokens=64", "rl.prompts_per_rank=2",
+       "rl.samples_per_prompt=4", "optim.lr=1e-4", "optim.warmup_steps=0", "train.export=false",
+       "train.progress=false", "train.checkpoint_every=0", "rl.dataset=prompts.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from user_models import memorized_tool_model
+
+    root = tmp_path_factory.mktemp("agent_job")
+    memorized_tool_model(root, CONVERSATION, TOOLS)
+    (root / "calc_agent.py").write_text(CALC_AGENT)
+    (root / "chaos_agent.py").write_text(CHAOS_AGENT)
+    (root / "echo_agent.py").write_text(ECHO_AGENT)
+    rows = [{"prompt": CONVERSATION[:1], "answer": "19"}] * 4
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    numbered = [{"prompt": [{"role": "user", "content": f"What is {i} + 7?"}], "answer": str(i)} for i in range(16)]
+    (root / "numbered.jsonl").write_text("".join(json.dumps(r) + "\n" for r in numbered))
+    return root
+
+
+def _train(folder: Path, out: str, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "AGENT_LOG": str(folder / f"{out}.log")}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, "-m", "syncwise", "train", *JOB, f"model.path={folder / 'qwen2-tools'}",
+                           f"train.out_dir={folder / out}", *overrides], cwd=folder, capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, failed(proc.stderr, 3000)
+    return proc
+
+
+def _rows(folder: Path, out: str) -> list[dict]:
+    return [json.loads(line) for line in (folder / out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _table(folder: Path, out: str, step: int):
+    import pandas as pd
+
+    return pd.read_parquet(folder / out / "completions" / f"completions_{step:05d}.parquet")
+
+
+def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_endpoint_returned(folder):
+    proc = _train(folder, "calc", "rl.agent=calc_agent.py:agent", "train.steps=3")
+    assert "rl.agent calc_agent.py:agent through an OpenAI-compatible endpoint on loopback" in proc.stdout
+    rows = _rows(folder, "calc")
+    for row in rows:
+        # the calculator conversations go call -> answer -> final turn, and score as the rl.tools job's do
+        assert row["agent/segments"] == 16 and row["agent/rewritten"] == 0 and row["agent/exceptions"] == 0, row
+        assert row["agent/inserted_tokens"] > 0 and row["agent/sampled_tokens"] > 0, row
+        assert row["agent/requests"] >= 16 + 8, row  # most runs call the tool, then answer
+        assert row["reward/mean"] > 0.2, row
+        # the trainer's forward of the whole conversation gives the sampler's log-probs: nothing re-tokenised
+        assert row["rollout/log_prob_diff"] < 2e-6 and row["rollout/log_prob_diff_max"] < 2e-5, row
+    runs = [json.loads(line) for log in folder.glob("calc.log.*") for line in log.read_text().splitlines()]
+    assert len(runs) == 3 * 16
+    for requests in runs:
+        for before, after in zip(requests, requests[1:], strict=False):
+            # token in: each request's prompt is the last prompt and the tokens returned for it, extended
+            so_far = before["prompt"] + before["tokens"]
+            assert after["prompt"][:len(so_far)] == so_far
+    # token out: what trained after each conversation's first prompt is exactly what the endpoint returned and put
+    # between (the completions table's lengths, every step's sample)
+    trained = sorted(length for step in (1, 2, 3) for length in _table(folder, "calc", step)["length"])
+    returned = sorted(len(r[-1]["prompt"]) + len(r[-1]["tokens"]) - len(r[0]["prompt"]) for r in runs)
+    assert trained == returned
+    assert sum(r["agent/sampled_tokens"] for r in rows) == sum(len(q["tokens"]) for r in runs for q in r)
+    table = _table(folder, "calc", 3)
+    assert table["completion"].str.contains("-> tool call add(", regex=False).any()
+
+
+def test_rewrites_and_faults_are_counted_on_rollout_ranks_and_the_job_goes_on(folder):
+    """8 runs a rollout rank, one of each: plain, history rewritten, raises, hangs (cancelled at
+    rl.agent_timeout_s), a stream request (400), another key (401), never calls the model, past its budget."""
+    _train(folder, "chaos", "rl.agent=chaos_agent.py:agent", "train.steps=2", "rl.agent_timeout_s=5",
+           "dist.nproc=4", "dist.rollout_ranks=2", "rl.max_new_tokens=24")
+    for step, row in enumerate(_rows(folder, "chaos"), start=1):
+        counts = {k.removeprefix("agent/"): v for k, v in row.items() if k.startswith("agent/")}
+        assert counts["exceptions"] == 4 and counts["timeouts"] == 2, counts  # raised; the stream's re-raised
+        assert counts["rewritten"] == 2 and counts["segments"] == 18, counts  # a new segment, trained on its own
+        assert counts["malformed"] == 2 and counts["unauthorized"] == 2, counts
+        assert counts["no_requests"] == 10, counts  # the raising, hanging, stream, 401 and never-calling runs
+        assert counts["length"] >= 2 and counts["too_long"] == 2, counts  # answered, not trained
+        table = _table(folder, "chaos", step)
+        assert len(table) == 18
+        assert sorted(table["reward/agent"].dropna().tolist()) == [0.0] * 6 + [0.5, 0.5, 1.0, 1.0], table  # failed: 0
+    notes = (folder / "chaos.log").read_text().splitlines()
+    assert sorted(notes) == sorted(["400 stream", "401 invalid_api_key", "finish length"] * 4)
+
+
+def test_64_concurrent_sessions_a_rank_keep_their_rows_and_a_lag_trains_them(folder):
+    _train(folder, "echo", "rl.agent=echo_agent.py:agent", "rl.dataset=numbered.jsonl", "rl.prompts_per_rank=8",
+           "rl.samples_per_prompt=8", "rl.off_policy_lag=1", "train.steps=2")
+    rows = _rows(folder, "echo")
+    assert all(r["agent/requests"] == 128 and r["agent/segments"] == 128 for r in rows)
+    for step in (1, 2):
+        table = _table(folder, "echo", step)
+        assert len(table) == 128
+        # every reward on the segment its own session sampled: the prompt it sent names the row it was given
+        said = table["prompt"].str.extract(r"session of row (\d+)")[0].astype(float)
+        assert (said == table["reward"]).all() and (table["staleness"] == min(step - 1, 1)).all()
+
+
+def test_the_endpoint_refuses_in_openai_s_shape_and_batches_what_is_queued():
+    import httpx
+
+    from syncwise.rl.rollout.endpoint import Endpoint
+    from syncwise.rl.rollout.serving import TurnServer
+
+    endpoint = Endpoint("m")
+    endpoint.start()
+    try:
+        session = endpoint.open_session()
+        url = endpoint.base_url(session)
+        auth = {"Authorization": f"Bearer {endpoint.key}"}
+        refused = httpx.get(f"{url}/models")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        models = httpx.get(f"{url}/models", headers=auth).json()
+        assert [m["id"] for m in models["data"]] == ["m"]
+        stream = httpx.post(f"{url}/chat/completions", headers=auth, json={"messages": [], "stream": True})
+        assert stream.status_code == 400 and stream.json()["error"]["param"] == "stream"
+        closed = httpx.post(f"{endpoint.base_url('nope')}/completions", headers=auth, json={"prompt": "x"})
+        assert closed.status_code == 404 and closed.json()["error"]["code"] == "session_closed"
+        assert endpoint.requests.empty() and endpoint.refused == {"unauthorized": 1, "malformed": 1}
+        # five requests queued while five agents run: one batch
+        for _ in range(5):
+            endpoint.requests.put("queued")
+        assert len(TurnServer(endpoint, None, None, {}).collect(lambda: 5)) == 5
+    finally:
+        endpoint.close()
+
+
+def _ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:
+    from syncwise.rl.rollout.sessions import template_message
+
+    return list(tokenizer.apply_chat_template([template_message(m) for m in messages], tools=TOOLS, return_dict=True,
+                                              **kwargs)["input_ids"])
+
+
+def test_a_session_appends_the_new_messages_tokens_and_opens_a_segment_for_a_rewrite(folder):
+    from transformers import AutoTokenizer
+
+    from syncwise.rl.rollout.sessions import Session
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "qwen2-tools")
+    end = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    session = Session(tokenizer, end, 200, 512)
+    turn = session.plan_chat(CONVERSATION[:1], TOOLS)
+    assert turn.prompt == _ids(tokenizer, CONVERSATION[:1], add_generation_prompt=True)
+    # the model's turn as the template would write it, sampled: the template's own tokens
+    whole = _ids(tokenizer, CONVERSATION[:2])
+    sampled = whole[len(turn.prompt):whole.index(end[0], len(turn.prompt)) + 1]
+    session.take(sampled, [0.0] * len(sampled), None, True, 0)
+    parsed = session.answer(tokenizer.decode(sampled[:-1]), TOOLS)
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("add", {"a": 12, "b": 7})]
+    openai_call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 12, "b": 7}'}}
+    history = [CONVERSATION[0], {"role": "assistant", "content": None, "tool_calls": [openai_call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "19"}]
+    turn = session.plan_chat(history, TOOLS)
+    # token in: the sequence is the template's rendering of the conversation so far, nothing re-tokenised
+    assert turn.prompt == _ids(tokenizer, history, add_generation_prompt=True)
+    trajectory = session.current.trajectory
+    assert trajectory.sampled == [1] * len(sampled) + [0] * (len(trajectory.tokens) - len(sampled))
+    assert session.counts["inserted_tokens"] == len(trajectory.tokens) - len(sampled) > 0
+    session.plan_chat([CONVERSATION[0], {"role": "assistant", "content": "no call"}, CONVERSATION[0]], TOOLS)
+    assert len(session.segments) == 2 and session.counts["rewritten"] == 1
+
+
+def test_syncwise_serve_answers_the_openai_client_and_stops_on_ctrl_c(folder):
+    import openai
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)  # a background shell's ignored SIGINT not inherited
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "syncwise", "serve", f"model.path={folder / 'qwen2-tools'}",
+                                 "--port", "0"], cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", "SYNCWISE_API_KEY": "sk-test"})
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        line = proc.stdout.readline()
+        base_url = re.search(r"at (http://127\.0\.0\.1:\d+/v1) \(api_key sk-test\)", line).group(1)
+        client = openai.OpenAI(base_url=base_url, api_key="sk-test", max_retries=0)
+        chat = client.chat.completions.create(model="qwen2-tools", messages=CONVERSATION[:1], tools=TOOLS,
+                                              max_tokens=64, logprobs=True)
+        choice = chat.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "add"
+        assert len(choice.logprobs.content) == len(choice.model_extra["token_ids"]) > 0
+        assert chat.model_extra["prompt_token_ids"]
+        assert chat.usage.completion_tokens == len(choice.model_extra["token_ids"])
+        text = client.completions.create(model="qwen2-tools", prompt=[1, 2, 3], max_tokens=3)
+        assert text.choices[0].model_extra["prompt_token_ids"] == [1, 2, 3]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "syncwise serve: stopped" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not ROLLOUT_ENGINES["vllm"].installed(), reason="vLLM is not installed (make install brings it)")
+def test_the_agent_job_samples_on_vllm(folder):
+    proc = _train(folder, "calc_vllm", "rl.agent=calc_agent.py:agent", "train.steps=1", "rl.rollout_engine=vllm")
+    assert "rollouts by vLLM" in proc.stdout
+    (row,) = _rows(folder, "calc_vllm")
+    assert row["agent/segments"] == 16 and row["agent/rewritten"] == 0 and row["agent/requests"] >= 24, row
+    assert row["rollout/log_prob_diff"] < 1e-3, row  # vLLM's float32 CPU kernels against the trainer's
