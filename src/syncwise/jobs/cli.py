@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="grpo workload: your own job's keys in every configuration (rl.dataset=..., "
                             "rl.environment=...); with model.path=... the warm start is skipped; regression "
                             "workload: the job both trees run")
+    bench.add_argument("--variant", nargs="+", action="append", metavar="NAME KEY=VALUE",
+                       help="grpo workload: a row of your own, the balanced compact sampler's with these keys "
+                            "(repeatable; e.g. --variant tools 'rl.tools=[t.py:add]' --variant agent rl.agent=a.py:f)")
     bench.add_argument("--against", help="regression workload: the earlier commit (default the pinned 76f4f05)")
     bench.add_argument("--against-tree", help="regression workload: a checkout of the earlier commit instead")
     bench.add_argument("--microbatches", nargs="+", type=int, help="micro-batches per step (default 2 4 8)")

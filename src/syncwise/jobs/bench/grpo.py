@@ -17,6 +17,11 @@ and after balancing. The first configuration -- Hugging Face ``generate``, no ba
 the old log-probs: the path before ``rl.rollout_engine=compact``, ``rl.balance_ranks`` and the on-policy
 shortcut -- is the reference. Writes ``bench_grpo.json``, ``bench_grpo.md`` and ``grpo_phases.png``.
 
+``--variant NAME KEY=VALUE ...`` (repeatable) adds rows of your own -- the balanced compact sampler's with those
+keys -- measured side by side in the same interleaved rounds (only those, unless ``--configs`` names more): e.g.
+``rl.tools=[my_tools.py:add]`` against ``rl.agent=my_agent.py:agent``, the in-process turn loop against the
+agent's endpoint on the same task.
+
 ``--job KEY=VALUE ...`` benches your own job instead: its keys go into every configuration's (after the row's:
 ``rl.dataset=...``, ``rl.environment=...``, ``rl.max_turns=5``), and with ``model.path`` among them the
 configurations start from that model (an SFT export) and the warm start is skipped -- how the docs' (docs/sft.md)
@@ -188,6 +193,10 @@ def run(args) -> int:
     spec.nproc = args.nproc
     if args.configs:
         spec.configs = args.configs
+    for name, *keys in args.variant or []:  # your own rows: the balanced compact sampler's, with these keys
+        GRPO_CONFIGS[name] = ("rl.rollout_engine=compact", "rl.balance_ranks=true", *keys)
+    if args.variant and not args.configs:
+        spec.configs = [name for name, *_ in args.variant]
     if args.presets:  # one model per run: its rows compare engines and settings on it
         if len(args.presets) > 1:
             raise SystemExit("syncwise: error: bench --workload grpo: one --presets model per run")

@@ -55,6 +55,7 @@ class AgentLoop:
         self.agent = AgentFunction.load(cfg.agent)
         self.model_name, self.max_positions = model_name, max_positions
         self.endpoint: Endpoint | None = None
+        self._http = None  # the connection pool the agents' clients share (made on the endpoint's loop)
 
     def describe(self) -> str:
         return (f"rl.agent {self.cfg.agent} through an OpenAI-compatible endpoint on loopback "
@@ -62,6 +63,10 @@ class AgentLoop:
 
     def close(self) -> None:
         if self.endpoint is not None:
+            if self._http is not None and self.endpoint.loop is not None:
+                with contextlib.suppress(Exception):
+                    asyncio.run_coroutine_threadsafe(self._http.aclose(), self.endpoint.loop).result(10)
+                self._http = None
             self.endpoint.close()
             self.endpoint = None
 
@@ -100,15 +105,19 @@ class AgentLoop:
 
     async def _all(self, rows: list[dict[str, Any]], n: int, ids: list[str], state: _RunState) -> None:
         gate = asyncio.Semaphore(self.cfg.agent_workers)
-        await asyncio.gather(*(self._one(k, rows[k // n], sid, gate, state) for k, sid in enumerate(ids)))
+        if self._http is None:  # one pool for the job: its connections stay open from step to step
+            self._http = self.agent.http_client(self.cfg.agent_workers)
+        await asyncio.gather(*(self._one(k, rows[k // n], sid, gate, state, self._http)
+                               for k, sid in enumerate(ids)))
 
-    async def _one(self, k: int, row: dict[str, Any], sid: str, gate: asyncio.Semaphore, state: _RunState) -> None:
+    async def _one(self, k: int, row: dict[str, Any], sid: str, gate: asyncio.Semaphore, state: _RunState,
+                   http: Any) -> None:
         """Sample ``k``'s agent run: its outcome and seconds into ``state``; its session closed after."""
         async with gate:
             state.started(k)
             try:
                 state.rewards[k] = await asyncio.wait_for(
-                    self.agent.run(row, self.endpoint.base_url(sid), self.endpoint.key, self.model_name),
+                    self.agent.run(row, self.endpoint.base_url(sid), self.endpoint.key, self.model_name, http),
                     self.cfg.agent_timeout_s)
             except asyncio.TimeoutError:
                 state.fail(k, "timeouts", f"ran past rl.agent_timeout_s={self.cfg.agent_timeout_s:g}")

@@ -5,7 +5,7 @@ rollout engine.
 Routes, under a session's base URL ``http://127.0.0.1:PORT/s/<session>/v1`` (:mod:`syncwise.rl.rollout.sessions`:
 token in, token out), and under ``/v1`` for ``syncwise serve`` (each request its own session):
 
-- ``POST /chat/completions`` -- ``messages``, ``tools`` / ``tool_choice``, ``max_tokens`` /
+- ``POST /chat/completions`` -- ``messages``, ``tools`` / ``tool_choice`` (auto, none), ``max_tokens`` /
   ``max_completion_tokens``, ``stop``, ``logprobs``; ``n`` 1; ``temperature``, ``top_p`` and ``seed`` are the job's
   (what it trains on: a request's own are not applied, and counted); ``stream`` refused in OpenAI's error shape;
 - ``POST /completions`` -- a text prompt, or token ids;
@@ -184,6 +184,9 @@ def check_body(body: Any, kind: str) -> tuple[str, str, str] | None:
     if body.get("stream"):
         return ("stream: streaming is not served here; send stream=false (the whole answer in one response)",
                 "invalid_request_error", "stream")
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        return ("tool_choice: 'auto' or 'none' (the job samples freely: 'required' or a named function would need "
+                "constrained sampling)", "invalid_request_error", "tool_choice")
     if body.get("n", 1) != 1:
         return "n: one choice a request (a session is one conversation)", "invalid_request_error", "n"
     for key in ("max_tokens", "max_completion_tokens"):

@@ -107,10 +107,10 @@ class TurnServer:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         if cut is not None:
             text = _before_stop(text, stops)
+        calls = body.get("tools") if pending.kind == "chat" and body.get("tool_choice") != "none" else None
         try:
             shown = self.tokenizer.decode(tokens[:-1] if ended and cut is None else tokens, skip_special_tokens=False)
-            parsed = session.answer(shown if body.get("tools") else text, body.get("tools") if pending.kind == "chat"
-                                    else None)
+            parsed = session.answer(shown if calls else text, calls)
         except RequestError as exc:
             self.counts["malformed"] += 1
             pending.answer(400, error_body(str(exc), param=exc.param))
