@@ -109,11 +109,16 @@ async def agent(row, client, model, base_url):
         note(f"finish {response.choices[0].finish_reason}")
     return None
 '''
-# Each run says which row it serves in its own system prompt and returns that row's number
+# Each run says which row it serves in its own system prompt and returns that row's number: a sync function with a
+# client of its own, as LangGraph-style code makes one from the URL it is given
 ECHO_AGENT = '''
-async def agent(row, client, model):
+import openai
+
+
+def agent(row, base_url, api_key, model):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "system", "content": f"session of row {row['answer']}"}, *row["prompt"]]
-    await client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+    client.chat.completions.create(model=model, messages=messages, max_tokens=2)
     return float(row["answer"])
 '''
 JOB = ["rl.reward_fn=syncwise.rewards:final_number", "rl.max_new_tokens=64", "rl.prompts_per_rank=2",
@@ -216,6 +221,21 @@ def test_64_concurrent_sessions_a_rank_keep_their_rows_and_a_lag_trains_them(fol
         # every reward on the segment its own session sampled: the prompt it sent names the row it was given
         said = table["prompt"].str.extract(r"session of row (\d+)")[0].astype(float)
         assert (said == table["reward"]).all() and (table["staleness"] == min(step - 1, 1)).all()
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("rl.tools=[calculator]", "rl.agent with rl.tools: the agent brings its own tools"),
+    ("rl.max_staleness=1", "rl.agent with rl.max_staleness: partial rollouts would carry an agent's run"),
+    ("rl.agent=echo_agent.py:missing", "rl.agent: cannot import 'echo_agent.py:missing'"),
+    ("rl.agent=bad_agent.py:agent", "rl.agent: bad_agent.py:agent asks for question; an agent is given by name any of"),
+])
+def test_an_agent_job_s_mistakes_are_one_line_before_any_rank(folder, override, said):
+    from cli_harness import run_cli
+
+    (folder / "bad_agent.py").write_text("def agent(row, question):\n    return 0.0\n")
+    proc = run_cli(["train", *JOB, f"model.path={folder / 'qwen2-tools'}", "rl.agent=echo_agent.py:agent",
+                    override], cwd=folder)
+    assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_the_endpoint_refuses_in_openai_s_shape_and_batches_what_is_queued():

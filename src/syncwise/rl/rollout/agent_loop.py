@@ -16,6 +16,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,9 @@ class AgentLoop:
         if self.endpoint is None:
             self.endpoint = Endpoint(self.model_name)
             self.endpoint.start()
+            # a sync agent runs in a thread of the loop's executor: as many as run at once
+            self.endpoint.loop.call_soon_threadsafe(self.endpoint.loop.set_default_executor,
+                                                    ThreadPoolExecutor(self.cfg.agent_workers, "syncwise-agent"))
         endpoint = self.endpoint
         server = TurnServer(endpoint, engine, self.tokenizer,
                             {"temperature": self.cfg.temperature, "top_p": self.cfg.top_p})
