@@ -573,6 +573,7 @@ def test_a_lagged_step_refreshes_once_draws_ahead_and_lets_the_engine_sleep_afte
 
     from syncwise.rl.batches import DrawAhead
     from syncwise.rl.drawing import BatchDrawer
+    from syncwise.rl.env.scoring import RewardLogs
     from syncwise.rl.stats import PhaseClock
 
     calls = []
@@ -580,14 +581,14 @@ def test_a_lagged_step_refreshes_once_draws_ahead_and_lets_the_engine_sleep_afte
     def generate(rows, prompt_ids, step, tools, release=True, version=None, seat=None):
         calls.append(("generate", step, release))
         return SimpleNamespace(batch={}, log_probs=None, response_lengths=None, clipped=None, kept_mass=None,
-                               tool_counts=None, tool_s=0.0, trajectories=[], decode=None)
+                               tool_counts=None, tool_s=0.0, trajectories=[], decode=None, agent=None)
 
-    config = SimpleNamespace(rl=SimpleNamespace(prompts_per_rank=1))
+    config = SimpleNamespace(rl=SimpleNamespace(prompts_per_rank=1), train=SimpleNamespace(log_completions_every=0))
     source = SimpleNamespace(batch_indices=lambda step, rank, world, count: [step], rows=list(range(9)),
                              prompt_ids=list(range(9)), encoded=SimpleNamespace(tools=[None] * 9))
     rollout = SimpleNamespace(sync_weights=lambda: calls.append("refresh"), generate=generate)
     drawer = BatchDrawer(config, (0, 1), rollout, source)
-    drawer.score = lambda result, rows, step: (torch.zeros(1), {}, [])
+    drawer.score = lambda result, rows, step: (torch.zeros(1), {}, [], RewardLogs())
     batches = DrawAhead(drawer, lag=2, steps=5)
     versions = [batches.take(step, PhaseClock()).version for step in range(5)]
     assert versions == [0, 0, 0, 1, 2]  # step t's batch drawn by the policy of step max(t - 2, 0)
