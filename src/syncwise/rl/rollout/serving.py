@@ -109,7 +109,8 @@ class TurnServer:
             text = _before_stop(text, stops)
         calls = body.get("tools") if pending.kind == "chat" and body.get("tool_choice") != "none" else None
         try:
-            shown = self.tokenizer.decode(tokens[:-1] if ended and cut is None else tokens, skip_special_tokens=False)
+            ends_turn = bool(tokens) and tokens[-1] in session.end_ids  # the end token is no part of the text
+            shown = self.tokenizer.decode(tokens[:-1] if ends_turn else tokens, skip_special_tokens=False)
             parsed = session.answer(shown if calls else text, calls)
         except RequestError as exc:
             self.counts["malformed"] += 1
