@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .config.loading import flat_keys
 from .metrics import set_aside
 
 PROJECT = "syncwise"
@@ -114,7 +115,7 @@ class MlflowTracker(Tracker):
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT))
         self._run = mlflow.start_run(run_id=resumed) if resumed else mlflow.start_run(run_name=out_dir.name)
         if not resumed:
-            mlflow.log_params({_key(k): str(v)[:6000] for k, v in _flat(config).items()})
+            mlflow.log_params({_key(k): str(v)[:6000] for k, v in flat_keys(config).items()})
             mlflow.log_dict(config, "config.yaml")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -166,16 +167,6 @@ def open_trackers(names: list[str], out_dir: Path, config: dict[str, Any],
     checkpoint's run ids; None: a new job)."""
     runs = resumed or {}
     return [TRACKERS[name](out_dir, config, runs.get(name), resumed is None) for name in names if name in TRACKERS]
-
-
-def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _key(name: str) -> str:

@@ -121,11 +121,12 @@ def _refuse_train_keys(train: dict[str, Any]) -> None:
                           f"sft.{shadowed[0]}")
 
 
-def _leaves(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_keys(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as ``section.key -> value``."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, dict):
-            out |= _leaves(value, f"{prefix}{key}.")
+            out |= flat_keys(value, f"{prefix}{key}.")
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -133,9 +134,9 @@ def _leaves(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _differences(config: Config, layers: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """Per source, the keys whose value is not the default's, as ``key=value``."""
-    defaults = _leaves(config_to_dict(load_config_dict({})))
-    values = _leaves(config_to_dict(config))
-    set_by = [(name, set(_leaves(layer))) for name, layer in reversed(layers)]  # the last layer wins
+    defaults = flat_keys(config_to_dict(load_config_dict({})))
+    values = flat_keys(config_to_dict(config))
+    set_by = [(name, set(flat_keys(layer))) for name, layer in reversed(layers)]  # the last layer wins
     by_source: dict[str, list[str]] = {}
     for key, value in values.items():
         if key in defaults and value == defaults[key]:
