@@ -46,7 +46,8 @@ TOOLS = TOOLS_JSON
 async def agent(row, client, model):
     messages, requests = list(row["prompt"]), []
     for _ in range(4):
-        response = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=64)
+        response = await client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=64,
+                                                        extra_body={"return_token_ids": True})
         choice = response.choices[0]
         requests.append({"prompt": response.model_extra["prompt_token_ids"], "tokens": choice.model_extra["token_ids"]})
         messages.append(choice.message.model_dump(exclude_none=True))
@@ -267,6 +268,17 @@ def test_the_endpoint_refuses_in_openai_s_shape_and_batches_what_is_queued():
         endpoint.close()
 
 
+def test_a_batch_of_alike_first_turns_is_sampled_as_n_samples_of_each_prompt():
+    from syncwise.rl.rollout.serving import shared_prompts
+
+    # a prompt's runs send the same first turn: each distinct prompt once, n samples, every request its own sample
+    prompts, n, place = shared_prompts([[1, 2], [3], [1, 2], [3], [1, 2], [3]])
+    assert (prompts, n) == ([[1, 2], [3]], 3) and place == [0, 3, 1, 4, 2, 5]
+    # later turns differ, or copies unevenly many: one sample each, in order
+    assert shared_prompts([[1], [2], [3]]) == ([[1], [2], [3]], 1, [0, 1, 2])
+    assert shared_prompts([[1], [1], [2]]) == ([[1], [1], [2]], 1, [0, 1, 2])
+
+
 def _ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:
     from syncwise.rl.rollout.sessions import template_message
 
@@ -318,14 +330,20 @@ def test_syncwise_serve_answers_the_openai_client_and_stops_on_ctrl_c(folder):
         base_url = re.search(r"at (http://127\.0\.0\.1:\d+/v1) \(api_key sk-test\)", line).group(1)
         client = openai.OpenAI(base_url=base_url, api_key="sk-test", max_retries=0)
         chat = client.chat.completions.create(model="qwen2-tools", messages=CONVERSATION[:1], tools=TOOLS,
-                                              max_tokens=64, logprobs=True)
+                                              max_tokens=64, logprobs=True, extra_body={"return_token_ids": True})
         choice = chat.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "add"
         assert len(choice.logprobs.content) == len(choice.model_extra["token_ids"]) > 0
         assert chat.model_extra["prompt_token_ids"]
         assert chat.usage.completion_tokens == len(choice.model_extra["token_ids"])
-        text = client.completions.create(model="qwen2-tools", prompt=[1, 2, 3], max_tokens=3)
+        text = client.completions.create(model="qwen2-tools", prompt=[1, 2, 3], max_tokens=3,
+                                         extra_body={"return_token_ids": True})
         assert text.choices[0].model_extra["prompt_token_ids"] == [1, 2, 3]
+        assert len(text.choices[0].model_extra["token_ids"]) == text.usage.completion_tokens
+        # vLLM's contract: the ids only where asked for (null otherwise), log-probs only where asked for
+        plain = client.chat.completions.create(model="qwen2-tools", messages=CONVERSATION[:1], max_tokens=8)
+        assert plain.model_extra["prompt_token_ids"] is None and plain.choices[0].model_extra["token_ids"] is None
+        assert plain.choices[0].logprobs is None
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
     finally:

@@ -280,3 +280,6 @@ def test_the_regression_bench_runs_two_trees_abba_and_prints_the_ratio_per_phase
     assert ratios["response_length"]["ratio"] == 1.0  # the same tree samples the same responses
     assert 0.2 < ratios["step"]["ratio"] < 5.0
     assert "| step |" in proc.stdout and "ratio = current / earlier" in proc.stdout
+    # identical work, said, with each phase's total seconds compared
+    assert data["same_responses"] is True and 0.2 < data["totals"]["step"] < 5.0
+    assert "same responses in both trees at every measured step" in proc.stdout

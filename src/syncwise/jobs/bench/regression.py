@@ -11,6 +11,13 @@ lengths: the cost per token is what compares), and the sampled tokens per second
 current / earlier per phase (above 1: slower now), each round's beside the pooled one, so a difference inside
 the rounds' spread reads as noise.
 
+Per token is a fair measure only roughly: a batch decodes until its longest response ends, so responses of other
+lengths cost other amounts per token (issue 71's "slowdown" was that: 76f4f05 drew its samples from the job's
+generator, today's trees from per-call seeds, so the two sampled different responses -- 7.8% longer, more of them
+at the length cap). The report says whether both trees sampled the very same responses at every measured step
+(``same_responses``); where they did, the work was identical and the ratio of each phase's total seconds
+(``totals``) compares the code alone.
+
 The default job is issue 71's: the SFT example's model fine-tuned one epoch (prepared once under ``--out``), then
 30 GRPO steps of 4 prompts x 8 samples a rank, 64 new tokens, lr 1e-4. ``--job KEY=VALUE ...`` runs yours instead
 (its keys must exist in both trees).
@@ -71,11 +78,21 @@ def run(args) -> int:
                 runs[which].append(_run(tree, job, out / f"round{r}_{i}_{which}", spec))
         if not spec.against_tree:
             _drop_worktree(Path(folder) / "tree")
+    same = all(r["responses"] == runs["earlier"][0]["responses"] for rs in runs.values() for r in rs)
     results = _compare(runs)
-    write_report(out, "bench_regression", spec, {"runs": runs, "ratios": results},
+    totals = {key: statistics.mean(r["totals"][key] for r in runs["current"])
+              / max(statistics.mean(r["totals"][key] for r in runs["earlier"]), 1e-12)
+              for key in runs["current"][0]["totals"] if key in runs["earlier"][0]["totals"]}
+    said = ("same responses in both trees at every measured step: the work was identical; each phase's total "
+            "seconds, current / earlier: " + ", ".join(f"{k} {v:.3f}" for k, v in totals.items() if k in PHASES)
+            if same else
+            "the trees sampled different responses (their sampling seeds or numerics differ): a per-token ratio "
+            "also carries the change of work -- other lengths, more or fewer at the length cap")
+    write_report(out, "bench_regression", spec,
+                 {"runs": runs, "ratios": results, "same_responses": same, "totals": totals if same else None},
                  _table(results), [f"earlier: {spec.against_tree or spec.against}; current: {CURRENT.parent}; "
-                                         f"{spec.rounds} round(s) of A B B A; per token = over the median response "
-                                         "length; ratio = current / earlier (above 1: slower now)"])
+                                   f"{spec.rounds} round(s) of A B B A; per token = over the median response "
+                                   "length; ratio = current / earlier (above 1: slower now)", said])
     return 0
 
 
@@ -122,8 +139,9 @@ def _default_data(out: Path) -> list[str]:
     return [f"model.path={export}", f"rl.dataset={out / 'data' / 'prompts.jsonl'}"]
 
 
-def _run(src: Path, job: list[str], out: Path, spec: RegressionSpec) -> dict[str, float]:
-    """One job on the tree at ``src``: per phase, the median seconds per response token over the measured steps."""
+def _run(src: Path, job: list[str], out: Path, spec: RegressionSpec) -> dict[str, Any]:
+    """One job on the tree at ``src``: per phase, the median seconds per response token over the measured steps;
+    ``totals``: each phase's seconds over them; ``responses``: each step's response tokens and mean length."""
     from ...metrics import read_jsonl
 
     proc = _syncwise(src, ["train", *job, f"dist.nproc={spec.nproc}", f"train.out_dir={out}",
@@ -138,14 +156,17 @@ def _run(src: Path, job: list[str], out: Path, spec: RegressionSpec) -> dict[str
                  for k in phases}
     sampled = [r["rollout/response_tokens"] / r["time/rollout_s"] for r in rows
                if r.get("time/rollout_s") and "rollout/response_tokens" in r]
+    totals = {k.removeprefix("time/").removesuffix("_s"): sum(r.get(k, 0.0) for r in rows) for k in phases}
+    responses = [[r.get("rollout/response_tokens"), r["response/length_mean"]] for r in rows]
     return {**per_token, "response_length": length,
-            **({"rollout_tokens_per_s": statistics.median(sampled)} if sampled else {})}
+            **({"rollout_tokens_per_s": statistics.median(sampled)} if sampled else {}),
+            "totals": totals, "responses": responses}
 
 
 def _compare(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     """Per phase: each tree's pooled median per token, the ratio, and each round's ratio (A B B A: a round's
     two runs of each tree)."""
-    keys = [k for k in runs["current"][0] if k in runs["earlier"][0]]
+    keys = [k for k in runs["current"][0] if k in runs["earlier"][0] and k not in ("totals", "responses")]
     rounds = len(runs["current"]) // 2
     out: dict[str, Any] = {}
     for key in keys:

@@ -6,8 +6,9 @@ Routes, under a session's base URL ``http://127.0.0.1:PORT/s/<session>/v1`` (:mo
 token in, token out), and under ``/v1`` for ``syncwise serve`` (each request its own session):
 
 - ``POST /chat/completions`` -- ``messages``, ``tools`` / ``tool_choice`` (auto, none), ``max_tokens`` /
-  ``max_completion_tokens``, ``stop``, ``logprobs``; ``n`` 1; ``temperature``, ``top_p`` and ``seed`` are the job's
-  (what it trains on: a request's own are not applied, and counted); ``stream`` refused in OpenAI's error shape;
+  ``max_completion_tokens``, ``stop``, ``logprobs``, ``return_token_ids`` (vLLM's); ``n`` 1; ``temperature``,
+  ``top_p`` and ``seed`` are the job's (what it trains on: a request's own are not applied, and counted);
+  ``stream`` refused in OpenAI's error shape;
 - ``POST /completions`` -- a text prompt, or token ids;
 - ``GET /models``.
 

@@ -1,7 +1,8 @@
 """The sampling side of the endpoint: a batch of queued requests, from any number of sessions, planned (token in:
 :mod:`syncwise.rl.rollout.sessions`), sampled together in one call of the rank's rollout engine (the compact sampler,
-``generate``, vLLM), each cut to what it asked for (``max_tokens``, ``stop``), recorded (token out) and answered in
-OpenAI's shape with vLLM's ``prompt_token_ids`` / ``token_ids`` beside."""
+``generate``, vLLM; a prompt's alike first turns prefilled once, as the turn loop's), each cut to what it asked for
+(``max_tokens``, ``stop``), recorded (token out) and answered in OpenAI's shape -- with vLLM's ``prompt_token_ids``
+/ ``token_ids`` beside where the request asked for them (``return_token_ids``; null otherwise, as vLLM answers)."""
 
 from __future__ import annotations
 
@@ -67,9 +68,10 @@ class TurnServer:
             return
         room = max(min(turn.room, _asked(p.body) or turn.room) for p, _, turn in planned)
         self.calls += 1
-        samples = self.engine.sample([turn.prompt for _, _, turn in planned], 1, room, seed)
+        prompts, n, place = shared_prompts([turn.prompt for _, _, turn in planned])
+        samples = self.engine.sample(prompts, n, room, seed)
         for k, (pending, session, turn) in enumerate(planned):
-            self._record(pending, session, turn, samples, k, version)
+            self._record(pending, session, turn, samples, place[k], version)
 
     def _plan(self, pending: Pending, session: Session) -> Turn:
         body = pending.body
@@ -124,14 +126,17 @@ class TurnServer:
 
     def _response(self, pending: Pending, session: Session, turn: Turn, tokens: list[int], logprobs: list[float],
                   parsed, reason: str, text: str) -> dict[str, Any]:
-        """OpenAI's response body, with vLLM's ``prompt_token_ids`` and ``token_ids``."""
+        """OpenAI's response body; vLLM's ``prompt_token_ids`` and ``token_ids`` (vLLM >= 0.10.2's fields, where
+        it puts them) filled where the request has ``return_token_ids``, null otherwise, as vLLM answers."""
         usage = {"prompt_tokens": len(turn.prompt), "completion_tokens": len(tokens),
                  "total_tokens": len(turn.prompt) + len(tokens)}
         common = {"created": int(time.time()), "model": self.endpoint.model, "usage": usage}
         wants_logprobs = bool(pending.body.get("logprobs"))
+        wants_ids = bool(pending.body.get("return_token_ids"))
+        token_ids, prompt_token_ids = (tokens, turn.prompt) if wants_ids else (None, None)
         if pending.kind == "text":
-            choice = {"index": 0, "text": text, "finish_reason": reason, "token_ids": tokens,
-                      "prompt_token_ids": turn.prompt,
+            choice = {"index": 0, "text": text, "finish_reason": reason, "token_ids": token_ids,
+                      "prompt_token_ids": prompt_token_ids,
                       "logprobs": {"tokens": [self.tokenizer.decode([t]) for t in tokens],
                                    "token_logprobs": logprobs, "top_logprobs": None,
                                    "text_offset": None} if wants_logprobs else None}
@@ -143,11 +148,28 @@ class TurnServer:
                  "function": {"name": c.name, "arguments": c.arguments if isinstance(c.arguments, str)
                               else _json(c.arguments)}} for c in parsed.calls]
         content = [{"token": (piece := self.tokenizer.decode([t])), "logprob": lp, "bytes": list(piece.encode()),
-                    "top_logprobs": []} for t, lp in zip(tokens, logprobs, strict=True)]
-        choice = {"index": 0, "message": message, "finish_reason": reason, "token_ids": tokens,
+                    "top_logprobs": []} for t, lp in zip(tokens, logprobs, strict=True)] if wants_logprobs else None
+        choice = {"index": 0, "message": message, "finish_reason": reason, "token_ids": token_ids,
                   "logprobs": {"content": content} if wants_logprobs else None}
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", **common, "choices": [choice],
-                "prompt_token_ids": turn.prompt}
+                "prompt_token_ids": prompt_token_ids}
+
+
+def shared_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
+    """(prompts, n, place): where the requests are n alike copies of each of their distinct prompts -- the first
+    turns of a prompt's ``rl.samples_per_prompt`` runs -- each distinct prompt once with n samples (the engine
+    prefills it once, as the turn loop's first turn), else every prompt with 1; ``place[k]``: request k's sample."""
+    copies: dict[tuple[int, ...], list[int]] = {}
+    for k, prompt in enumerate(prompts):
+        copies.setdefault(tuple(prompt), []).append(k)
+    sizes = {len(ks) for ks in copies.values()}
+    if len(copies) == len(prompts) or len(sizes) != 1:
+        return prompts, 1, list(range(len(prompts)))
+    n, place = sizes.pop(), [0] * len(prompts)
+    for i, ks in enumerate(copies.values()):
+        for j, k in enumerate(ks):
+            place[k] = i * n + j
+    return [list(prompt) for prompt in copies], n, place
 
 
 def _asked(body: dict[str, Any]) -> int | None:
