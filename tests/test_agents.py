@@ -243,7 +243,7 @@ def test_the_endpoint_refuses_in_openai_s_shape_and_batches_what_is_queued():
     import httpx
 
     from syncwise.rl.rollout.endpoint import Endpoint
-    from syncwise.rl.rollout.serving import TurnServer
+    from syncwise.rl.rollout.serving import BATCH_WAIT_S, TurnServer, batch_gap
 
     endpoint = Endpoint("m")
     endpoint.start()
@@ -263,9 +263,26 @@ def test_the_endpoint_refuses_in_openai_s_shape_and_batches_what_is_queued():
         # five requests queued while five agents run: one batch
         for _ in range(5):
             endpoint.requests.put("queued")
-        assert len(TurnServer(endpoint, None, None, {}).collect(lambda: 5)) == 5
+        server = TurnServer(endpoint, None, None, {})
+        assert len(server.collect(lambda: 5)) == 5
+        # with six running, the sixth not coming: the batch goes after the gap, which the engine's last call sets
+        for _ in range(5):
+            endpoint.requests.put("queued")
+        server.gap_s = 0.05
+        assert len(server.collect(lambda: 6)) == 5 and endpoint.requests.empty()
+        assert (batch_gap(0.01), batch_gap(2.0), batch_gap(60.0)) == (BATCH_WAIT_S, 0.2, 1.0)
     finally:
         endpoint.close()
+
+
+def test_an_agent_s_reward_is_none_or_a_finite_number_said_in_one_line():
+    from syncwise.rl.env.agents import reward_value
+
+    assert reward_value("a.py:f", None) is None and reward_value("a.py:f", 1) == 1.0
+    with pytest.raises(ValueError, match=r"^rl.agent: a.py:f returned 'high', not a number \(None: rl.reward_fn "):
+        reward_value("a.py:f", "high")
+    with pytest.raises(ValueError, match=r"^rl.agent: a.py:f returned inf; a reward must be a finite number"):
+        reward_value("a.py:f", float("inf"))
 
 
 def test_a_batch_of_alike_first_turns_is_sampled_as_n_samples_of_each_prompt():

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .loader import load_function
+from .scoring import checked_reward
 
 AGENT_ARGUMENTS = ("row", "base_url", "api_key", "model", "client")
 
@@ -79,12 +79,4 @@ class AgentFunction:
 
 def reward_value(path: str, value: Any) -> float | None:
     """An agent's return as its sample's reward: None (rl.reward_fn scores), or a finite number."""
-    if value is None:
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"rl.agent: {path} returned {value!r}, not a number (None: rl.reward_fn scores)") from exc
-    if not math.isfinite(number):
-        raise ValueError(f"rl.agent: {path} returned {number}; a reward must be finite")
-    return number
+    return checked_reward(value, f"rl.agent: {path} returned", "None: rl.reward_fn scores")

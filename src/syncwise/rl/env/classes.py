@@ -27,11 +27,11 @@ unchanged -- as TRL runs it.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any
 
 from .base import NOT_SAVED
 from .loader import load_function
+from .scoring import checked_reward
 from .threads import OwnThread
 from .tools import Tool, tool_schema
 
@@ -174,15 +174,7 @@ class ClassEpisode:
             value = self.thread.call(get_reward)
         except Exception as exc:  # the user's code: any exception
             raise ValueError(f"{where} raised {type(exc).__name__}: {exc}") from exc
-        if value is None:
-            return None
-        try:
-            number = float(value)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where} returned {value!r}, not a number (None for no reward)") from exc
-        if not math.isfinite(number):
-            raise ValueError(f"{where} returned {number}; a reward must be a finite number (None for no reward)")
-        return number
+        return checked_reward(value, f"{where} returned", "None for no reward")
 
     def metrics(self) -> dict[str, float]:
         """The ``metrics`` attribute's numbers (a method of that name is a tool, as TRL has it: not read)."""

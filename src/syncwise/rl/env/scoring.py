@@ -242,20 +242,25 @@ def _trl(reward: RewardFunction, prompts: list[Any], responses: list[Any], rows:
     return [_number(f"{reward.label}: {reward.name}", v) for v in values]
 
 
-def _number(who: str, value: Any, where: str = "") -> float:
-    """A function's reward as a float: NaN for None (no reward from it for that sample), else a finite number
-    (``who`` returned it; ``where``: for which sample)."""
+def checked_reward(value: Any, returned: str, none: str, where: str = "") -> float | None:
+    """A reward the user's code returned (a reward function, an environment's ``get_reward``, an agent): None as
+    None, else a finite float; else a ValueError "``returned`` <value>``where``, not a number (``none``)"."""
     if value is None:
-        return math.nan
+        return None
     try:
         number = float(value)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{who}: returned {value!r}{where}, not a number (None: no reward from it for that "
-                         "sample)") from exc
+        raise ValueError(f"{returned} {value!r}{where}, not a number ({none})") from exc
     if not math.isfinite(number):
-        raise ValueError(f"{who}: returned {number}{where}; a reward must be a finite number (None: no reward "
-                         "from it for that sample)")
+        raise ValueError(f"{returned} {number}{where}; a reward must be a finite number ({none})")
     return number
+
+
+def _number(who: str, value: Any, where: str = "") -> float:
+    """A function's reward as a float: NaN for None (no reward from it for that sample), else a finite number
+    (``who`` returned it; ``where``: for which sample)."""
+    number = checked_reward(value, f"{who}: returned", "None: no reward from it for that sample", where)
+    return math.nan if number is None else number
 
 
 def _one(reward: RewardFunction, prompt: Any, response: str, row: dict[str, Any], extra: dict[str, Any]) -> float:

@@ -26,7 +26,7 @@ from ...config import RLConfig
 from ..env.agents import AgentFunction
 from .base import RolloutEngine, Trajectory, sample_seed
 from .endpoint import Endpoint
-from .serving import TurnServer
+from .serving import BATCH_WAIT_S, TurnServer
 from .sessions import Session
 
 AGENT_COUNTS = ("requests", "segments", "rewritten", "sampled_tokens", "inserted_tokens", "malformed", "unauthorized",
@@ -57,6 +57,7 @@ class AgentLoop:
         self.model_name, self.max_positions = model_name, max_positions
         self.endpoint: Endpoint | None = None
         self._http = None  # the connection pool the agents' clients share (made on the endpoint's loop)
+        self._gap_s = BATCH_WAIT_S  # the batching gap the last step's engine calls set (TurnServer.gap_s)
 
     def describe(self) -> str:
         return (f"rl.agent {self.cfg.agent} through an OpenAI-compatible endpoint on loopback "
@@ -84,6 +85,7 @@ class AgentLoop:
         endpoint = self.endpoint
         server = TurnServer(endpoint, engine, self.tokenizer,
                             {"temperature": self.cfg.temperature, "top_p": self.cfg.top_p})
+        server.gap_s = self._gap_s
         samples = len(rows) * n
         sessions = {endpoint.open_session(): Session(self.tokenizer, self.end_ids, max_new_tokens,
                                                      self.max_positions, self.cfg.tool_parser)
@@ -100,6 +102,7 @@ class AgentLoop:
                               sample_seed(seed[0], seed[1], seed[2], seed[3], calls, 1 << 16, samples))
                 calls += 1
         runs.result()
+        self._gap_s = server.gap_s
         for sid in ids:
             sessions[sid].closed = True
             endpoint.close_session(sid)

@@ -17,7 +17,11 @@ from .base import RolloutEngine
 from .endpoint import Endpoint, Pending, error_body
 from .sessions import RequestError, Session, Turn
 
-BATCH_WAIT_S = 0.02  # after a request, how long to wait for another before sampling those queued
+BATCH_WAIT_S = 0.02  # after a request, how long at least to wait for another before sampling those queued
+# ... and at most this share of the last engine call: a batch cut early costs a whole engine call more (its decode
+# steps' fixed cost) for the requests that come just after, while the agents' own Python -- 64 runs reading their
+# answers on one event loop -- can leave gaps longer than BATCH_WAIT_S between requests that are on their way
+BATCH_WAIT_SHARE, BATCH_WAIT_MAX_S = 0.1, 1.0
 
 
 class TurnServer:
@@ -28,17 +32,18 @@ class TurnServer:
         self.sampling = sampling  # the job's temperature and top_p: what a request's own are compared with
         self.counts: Counter = Counter()
         self.calls = 0
+        self.gap_s = BATCH_WAIT_S  # how long collect waits between requests: BATCH_WAIT_SHARE of the last call
 
     def collect(self, waiting: Callable[[], int], first_wait_s: float = 0.05) -> list[Pending]:
         """The requests queued now: after the first, more until every agent that is running is waiting on the
-        model (``waiting()``: how many could still send one) or none came for :data:`BATCH_WAIT_S`."""
+        model (``waiting()``: how many could still send one) or none came for :attr:`gap_s`."""
         try:
             batch = [self.endpoint.requests.get(timeout=first_wait_s)]
         except queue.Empty:
             return []
         while len(batch) < waiting():
             try:
-                batch.append(self.endpoint.requests.get(timeout=BATCH_WAIT_S))
+                batch.append(self.endpoint.requests.get(timeout=self.gap_s))
             except queue.Empty:
                 break
         return batch
@@ -69,7 +74,9 @@ class TurnServer:
         room = max(min(turn.room, _asked(p.body) or turn.room) for p, _, turn in planned)
         self.calls += 1
         prompts, n, place = shared_prompts([turn.prompt for _, _, turn in planned])
+        began = time.perf_counter()
         samples = self.engine.sample(prompts, n, room, seed)
+        self.gap_s = batch_gap(time.perf_counter() - began)
         for k, (pending, session, turn) in enumerate(planned):
             self._record(pending, session, turn, samples, place[k], version)
 
@@ -153,6 +160,11 @@ class TurnServer:
                   "logprobs": {"content": content} if wants_logprobs else None}
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", **common, "choices": [choice],
                 "prompt_token_ids": prompt_token_ids}
+
+
+def batch_gap(call_s: float) -> float:
+    """How long to wait between requests for the next batch after an engine call of ``call_s`` seconds."""
+    return min(max(BATCH_WAIT_S, BATCH_WAIT_SHARE * call_s), BATCH_WAIT_MAX_S)
 
 
 def shared_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
