@@ -275,3 +275,26 @@ def test_varlen_attn_is_called_as_the_installed_torch_takes_it(kernel_choice, mo
                                               **bounds)
     assert one.shape == loop.shape == (1, sum(lengths), 4, 16)
     assert_close(one.float(), loop.float(), rtol=2e-2, what="one kernel vs the loop")  # bf16 outputs
+
+
+def test_masked_grouped_query_attention_equals_transformers_sdpa():
+    """The samplers' padded prefill and decode of a grouped-query model go through sdpa's own enable_gqa on CPU
+    (transformers would copy the keys and values per query head): the same attention, within fp32 rounding."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from syncwise.data.attention import varlen_sdpa_attention
+
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    generator = torch.Generator().manual_seed(0)
+    for queries, keys in ((7, 7), (1, 23)):  # a left-padded prefill, a decode step on a cache
+        q = torch.randn(3, 4, queries, 16, generator=generator)
+        k, v = (torch.randn(3, 2, keys, 16, generator=generator) for _ in range(2))
+        mask = torch.ones(3, 1, queries, keys, dtype=torch.bool).tril(diagonal=keys - queries)
+        mask[1, :, :, :3] = False  # row 1 left-padded
+        mask[1, :, :3, 2] = True  # (a fully masked query row would be NaN either way)
+        ours, _ = varlen_sdpa_attention(module, q, k, v, mask, scaling=0.25)
+        theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+        assert ours.shape == theirs.shape == (3, queries, 4, 16)
+        assert_close(ours, theirs, rtol=FP32_RTOL)

@@ -15,8 +15,9 @@ three kernels, chosen once at start (:func:`choose_kernel`, one line saying whic
 - ``loop``: one sdpa call per sequence, on any device and dtype (on CPU a little faster than one call with
   a block-diagonal mask; on a GPU hundreds of small kernels per layer, hence the two above).
 
-Padded batches and generation with a cache get plain sdpa with its mask. The engine switches a model from
-``sdpa`` to ``sdpa_varlen`` when it packs.
+Padded batches and generation with a cache get plain sdpa with its mask -- on CPU with a grouped-query model
+through sdpa's own ``enable_gqa`` (:func:`masked_gqa`), where transformers would copy the keys and values once per
+query head. The engine switches a model from ``sdpa`` to ``sdpa_varlen`` when it packs.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def varlen_sdpa_attention(
 
     bounds = kwargs.get("cu_seq_lens_q")
     if bounds is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        if _takes_masked_gqa(query, key, attention_mask, kwargs):
+            return masked_gqa(query, key, value, attention_mask, dropout, scaling), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     dropout = dropout if module.training else 0.0
@@ -143,6 +146,25 @@ def _one_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bou
         out = _flash_attn_varlen()(q, k, v, bounds, bounds, longest, longest, 0.0, softmax_scale=scaling,
                                    causal=True, window_size=(left, -1 if left < 0 else 0))
     return out[None]
+
+
+def _takes_masked_gqa(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, kwargs: dict) -> bool:
+    """A masked grouped-query call on CPU that transformers' sdpa would need nothing else for (no position bias,
+    no paged cache, no attention weights asked)."""
+    return (mask is not None and query.device.type == "cpu" and query.shape[1] != key.shape[1]
+            and kwargs.get("position_bias") is None and not kwargs.get("output_attentions", False)
+            and type(kwargs.get("cache")).__name__ != "PagedAttentionCache")
+
+
+def masked_gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+               dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
+    """Grouped-query attention with a mask (the samplers' left-padded prefill and decode) by sdpa's own
+    ``enable_gqa``, which takes a mask on CPU: transformers repeats the keys and values to every query head
+    wherever a mask is given (``repeat_kv``: a copy of a layer's whole cache at every decode step; 2-3.7x the
+    attention's time at 60-300 cached tokens). [batch, tokens, heads, dim], as transformers' sdpa returns it."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
 
 
 def register() -> None:
