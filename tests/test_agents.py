@@ -195,8 +195,12 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_endpoint_return
 def test_rewrites_and_faults_are_counted_on_rollout_ranks_and_the_job_goes_on(folder):
     """8 runs a rollout rank, one of each: plain, history rewritten, raises, hangs (cancelled at
     rl.agent_timeout_s), a stream request (400), another key (401), never calls the model, past its budget."""
-    _train(folder, "chaos", "rl.agent=chaos_agent.py:agent", "train.steps=2", "rl.agent_timeout_s=5",
-           "dist.nproc=4", "dist.rollout_ranks=2", "rl.max_new_tokens=24")
+    proc = _train(folder, "chaos", "rl.agent=chaos_agent.py:agent", "train.steps=2", "rl.agent_timeout_s=5",
+                  "dist.nproc=4", "dist.rollout_ranks=2", "rl.max_new_tokens=24")
+    # what failed is said, not only counted: a line per kind of failure, with the first one's words
+    said = re.findall(r"syncwise train: rl\.agent: (\d+) of 8 run\(s\) for rank \d failed this step .*; the first: "
+                      r"sample \d: (\w+)", proc.stdout)
+    assert said and all(int(n) == 3 for n, _ in said), proc.stdout  # raised, stream (re-raised), hung
     for step, row in enumerate(_rows(folder, "chaos"), start=1):
         counts = {k.removeprefix("agent/"): v for k, v in row.items() if k.startswith("agent/")}
         assert counts["exceptions"] == 4 and counts["timeouts"] == 2, counts  # raised; the stream's re-raised
@@ -242,8 +246,12 @@ def test_an_agent_job_s_mistakes_are_one_line_before_any_rank(folder, override, 
 def test_the_endpoint_refuses_in_openai_s_shape_and_batches_what_is_queued():
     import httpx
 
-    from syncwise.rl.rollout.endpoint import Endpoint
+    from syncwise.rl.env.agents import POOL_KEEP_ALIVE_S, AgentFunction
+    from syncwise.rl.rollout.endpoint import KEEP_ALIVE_S, Endpoint
     from syncwise.rl.rollout.serving import BATCH_WAIT_S, TurnServer, batch_gap
+
+    async def calc(row, client):
+        return None
 
     endpoint = Endpoint("m")
     endpoint.start()
@@ -271,6 +279,11 @@ def test_the_endpoint_refuses_in_openai_s_shape_and_batches_what_is_queued():
         server.gap_s = 0.05
         assert len(server.collect(lambda: 6)) == 5 and endpoint.requests.empty()
         assert (batch_gap(0.01), batch_gap(2.0), batch_gap(60.0)) == (BATCH_WAIT_S, 0.2, 1.0)
+        # the agents' pool lets an idle connection go before the server does (else a pool may send on one the
+        # server is closing: "Server disconnected" after an update of ~uvicorn's default 5 s)
+        pool = AgentFunction("a", calc).http_client(4)
+        assert pool._transport._pool._keepalive_expiry == POOL_KEEP_ALIVE_S < KEEP_ALIVE_S
+        assert endpoint._server.config.timeout_keep_alive == KEEP_ALIVE_S
     finally:
         endpoint.close()
 

@@ -17,6 +17,9 @@ from .loader import load_function
 from .scoring import checked_reward
 
 AGENT_ARGUMENTS = ("row", "base_url", "api_key", "model", "client")
+# the shared pool's idle connections outlive an update (httpx's default 5 s would reconnect every step), and stay
+# below the endpoint's own keep-alive (rollout.endpoint.KEEP_ALIVE_S): the pool lets a connection go first
+POOL_KEEP_ALIVE_S = 600
 
 
 @dataclass
@@ -55,8 +58,8 @@ class AgentFunction:
         import httpx
         import openai
 
-        return openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=connections,
-                                                                  max_keepalive_connections=connections))
+        return openai.DefaultAsyncHttpxClient(limits=httpx.Limits(
+            max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=POOL_KEEP_ALIVE_S))
 
     async def run(self, row: dict[str, Any], base_url: str, api_key: str, model: str,
                   http_client: Any = None) -> float | None:

@@ -48,6 +48,9 @@ class AgentRun:
     errors: list[str] = field(default_factory=list)  # the first few failures' words, for the job's log
 
 
+FAILURES_SHOWN = 5  # kinds of failed runs a job prints a line for; the rest are counted only
+
+
 class AgentLoop:
     """Runs ``rl.agent`` for every sample of a step on this process, through an endpoint started on first use."""
 
@@ -58,6 +61,7 @@ class AgentLoop:
         self.endpoint: Endpoint | None = None
         self._http = None  # the connection pool the agents' clients share (made on the endpoint's loop)
         self._gap_s = BATCH_WAIT_S  # the batching gap the last step's engine calls set (TurnServer.gap_s)
+        self._said: set[str] = set()  # the failures already shown (each kind once)
 
     def describe(self) -> str:
         return (f"rl.agent {self.cfg.agent} through an OpenAI-compatible endpoint on loopback "
@@ -103,12 +107,27 @@ class AgentLoop:
                 calls += 1
         runs.result()
         self._gap_s = server.gap_s
+        self._say_failures(state, samples, seed[2])
         for sid in ids:
             sessions[sid].closed = True
             endpoint.close_session(sid)
         server.counts.update(Counter(endpoint.refused) - refused_before)  # answered by the handlers themselves
         server.counts["engine_calls"] = server.calls
         return self._collect([sessions[sid] for sid in ids], prompt_ids, n, state, server.counts)
+
+    def _say_failures(self, state: _RunState, samples: int, rank: int) -> None:
+        """A line where the step's runs failed in a way not shown before (the first failure's words; each kind of
+        failure once a job, at most :data:`FAILURES_SHOWN`): the counts alone would leave the user guessing."""
+        if not state.errors or len(self._said) >= FAILURES_SHOWN:
+            return
+        kind = state.errors[0].partition(": ")[2].partition(":")[0]  # the exception's name, or the timeout's words
+        if kind in self._said:
+            return
+        self._said.add(kind)
+        failed = sum(state.failed)
+        print(f"syncwise train: rl.agent: {failed} of {samples} run(s) for rank {rank} failed this step (their samples "
+              f"train nothing; counted in agent/exceptions and agent/timeouts); the first: {state.errors[0]}",
+              flush=True)
 
     async def _all(self, rows: list[dict[str, Any]], n: int, ids: list[str], state: _RunState) -> None:
         gate = asyncio.Semaphore(self.cfg.agent_workers)

@@ -30,6 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 REQUEST_FIELDS = {"chat": "messages", "text": "prompt"}
+# How long an idle connection stays open: far beyond any client pool's own expiry (httpx 5 s, aiohttp 15 s, the
+# agents' shared pool POOL_KEEP_ALIVE_S), so a pool never sends on a connection the server is closing -- with
+# uvicorn's 5 s against httpx's 5 s, a step whose update took ~5 s failed some runs' first request
+# (APIConnectionError: "Server disconnected"; 9 and 14 of 32 runs at 2 of 100 steps of the tools recipe)
+KEEP_ALIVE_S = 3600
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -90,7 +95,8 @@ class Endpoint:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=KEEP_ALIVE_S)
         self._server = uvicorn.Server(config)
         started = threading.Event()
 
