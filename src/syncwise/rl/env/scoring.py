@@ -242,21 +242,27 @@ def _trl(reward: RewardFunction, prompts: list[Any], responses: list[Any], rows:
     return [_number(f"{reward.label}: {reward.name}", v) for v in values]
 
 
-def checked_reward(value: Any, returned: str, none: str, where: str = "") -> float | None:
+def checked_reward(value: Any, returned: str, none: str, where: str | Callable[[], str] = "") -> float | None:
     """A reward the user's code returned (a reward function, an environment's ``get_reward``, an agent): None as
-    None, else a finite float; else a ValueError "``returned`` <value>``where``, not a number (``none``)"."""
+    None, else a finite float; else a ValueError "``returned`` <value>``where``, not a number (``none``)" --
+    ``where`` made only then where it is a function (a sample's prompt and response: their repr for every sample
+    doubled the reward phase)."""
     if value is None:
         return None
     try:
         number = float(value)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{returned} {value!r}{where}, not a number ({none})") from exc
+        raise ValueError(f"{returned} {value!r}{_said(where)}, not a number ({none})") from exc
     if not math.isfinite(number):
-        raise ValueError(f"{returned} {number}{where}; a reward must be a finite number ({none})")
+        raise ValueError(f"{returned} {number}{_said(where)}; a reward must be a finite number ({none})")
     return number
 
 
-def _number(who: str, value: Any, where: str = "") -> float:
+def _said(where: str | Callable[[], str]) -> str:
+    return where() if callable(where) else where
+
+
+def _number(who: str, value: Any, where: str | Callable[[], str] = "") -> float:
     """A function's reward as a float: NaN for None (no reward from it for that sample), else a finite number
     (``who`` returned it; ``where``: for which sample)."""
     number = checked_reward(value, f"{who}: returned", "None: no reward from it for that sample", where)
@@ -269,7 +275,7 @@ def _one(reward: RewardFunction, prompt: Any, response: str, row: dict[str, Any]
     except Exception as exc:  # user code: any exception
         raise ValueError(f"{reward.label}: raised {type(exc).__name__}: {exc} (prompt {prompt!r}, "
                          f"response {response!r})") from exc
-    return _number(reward.label, value, f" (prompt {prompt!r}, response {response!r})")
+    return _number(reward.label, value, lambda: f" (prompt {prompt!r}, response {response!r})")
 
 
 def _batched(reward: RewardFunction, prompts: list[Any], responses: list[str], rows: list[dict[str, Any]],
