@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +45,6 @@ class AgentRun:
     rewards: list[float | None]
     failed: list[bool]
     counts: torch.Tensor
-    errors: list[str] = field(default_factory=list)  # the first few failures' words, for the job's log
 
 
 FAILURES_SHOWN = 5  # kinds of failed runs a job prints a line for; the rest are counted only
@@ -118,15 +117,15 @@ class AgentLoop:
     def _say_failures(self, state: _RunState, samples: int, rank: int) -> None:
         """A line where the step's runs failed in a way not shown before (the first failure's words; each kind of
         failure once a job, at most :data:`FAILURES_SHOWN`): the counts alone would leave the user guessing."""
-        if not state.errors or len(self._said) >= FAILURES_SHOWN:
+        if state.first_failure is None or len(self._said) >= FAILURES_SHOWN:
             return
-        kind = state.errors[0].partition(": ")[2].partition(":")[0]  # the exception's name, or the timeout's words
+        kind, words = state.first_failure
         if kind in self._said:
             return
         self._said.add(kind)
         failed = sum(state.failed)
         print(f"syncwise train: rl.agent: {failed} of {samples} run(s) for rank {rank} failed this step (their samples "
-              f"train nothing; counted in agent/exceptions and agent/timeouts); the first: {state.errors[0]}",
+              f"train nothing; counted in agent/exceptions and agent/timeouts); the first: {words}",
               flush=True)
 
     async def _all(self, rows: list[dict[str, Any]], n: int, ids: list[str], state: _RunState) -> None:
@@ -146,9 +145,9 @@ class AgentLoop:
                     self.agent.run(row, self.endpoint.base_url(sid), self.endpoint.key, self.model_name, http),
                     self.cfg.agent_timeout_s)
             except asyncio.TimeoutError:
-                state.fail(k, "timeouts", f"ran past rl.agent_timeout_s={self.cfg.agent_timeout_s:g}")
+                state.fail(k, "timeouts", "timeout", f"ran past rl.agent_timeout_s={self.cfg.agent_timeout_s:g}")
             except Exception as exc:  # the agent's own code: any exception is its sample's, not the job's
-                state.fail(k, "exceptions", f"{type(exc).__name__}: {exc}")
+                state.fail(k, "exceptions", type(exc).__name__, f"{type(exc).__name__}: {exc}")
             finally:
                 self.endpoint.close_session(sid)
                 state.ended(k)
@@ -178,8 +177,7 @@ class AgentLoop:
                 sample_of.append(k)
         rewards = [0.0 if failed else value for failed, value in zip(state.failed, state.rewards, strict=True)]
         return AgentRun(trajectories, sample_of, rewards, list(state.failed),
-                        torch.tensor([float(counts[key]) for key in AGENT_COUNTS], dtype=torch.float64),
-                        state.errors[:3])
+                        torch.tensor([float(counts[key]) for key in AGENT_COUNTS], dtype=torch.float64))
 
 
 class _RunState:
@@ -190,7 +188,7 @@ class _RunState:
         self.failed = [False] * samples
         self.wall = [0.0] * samples
         self.counts: Counter = Counter()
-        self.errors: list[str] = []
+        self.first_failure: tuple[str, str] | None = None  # (its kind: the exception's name or timeout, its words)
         self._begun: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -206,8 +204,10 @@ class _RunState:
         with self._lock, contextlib.suppress(KeyError):
             self.wall[k] = time.perf_counter() - self._begun.pop(k)
 
-    def fail(self, k: int, kind: str, words: str) -> None:
+    def fail(self, k: int, count: str, kind: str, words: str) -> None:
+        """Run ``k`` failed: counted under ``count``; the step's first failure kept as (``kind``, its words)."""
         with self._lock:
             self.failed[k] = True
-            self.counts[kind] += 1
-            self.errors.append(f"sample {k}: {words}")
+            self.counts[count] += 1
+            if self.first_failure is None:
+                self.first_failure = (kind, f"sample {k}: {words}")
