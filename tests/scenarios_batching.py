@@ -136,6 +136,7 @@ def packing_suite(info) -> dict:
         engine = Engine(cfg, build_model(cfg.model), info)
         out[("eval", packing)] = engine.eval_batch(batch).outputs["log_probs"]
         out[("step", packing)] = engine.train_batch(batch, make_sft_loss())
+    out["shared"] = shared_prefix_runs(info)
     long = make_batch(seed=60 + info.rank, size=8, seq_len=128)  # activations worth checkpointing
     long["advantages"] = torch.randn(8, generator=torch.Generator().manual_seed(info.rank))
     long["ref_log_probs"] = torch.full((8, 127), -6.0)
@@ -162,4 +163,53 @@ def activation_checkpointing(info, batch: dict) -> dict:
                 engine.forward_backward_batch(batch, _rl_loss("ppo", "token-mean"))
                 engine._peak_meter = None
             out[(mode, ac)] = {"grads": full_grads(engine), "peak": meter.peak, "metrics": metrics}
+    return out
+
+
+def grpo_batch(rank: int) -> dict[str, torch.Tensor]:
+    """GRPO's layout: left-padded prompts, then responses (right-padded); 2 prompts x 3 samples that begin
+    with one 4-token system prompt, and one row of its own; responses the only targets."""
+    gen = torch.Generator().manual_seed(300 + rank)
+    system = torch.randint(1, VOCAB, (4,), generator=gen)
+    prompts = [torch.cat([system, torch.randint(1, VOCAB, (n,), generator=gen)]) for n in (5, 7)]
+    prompts = [p for p in prompts for _ in range(3)] + [torch.randint(1, VOCAB, (9,), generator=gen)]
+    responses = [torch.randint(1, VOCAB, (int(n),), generator=gen) for n in torch.randint(2, 9, (7,), generator=gen)]
+    width = max(len(p) for p in prompts) + max(len(r) for r in responses)
+    rows, masks, losses = [], [], []
+    for prompt, response in zip(prompts, responses, strict=True):
+        pad = max(len(p) for p in prompts) - len(prompt)
+        tail = width - pad - len(prompt) - len(response)
+        rows.append(torch.cat([torch.zeros(pad, dtype=torch.long), prompt, response,
+                               torch.zeros(tail, dtype=torch.long)]))
+        masks.append(torch.cat([torch.zeros(pad), torch.ones(len(prompt) + len(response)), torch.zeros(tail)]))
+        losses.append(torch.cat([torch.zeros(pad + len(prompt)), torch.ones(len(response)), torch.zeros(tail)]))
+    old = -6.0 + 0.3 * torch.randn(7, width - 1, generator=gen)
+    return {"input_ids": torch.stack(rows), "attention_mask": torch.stack(masks).long(),
+            "loss_mask": torch.stack(losses).long(), "old_log_probs": old, "ref_log_probs": old + 0.05,
+            "rollout_log_probs": old + 0.3 * torch.randn(old.shape, generator=gen),
+            "advantages": torch.randn(7, generator=gen)}
+
+
+SHARED_SPLITS = {"two rows a micro-batch": "engine.micro_batch_size=2",
+                 "token cap 40": "engine.max_tokens_per_micro_batch=40",
+                 "token cap 200": "engine.max_tokens_per_micro_batch=200"}
+
+
+def shared_prefix_runs(info) -> dict:
+    """A GRPO-shaped batch with shared prefixes on and off (packed both), and padded: gradients, loss,
+    log-probs and the tokens computed, under each split."""
+    out: dict = {}
+    batch = grpo_batch(info.rank)
+    for split, key in SHARED_SPLITS.items():
+        for kind, agg in (("ppo", "token-mean"), ("gspo", "seq-mean-token-mean")):
+            for share, packing in (("true", "true"), ("false", "true"), ("false", "false")):
+                cfg = engine_config("fsdp2", "deferred", f"engine.packing={packing}", f"engine.share_prefixes={share}",
+                                    key, "sync.strict=true")
+                engine = Engine(cfg, build_model(cfg.model), info)
+                result = engine.forward_backward_batch(batch, make_policy_loss(PolicyLossConfig(
+                    kind=kind, agg=agg, rollout_is="token", rollout_is_cap=1.5, entropy_coef=0.01, kl_coef=0.05)))
+                out[(split, kind, share, packing)] = {
+                    "grads": full_grads(engine), "loss": result.metrics["loss"], "metrics": result.metrics,
+                    "log_probs": engine.forward_batch(batch).outputs["log_probs"],
+                    "shares": engine.features.share_prefixes}
     return out

@@ -10,7 +10,7 @@ import torch
 from dist_harness import run_distributed
 from numerics import FP32_RTOL, assert_close
 from scenarios import _clean
-from scenarios_batching import PACKING_KINDS, ROLLOUT_IS_CASES, SIZES, packing_suite, skewed_batch
+from scenarios_batching import PACKING_KINDS, ROLLOUT_IS_CASES, SIZES, grpo_batch, packing_suite, skewed_batch
 from syncwise.config import AGG_MODES, ModelConfig
 from syncwise.data.packing import pack, packable, packs_correctly, unpack
 from syncwise.models import build_model
@@ -298,3 +298,115 @@ def test_masked_grouped_query_attention_equals_transformers_sdpa():
         theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
         assert ours.shape == theirs.shape == (3, queries, 4, 16)
         assert_close(ours, theirs, rtol=FP32_RTOL)
+
+
+# ----- shared prefixes: rows that begin alike compute their common start once -----
+
+def test_rows_that_begin_alike_read_their_start_from_an_earlier_row():
+    from syncwise.data.prefixes import prefix_segments, shared_prefixes
+
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6],   # system 1 2, prompt 3 4, response 5 6 (left-padded)
+                        [1, 2, 3, 4, 7, 8, 0],   # the same prompt
+                        [1, 2, 9, 9, 9, 5, 0],   # the same system prompt only
+                        [1, 2, 9, 9, 9, 6, 6],   # the third row's prompt
+                        [4, 4, 4, 0, 0, 0, 0]])  # nothing in common
+    mask = (ids > 0).long()
+    mask[0, 0] = 0
+    loss = torch.zeros_like(ids)
+    loss[0, 5:], loss[1, 4:6], loss[2, 5], loss[3, 5:], loss[4, 2] = 1, 1, 1, 1, 1
+    leader, shared, whole = shared_prefixes(ids, mask.bool(), loss)
+    # a row never reads its first target's previous token: its logits predict its own first response token
+    assert leader.tolist() == [-1, 0, 0, 2, -1]
+    assert shared.tolist() == [0, 3, 2, 4, 0]
+    assert whole.tolist() == [False, True, False, True, False]
+    packed, packing = pack({"input_ids": ids, "attention_mask": mask, "loss_mask": loss}, share_prefixes=True)
+    assert packed["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 4, 7, 8, 9, 9, 9, 5, 9, 6, 6, 4, 4, 4]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 3, 4, 5, 2, 3, 4, 5, 4, 5, 6, 0, 1, 2]]
+    assert packed["loss_mask"].tolist() == [[0, 0, 0, 0, 1, 1, 0, 1, 1, 0, 0, 0, 1, 0, 1, 1, 0, 0, 1]]
+    inputs = packing.attention_inputs()
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 6, 9, 13, 16, 19]
+    # the fourth row reads its start from the third, which reads the system prompt from the first
+    assert inputs["shared_prefix"] == [[], [(0, 3)], [(0, 2)], [(0, 2), (9, 2)], []]
+    assert prefix_segments(leader, shared, [0, 6, 9, 13, 16]) == inputs["shared_prefix"]
+    unpacked = unpack(packed["input_ids"], packing)
+    assert unpacked[1].tolist() == [0, 0, 0, 4, 7, 8, 0]  # the start it read is not its own output
+
+
+def test_without_a_loss_mask_or_a_common_start_nothing_is_shared():
+    from syncwise.data.prefixes import shared_prefixes
+
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 5]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    assert shared_prefixes(ids, mask, None)[1].tolist() == [0, 0]  # every token is a target (SFT)
+    packed, packing = pack({"input_ids": ids, "attention_mask": mask.long()}, share_prefixes=True)
+    assert packed["input_ids"].tolist() == [[1, 2, 3, 4, 1, 2, 3, 5]]
+    assert "shared_prefix" not in packing.attention_inputs()
+
+
+def _gpt2(dropout: float):
+    """GPT-2 (Conv1D, learned positions, dropout) as transformers builds it, tiny."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout, attn_implementation="sdpa")
+    return GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("preset", ["qwen2-test", "llama-test", "gpt2"])
+def test_a_shared_prompt_gives_each_row_its_logits_alone(preset):
+    from syncwise.data import attention
+    from syncwise.data.prefixes import shares_correctly
+
+    torch.manual_seed(0)
+    model = (_gpt2(0.0) if preset == "gpt2" else build_model(ModelConfig(preset=preset))).eval()
+    attention.register()
+    model.set_attn_implementation(attention.NAME)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(1, 500, (9,), generator=gen)
+    rows = [torch.cat([prompt, torch.randint(1, 500, (n,), generator=gen)]) for n in (4, 6, 2)]
+    width = max(len(r) for r in rows)
+    batch = {"input_ids": torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in rows])}
+    batch["attention_mask"] = (batch["input_ids"] > 0).long()
+    batch["loss_mask"] = batch["attention_mask"].clone()
+    batch["loss_mask"][:, :9] = 0
+    packed, packing = pack(batch, share_prefixes=True)
+    assert packed["input_ids"].shape[1] == sum(len(r) for r in rows) - 2 * 8
+    with torch.no_grad():
+        logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False,
+                       **packing.attention_inputs()).logits
+        padded = unpack(logits, packing)
+        for i, row in enumerate(rows):
+            alone = model(input_ids=row[None], use_cache=False).logits[0]
+            first = 0 if i == 0 else 8  # followers compute from the prompt's last token on
+            assert_close(padded[i, first:len(row)], alone[first:], what=f"row {i}")
+    assert shares_correctly(type(model), model.config.to_json_string()) is None
+
+
+def test_a_model_that_drops_out_does_not_share():
+    from syncwise.config import load_config
+    from syncwise.engine.features import model_features
+
+    cfg = load_config(None, ["engine.strategy=none"])
+    features = model_features(_gpt2(0.1), cfg, torch.device("cpu"), say=False)
+    assert features.packing and not features.share_prefixes
+    assert model_features(_gpt2(0.0), cfg, torch.device("cpu"), say=False).share_prefixes
+
+
+@pytest.mark.parametrize("split", ["two rows a micro-batch", "token cap 40", "token cap 200"])
+@pytest.mark.parametrize("kind", ["ppo", "gspo"])
+def test_shared_prefixes_give_the_unshared_gradients_with_fewer_tokens(results, split, kind):
+    for rank, r in enumerate(results):
+        runs = {k[2:]: v for k, v in r["shared"].items() if k[:2] == (split, kind)}
+        shared, packed, padded = runs[("true", "true")], runs[("false", "true")], runs[("false", "false")]
+        assert shared["shares"] and not packed["shares"]
+        for other in (packed, padded):
+            _close(shared["grads"], other["grads"])
+            assert shared["loss"] == pytest.approx(other["loss"], rel=1e-5, abs=1e-6)
+        mask = grpo_batch(rank)["loss_mask"][:, 1:].bool()  # targets: the responses' tokens
+        assert_close(shared["log_probs"][mask], packed["log_probs"][mask], what="log-probs")
+        assert shared["metrics"]["batch/real_tokens"] == packed["metrics"]["batch/real_tokens"]
+        assert shared["metrics"]["batch/computed_tokens"] < packed["metrics"]["batch/computed_tokens"]
+        m = shared["metrics"]  # packed: every real token computed or read from a shared start
+        assert m["batch/shared_tokens"] == m["batch/real_tokens"] - m["batch/computed_tokens"] > 0
+        if split != "token cap 40":  # 2 rows or 200 tokens: each prompt's samples sit together
+            assert packed["metrics"]["batch/computed_tokens"] - shared["metrics"]["batch/computed_tokens"] >= 2 * 8

@@ -86,6 +86,10 @@ class EngineConfig:
     workload_linear_coef: float = 24576.0  # a in the workload estimate a·L + L² that balances the micro-batches
     # Each micro-batch's sequences in one row without padding (models that keep packed sequences apart).
     packing: bool = True
+    # Packed rows that begin alike (GRPO's samples of one prompt) compute their common start once and read it
+    # from one row: the same gradient, the prompt's tokens computed once per group instead of once per sample
+    # (models whose check passes, without dropout; see perf_tuning.md).
+    share_prefixes: bool = True
     # Recompute each decoder layer's activations in backward instead of keeping them.
     activation_checkpointing: bool = False
     # Tokens whose fp32 log-softmax over the vocabulary exists at once (log-probs, entropy); 0 = all.

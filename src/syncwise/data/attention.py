@@ -109,15 +109,22 @@ def varlen_sdpa_attention(
                                       **kwargs)
     dropout = dropout if module.training else 0.0
     window = kwargs.get("sliding_window")
-    if _kernel != "loop" and not dropout and query.dtype in (torch.bfloat16, torch.float16):
+    prefixes = kwargs.get("shared_prefix")  # rows reading their leader's start (syncwise.data.prefixes)
+    if (_kernel != "loop" and prefixes is None and not dropout
+            and query.dtype in (torch.bfloat16, torch.float16)):
         return _one_kernel(query, key, value, bounds, kwargs["max_length_q"], scaling, window), None
     # grouped-query attention: sdpa maps each query head to its key/value head itself (no repeated copies of
     # the keys and values, which every sequence's backward would keep: ~17% of the loop's time on CPU)
     gqa = query.shape[1] != key.shape[1]
+    reads = prefixes if prefixes is not None else [()] * (len(bounds) - 1)
     parts = []
-    for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+    edges = bounds.tolist()
+    for start, end, pieces in zip(edges[:-1], edges[1:], reads, strict=True):
         q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        if window and end - start > window:
+        if pieces:
+            parts.append(_after_prefix(q, k, v, *(torch.cat([t[:, :, a:a + n] for a, n in pieces], dim=2)
+                                                   for t in (key, value)), dropout, scaling, window, gqa))
+        elif window and end - start > window:
             offsets = torch.arange(end - start, device=query.device)
             distance = offsets[:, None] - offsets[None, :]  # query position - key position
             band = (distance >= 0) & (distance < window)
@@ -127,6 +134,18 @@ def varlen_sdpa_attention(
             parts.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True,
                                                         enable_gqa=gqa))
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+                  dropout: float, scaling: float | None, window: int | None, gqa: bool) -> torch.Tensor:
+    """A follower's attention: its queries (positions S, S+1, ...) over its leader's first S keys and values
+    and then its own, causally (within ``window`` where there is one), as the whole row's would be."""
+    shared, own = prefix_k.shape[2], q.shape[2]
+    query_positions = torch.arange(shared, shared + own, device=q.device)
+    distance = query_positions[:, None] - torch.arange(shared + own, device=q.device)[None, :]
+    allowed = (distance >= 0) & (distance < window) if window else distance >= 0
+    return F.scaled_dot_product_attention(q, torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2),
+                                          attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
 
 
 def _one_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, longest: int,

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import Packing
+from .prefixes import shared_units
 
 Batch = dict[str, torch.Tensor]
 
@@ -231,27 +232,34 @@ def _trim(data: Batch) -> tuple[Batch, int]:
 
 def split_batch(
     batch: Batch, num_microbatches: int, *, balance: bool = False, max_tokens: int = 0, packed: bool = True,
-    linear_coef: float = 24576.0,
+    linear_coef: float = 24576.0, share_prefixes: bool = False,
 ) -> list[MicroBatch]:
     """Exactly ``num_microbatches`` micro-batches, each trimmed to its longest sequence.
 
     ``max_tokens`` > 0: every micro-batch within that many tokens (real tokens when ``packed``, rows ×
     longest otherwise; :func:`capped_partition`), balanced by the workload estimate. ``balance`` alone:
-    Karmarkar–Karp on the workload estimate. Otherwise consecutive, near-equal chunks. A rank with fewer
+    Karmarkar–Karp on the workload estimate. Otherwise consecutive, near-equal chunks. ``share_prefixes``
+    (packed): the balanced splits move rows that share a prefix as one unit, costed at the tokens it computes
+    shared (:func:`_shared_parts`), where that fits the count and the cap; the consecutive chunks are cut
+    with such rows side by side. A rank with fewer
     samples than micro-batches gets empty ones (``data`` None): the engine still runs them, with zero
     gradient, so every rank issues the same collectives.
     """
     size = batch_size_of(batch)
     if max_tokens > 0 or balance:
         lengths = sequence_lengths(batch)
-        weights = workloads(lengths, linear_coef)
-        if max_tokens > 0:
-            parts = capped_partition(lengths.tolist(), weights, num_microbatches, max_tokens, packed)
-        else:
-            parts = karmarkar_karp(weights, num_microbatches)
+        parts = _shared_parts(batch, num_microbatches, max_tokens, linear_coef) if share_prefixes else None
+        if parts is None:
+            weights = workloads(lengths, linear_coef)
+            if max_tokens > 0:
+                parts = capped_partition(lengths.tolist(), weights, num_microbatches, max_tokens, packed)
+            else:
+                parts = karmarkar_karp(weights, num_microbatches)
         parts.sort(key=lambda p: (not p, p[:1]))  # non-empty first, in sample order
     else:
-        parts = [chunk.tolist() for chunk in torch.arange(size).tensor_split(num_microbatches)]
+        parts = _shared_chunks(batch, num_microbatches) if share_prefixes else None
+        if parts is None:
+            parts = [chunk.tolist() for chunk in torch.arange(size).tensor_split(num_microbatches)]
     out = []
     for part in parts:
         indices = torch.tensor(part, dtype=torch.long)
@@ -261,6 +269,63 @@ def split_batch(
         else:
             out.append(MicroBatch(indices, None))
     return out
+
+
+def _real_tokens(batch: Batch) -> torch.Tensor:
+    mask = batch.get("attention_mask")
+    return mask.bool() if mask is not None else torch.ones_like(batch["input_ids"], dtype=torch.bool)
+
+
+def _shared_chunks(batch: Batch, k: int) -> list[list[int]] | None:
+    """``k`` chunks of at most ceil(B / k) rows, as the consecutive split has them, with rows that share a
+    prefix kept together (a unit of more rows cut into pieces that fit; first fit, largest first), or None
+    where nothing is shared or the pieces do not fit."""
+    units, _ = shared_units(batch["input_ids"], _real_tokens(batch), batch.get("loss_mask"))
+    rows = sum(len(u) for u in units)
+    if len(units) == rows:
+        return None
+    limit = math.ceil(rows / k)
+    pieces = [unit[i:i + limit] for unit in units for i in range(0, len(unit), limit)]
+    chunks: list[list[int]] = [[] for _ in range(k)]
+    for piece in sorted(pieces, key=len, reverse=True):
+        room = [c for c in chunks if len(c) + len(piece) <= limit]
+        if not room:
+            return None
+        room[0].extend(piece)
+    chunks.sort(key=lambda c: (not c, min(c, default=0)))
+    return [sorted(c) for c in chunks]
+
+
+def _shared_parts(batch: Batch, k: int, max_tokens: int, linear_coef: float) -> list[list[int]] | None:
+    """The balanced split over units of rows that share a prefix (a unit over the cap cut into consecutive
+    pieces that keep within it), or None where the rows share nothing or the units do not fit ``k``
+    micro-batches (the row-wise split then)."""
+    keep = _real_tokens(batch)
+    units, computed = shared_units(batch["input_ids"], keep, batch.get("loss_mask"))
+    if len(units) == len(keep):
+        return None
+    whole, own = keep.sum(dim=1).tolist(), computed.tolist()
+    if max_tokens > 0:  # a unit over the cap: consecutive pieces within it, each computing its start again
+        pieces: list[list[int]] = []
+        for unit in units:
+            pieces.append([])
+            load = 0
+            for row in unit:
+                if pieces[-1] and load + own[row] > max_tokens:
+                    pieces.append([])
+                load = load + own[row] if pieces[-1] else whole[row]
+                pieces[-1].append(row)
+        units = pieces
+    tokens = [whole[u[0]] + sum(own[r] for r in u[1:]) for u in units]
+    weights = [linear_coef * n + n * n for n in tokens]
+    if max_tokens > 0:
+        groups = capped_partition(tokens, weights, k, max_tokens, packed=True)
+    else:
+        groups = karmarkar_karp(weights, k)
+    if sum(1 for g in groups if g) > k:
+        return None
+    groups += [[] for _ in range(k - len(groups))]
+    return [sorted(row for u in g for row in units[u]) for g in groups]
 
 
 def restore_order(chunks: list[torch.Tensor], micro_batches: list[MicroBatch], seq_len: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ from functools import cache
 import torch
 
 from ..models import one_small_layer
+from .prefixes import prefix_segments, shared_prefixes
 
 Batch = dict[str, torch.Tensor]
 PACKED_KEYS = ("position_ids", "target_sequence")
@@ -34,11 +35,30 @@ PACKED_KEYS = ("position_ids", "target_sequence")
 class Packing:
     """Where the sequences of one micro-batch sit in its packed row."""
 
-    keep: torch.Tensor  # [B, T] bool: the real tokens of the padded micro-batch
+    keep: torch.Tensor  # [B, T] bool: the tokens of the padded micro-batch the packed row computes
+    leader: torch.Tensor | None = None  # [B]: the earlier row whose start each row reads (-1: none); None: no sharing
+    shared: torch.Tensor | None = None  # [B]: the first real tokens each row reads there
 
     @property
     def lengths(self) -> torch.Tensor:
         return self.keep.sum(dim=1)
+
+    def attention_inputs(self) -> dict[str, object]:
+        """The keywords the packed row's forward passes on to the attention: each part's bounds in the row
+        (``cu_seq_lens_q``, as transformers' flash-attention path names them), the longest part, and where
+        rows read a shared start, ``shared_prefix``: per part the (start, tokens) pieces of the row it reads
+        (:func:`~syncwise.data.prefixes.prefix_segments`)."""
+        counts = self.lengths
+        starts = torch.cumsum(counts, 0) - counts
+        present = (counts > 0).tolist()  # an all-padding row has no part
+        bounds = torch.cat([starts[counts > 0], counts.sum().reshape(1)]).to(torch.int32)
+        longest = int(counts.max())
+        inputs: dict[str, object] = {
+            "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
+        if self.shared is not None and bool((self.shared > 0).any()):
+            segments = prefix_segments(self.leader, self.shared, starts.tolist())
+            inputs["shared_prefix"] = [pieces for pieces, real in zip(segments, present, strict=True) if real]
+        return inputs
 
 
 def layout(value: torch.Tensor, rows: int, width: int) -> str | None:
@@ -53,14 +73,21 @@ def layout(value: torch.Tensor, rows: int, width: int) -> str | None:
     return None
 
 
-def pack(data: Batch) -> tuple[Batch, Packing]:
-    """The packed form of one (right- or left-padded) micro-batch, and how to undo it."""
+def pack(data: Batch, share_prefixes: bool = False) -> tuple[Batch, Packing]:
+    """The packed form of one (right- or left-padded) micro-batch, and how to undo it. With
+    ``share_prefixes``, rows that begin alike compute their common start once (:mod:`syncwise.data.prefixes`)."""
     ids = data["input_ids"]
     rows, width = ids.shape
     mask = data.get("attention_mask")
-    keep = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-    has_next = torch.zeros_like(keep)
-    has_next[:, :-1] = keep[:, :-1] & keep[:, 1:]  # target j exists when tokens j and j+1 are both real
+    real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+    has_next = torch.zeros_like(real)
+    has_next[:, :-1] = real[:, :-1] & real[:, 1:]  # target j exists when tokens j and j+1 are both real
+    index = real.long().cumsum(dim=1) - 1  # each token's position within its sequence
+    leader = shared = None
+    keep = real
+    if share_prefixes:
+        leader, shared, _ = shared_prefixes(ids, real, data.get("loss_mask"))
+        keep = real & (index >= shared.to(ids.device)[:, None])  # a follower's start is its leader's
     packed: Batch = {}
     for key, value in data.items():
         kind = layout(value, rows, width)
@@ -80,12 +107,10 @@ def pack(data: Batch) -> tuple[Batch, Packing]:
     loss_mask = data.get("loss_mask", keep.long())
     packed["loss_mask"] = (loss_mask * ~first)[keep].unsqueeze(0)
     counts = keep.sum(dim=1)
-    starts = torch.cumsum(counts, 0) - counts
-    positions = torch.arange(int(counts.sum()), device=ids.device) - torch.repeat_interleave(starts, counts)
-    packed["position_ids"] = positions.unsqueeze(0)
+    packed["position_ids"] = index[keep].unsqueeze(0)
     sequence = torch.repeat_interleave(torch.arange(rows, device=ids.device), counts)
     packed["target_sequence"] = sequence[:-1].unsqueeze(0)
-    return packed, Packing(keep)
+    return packed, Packing(keep, leader, shared)
 
 
 def unpack(value: torch.Tensor, packing: Packing) -> torch.Tensor:

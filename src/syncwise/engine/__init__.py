@@ -127,6 +127,7 @@ class Engine:
         return plan_batch(
             batch, self.config.engine, dp_size=self.wrapped.dp_size, device=self.info.device,
             timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, packing=self.features.packing,
+            share_prefixes=self.features.share_prefixes,
             varlen_attention=str(getattr(hf, "_attn_implementation", "")).startswith(("flash", attention.NAME)),
             vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
             loss_fn=loss_fn, split=(0, self.token_cap) if self.token_cap else None, stretch_cap=bool(self.token_cap),
@@ -242,7 +243,8 @@ class Engine:
             "train/num_microbatches": result.num_microbatches,
             "batch/workload_imbalance": result.workload_imbalance,
             "batch/cross_rank_imbalance": agreed["cross_rank_imbalance"],
-            "batch/padding_fraction": 1.0 - metrics["batch/real_tokens"] / max(metrics["batch/computed_tokens"], 1.0),
+            "batch/padding_fraction": 1.0 - (metrics["batch/real_tokens"] - metrics["batch/shared_tokens"])
+            / max(metrics["batch/computed_tokens"], 1.0),
             "train/step_time_s": time.perf_counter() - started,
             "perf/useful_flops": self.flops.step(metrics["batch/real_tokens"], metrics["batch/real_token_pairs"]),
             "train/lr": self.scheduler.get_last_lr()[0],

@@ -26,6 +26,7 @@ class ModelFeatures:
     fused_head: bool  # log-probs from the hidden states a chunk at a time, no [tokens, vocab] logits
     lora_merge: lora_adapters.LoraMerge | None  # LoRA (peft): how the adapters merge; None without
     value_head: bool = False  # a value model (PPO's critic): one output per position, no log-probs
+    share_prefixes: bool = False  # packed rows that begin alike compute their common start once
 
     @property
     def lora(self) -> bool:
@@ -53,7 +54,30 @@ def model_features(model: nn.Module, config: Config, device, say: bool) -> Model
     fused = config.engine.fused_lm_head and _fused_head_works(model, config, say)
     merge = lora_adapters.LoraMerge(model) if lora_adapters.peft_model_of(model) is not None else None
     value_head = output_head.output_layer(model) is None and getattr(hf_config_of(model), "num_labels", 0) == 1
-    return ModelFeatures(getattr(model, "config", None), packing, kernel, fused, merge, value_head)
+    share = packing and config.engine.share_prefixes and _sharing_works(model, say)
+    return ModelFeatures(getattr(model, "config", None), packing, kernel, fused, merge, value_head, share)
+
+
+def _sharing_works(model: nn.Module, say: bool) -> bool:
+    """Whether packed rows of ``model`` can read a shared prefix from one row (:mod:`syncwise.data.prefixes`):
+    its attention is syncwise's packed sdpa, a one-layer copy computes a follower as it would the whole row,
+    and nothing is dropped out at random (followers would share their leader's dropout masks). One line why
+    not, where it is not."""
+    from ..data.prefixes import shares_correctly
+
+    model = lora_adapters.base_model_of(model)
+    config = hf_config_of(model)
+    dropout = max([m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+                  + [float(getattr(config, "attention_dropout", 0.0) or 0.0)])
+    if config._attn_implementation != attention.NAME:
+        reason = f"the attention is {config._attn_implementation}, not syncwise's packed sdpa"
+    elif dropout > 0:
+        reason = f"the model drops out at random (p={dropout:g}): the rows would share their prefix's dropout"
+    else:
+        reason = shares_correctly(type(model), config.to_json_string())
+    if reason and say:
+        print(f"syncwise: engine.share_prefixes: off ({reason})", flush=True)
+    return reason is None
 
 
 def _packing_works(model: nn.Module, say: bool) -> bool:

@@ -38,6 +38,7 @@ class BatchPlan:
     seq_len: int  # columns of the original batch (per-target outputs such as log-probs have one fewer)
     real_tokens: int = 0  # tokens of this rank's samples
     computed_tokens: int = 0  # positions its micro-batches compute (real tokens when packed)
+    shared_tokens: int = 0  # real tokens read from a shared start, not computed (syncwise.data.prefixes)
     workloads: list[float] = field(default_factory=list)  # estimated compute of each micro-batch
     largest_tokens: int = 0  # positions of its largest micro-batch (what its activations scale with)
     real_token_pairs: int = 0  # Σ L² over this rank's samples (causal attention's useful work scales with it)
@@ -71,6 +72,7 @@ def plan_batch(
     timeout_s: float,
     require_tokens: bool,
     packing: bool = False,
+    share_prefixes: bool = False,
     varlen_attention: bool = False,
     vocab_size: int | None = None,
     max_positions: int | None = None,
@@ -80,7 +82,9 @@ def plan_batch(
 ) -> BatchPlan:
     """Validate ``batch``, agree with every rank (one all-reduce), split it into micro-batches, heaviest
     first. With ``packing``, each micro-batch is packed into one row where that computes less than padding
-    it (:func:`~syncwise.data.packing.packing_pays`): micro-batches without padding stay as they are. The keys
+    it (:func:`~syncwise.data.packing.packing_pays`): micro-batches without padding stay as they are; with
+    ``share_prefixes`` too, rows that begin alike (GRPO's samples of one prompt) stay in one micro-batch where
+    the split allows and compute their common start once (:mod:`syncwise.data.prefixes`). The keys
     ``loss_fn`` declares (:func:`~syncwise.losses.reads`) are checked with the rest, before the all-reduce.
     ``split``: (sequences per micro-batch, token cap) of this step (default: ``cfg.fixed_split``);
     ``stretch_cap``: a cap auto chose grows to this rank's longest sequence instead of refusing it."""
@@ -112,24 +116,15 @@ def plan_batch(
     micro_batches = split_batch(
         batch, int(per_rank[:, 0].max()), balance=max_tokens > 0,
         max_tokens=max_tokens, packed=packing, linear_coef=cfg.workload_linear_coef,
+        share_prefixes=packing and share_prefixes,
     )
     # Heaviest first on every rank, so micro-batch i costs about the same everywhere: ranks that meet in
     # its collectives then wait less for each other.
     loads = [_workload(mb, cfg.workload_linear_coef) for mb in micro_batches]
     order = sorted(range(len(micro_batches)), key=lambda i: (-loads[i], i))
     micro_batches, loads = [micro_batches[i] for i in order], [loads[i] for i in order]
-    computed = largest = 0
-    for position, mb in enumerate(micro_batches):
-        if mb.data is None:
-            continue
-        lengths = sequence_lengths(mb.data).tolist()
-        packs = packing and packing_pays(lengths, cfg.workload_linear_coef, varlen_attention)
-        if packing and not packs and max_tokens > 0:  # padded, it must keep within the cap
-            packs = token_cost(lengths, packed=False) > max_tokens
-        tokens = token_cost(lengths, packed=True) if packs else mb.data["input_ids"].numel()
-        computed, largest = computed + tokens, max(largest, tokens)
-        if packs:
-            micro_batches[position] = MicroBatch(mb.indices, *pack(mb.data), offset=mb.offset)
+    computed, largest, shared = _pack_where_it_pays(micro_batches, packing, share_prefixes, varlen_attention,
+                                                    max_tokens, cfg.workload_linear_coef)
     norm = Normalizer(
         tokens=float(totals[0]), sequences=float(totals[1]), dp_size=dp_size,
         max_target_len=float(per_rank[:, 1].max()),
@@ -138,8 +133,31 @@ def plan_batch(
     return BatchPlan(
         micro_batches, norm, seq_len=batch["input_ids"].shape[1],
         real_tokens=int(real.sum()), computed_tokens=computed, workloads=loads,
-        largest_tokens=largest, real_token_pairs=int((real * real).sum()),
+        largest_tokens=largest, real_token_pairs=int((real * real).sum()), shared_tokens=shared,
     )
+
+
+def _pack_where_it_pays(micro_batches: list[MicroBatch], packing: bool, share_prefixes: bool,
+                        varlen_attention: bool, max_tokens: int, linear_coef: float) -> tuple[int, int, int]:
+    """Pack each micro-batch (in place) where that computes less than padding it -- always where its rows
+    share a prefix -- or where padded it would break the cap; the positions computed (all, and the most in
+    one micro-batch) and the real tokens read from a shared start instead."""
+    computed = largest = shared = 0
+    for position, mb in enumerate(micro_batches):
+        if mb.data is None:
+            continue
+        lengths = sequence_lengths(mb.data).tolist()
+        packed = pack(mb.data, share_prefixes) if packing else None
+        shares = packed is not None and int(packed[1].lengths.sum()) < sum(lengths)
+        packs = packing and (shares or packing_pays(lengths, linear_coef, varlen_attention))
+        if packing and not packs and max_tokens > 0:  # padded, it must keep within the cap
+            packs = token_cost(lengths, packed=False) > max_tokens
+        tokens = int(packed[1].lengths.sum()) if packs else mb.data["input_ids"].numel()
+        computed, largest = computed + tokens, max(largest, tokens)
+        if packs:
+            micro_batches[position] = MicroBatch(mb.indices, *packed, offset=mb.offset)
+            shared += sum(lengths) - tokens
+    return computed, largest, shared
 
 
 def _workload(mb: MicroBatch, linear_coef: float) -> float:

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..data.attention import sequence_bounds
 from ..data.batching import MicroBatch, restore_order
 from ..data.packing import unpack
 from ..losses import (
@@ -63,7 +62,8 @@ def forward_microbatch(
     """One micro-batch forward and its loss. A packed micro-batch gives the model restarting
     ``position_ids`` and no attention mask (see :mod:`syncwise.data.packing`). An empty micro-batch (this rank
     has fewer samples than the agreed count) runs a one-token dummy forward whose zero loss still runs
-    every FSDP unit, so the collectives match the other ranks. With ``fused_head`` (a model whose output
+    every FSDP unit, so the collectives match the other ranks. Rows of a packed micro-batch that share a
+    prefix read it from their leader (:mod:`syncwise.data.prefixes`). With ``fused_head`` (a model whose output
     layer is installed, :mod:`syncwise.models.head`) and a loss that takes it, the loss gets
     :class:`LogitsFromHidden` as ``outputs.logits``: the logits are made a chunk at a time."""
     data = mb.data
@@ -74,8 +74,7 @@ def forward_microbatch(
         # through the log-prob path, so that every parameter the real micro-batches use gets a gradient
         return LossOutput(loss=token_log_probs(model_out.logits, ids).sum() * 0.0)
     if mb.packing is not None:
-        positions = data["position_ids"]
-        inputs = {"position_ids": positions, **sequence_bounds(positions)}
+        inputs = {"position_ids": data["position_ids"], **mb.packing.attention_inputs()}
     else:
         inputs = {"attention_mask": data.get("attention_mask")}
         if inputs["attention_mask"] is not None and hf_config_of(model) is not None:  # takes position_ids
@@ -122,6 +121,7 @@ class _Collector:
         return ForwardBackwardResult(
             metrics={k: float(v) for k, v in self.totals.items()}
             | {"batch/real_tokens": float(plan.real_tokens), "batch/computed_tokens": float(plan.computed_tokens),
+               "batch/shared_tokens": float(plan.shared_tokens),
                "batch/real_token_pairs": float(plan.real_token_pairs)},
             workloads=plan.workloads,
             outputs={
