@@ -392,6 +392,22 @@ def test_a_model_that_drops_out_does_not_share():
     assert model_features(_gpt2(0.0), cfg, torch.device("cpu"), say=False).share_prefixes
 
 
+def test_auto_shares_beside_the_per_sequence_loop_and_true_also_in_place_of_a_varlen_kernel(capsys):
+    from syncwise.config import ConfigError, load_config
+    from syncwise.engine.features import _sharing_works, model_features
+
+    model = _gpt2(0.0)
+    cfg = load_config(None, ["engine.strategy=none"])
+    model_features(model, cfg, torch.device("cpu"), say=False)  # packs: its attention becomes syncwise's
+    assert _sharing_works(model, "auto", "loop", say=True)
+    assert not _sharing_works(model, "auto", "varlen_attn", say=True)
+    assert "engine.share_prefixes: off (auto keeps the varlen_attn kernel" in capsys.readouterr().out
+    assert _sharing_works(model, True, "varlen_attn", say=True)
+    assert not _sharing_works(model, False, "loop", say=True)
+    with pytest.raises(ConfigError, match="engine.share_prefixes: expected true, false or auto"):
+        load_config(None, ["engine.share_prefixes=sometimes"])
+
+
 @pytest.mark.parametrize("split", ["two rows a micro-batch", "token cap 40", "token cap 200"])
 @pytest.mark.parametrize("kind", ["ppo", "gspo"])
 def test_shared_prefixes_give_the_unshared_gradients_with_fewer_tokens(results, split, kind):

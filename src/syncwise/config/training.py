@@ -88,8 +88,9 @@ class EngineConfig:
     packing: bool = True
     # Packed rows that begin alike (GRPO's samples of one prompt) compute their common start once and read it
     # from one row: the same gradient, the prompt's tokens computed once per group instead of once per sample
-    # (models whose check passes, without dropout; see perf_tuning.md).
-    share_prefixes: bool = True
+    # (models whose check passes, without dropout). auto: where packed rows run the per-sequence sdpa loop (CPU,
+    # fp32); true: also in place of a variable-length kernel (bf16 / fp16 on a GPU; not measured there).
+    share_prefixes: bool | str = "auto"
     # Recompute each decoder layer's activations in backward instead of keeping them.
     activation_checkpointing: bool = False
     # Tokens whose fp32 log-softmax over the vocabulary exists at once (log-probs, entropy); 0 = all.
@@ -134,6 +135,8 @@ class EngineConfig:
             raise ConfigError(f"engine.max_tokens_per_micro_batch: expected a token count or auto, got {cap!r}")
         if not isinstance(cap, str):
             non_negative("engine.max_tokens_per_micro_batch", cap, "0 = a fixed micro_batch_size; auto = chosen")
+        if isinstance(self.share_prefixes, str) and self.share_prefixes != "auto":
+            raise ConfigError(f"engine.share_prefixes: expected true, false or auto, got {self.share_prefixes!r}")
         if isinstance(self.fused_lm_head, str) and self.fused_lm_head != "auto":
             raise ConfigError(f"engine.fused_lm_head: expected true, false or auto, got {self.fused_lm_head!r}")
         positive("engine.hsdp_replicas", self.hsdp_replicas)

@@ -23,6 +23,7 @@ query head. The engine switches a model from ``sdpa`` to ``sdpa_varlen`` when it
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -140,12 +141,17 @@ def _after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: t
                   dropout: float, scaling: float | None, window: int | None, gqa: bool) -> torch.Tensor:
     """A follower's attention: its queries (positions S, S+1, ...) over its leader's first S keys and values
     and then its own, causally (within ``window`` where there is one), as the whole row's would be."""
-    shared, own = prefix_k.shape[2], q.shape[2]
-    query_positions = torch.arange(shared, shared + own, device=q.device)
-    distance = query_positions[:, None] - torch.arange(shared + own, device=q.device)[None, :]
-    allowed = (distance >= 0) & (distance < window) if window else distance >= 0
+    allowed = _prefix_mask(prefix_k.shape[2], q.shape[2], window, q.device)
     return F.scaled_dot_product_attention(q, torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2),
                                           attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+
+
+@lru_cache(maxsize=4096)
+def _prefix_mask(shared: int, own: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[own, shared + own] bool: query i (position shared + i) sees every key up to its own position (the last
+    ``window`` of them where there is a window). Made once per shape: every layer of every step asks again."""
+    distance = torch.arange(shared, shared + own, device=device)[:, None] - torch.arange(shared + own, device=device)
+    return (distance >= 0) & (distance < window) if window else distance >= 0
 
 
 def _one_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, longest: int,

@@ -54,17 +54,23 @@ def model_features(model: nn.Module, config: Config, device, say: bool) -> Model
     fused = config.engine.fused_lm_head and _fused_head_works(model, config, say)
     merge = lora_adapters.LoraMerge(model) if lora_adapters.peft_model_of(model) is not None else None
     value_head = output_head.output_layer(model) is None and getattr(hf_config_of(model), "num_labels", 0) == 1
-    share = packing and config.engine.share_prefixes and _sharing_works(model, say)
+    share = packing and _sharing_works(model, config.engine.share_prefixes, kernel, say)
     return ModelFeatures(getattr(model, "config", None), packing, kernel, fused, merge, value_head, share)
 
 
-def _sharing_works(model: nn.Module, say: bool) -> bool:
-    """Whether packed rows of ``model`` can read a shared prefix from one row (:mod:`syncwise.data.prefixes`):
-    its attention is syncwise's packed sdpa, a one-layer copy computes a follower as it would the whole row,
-    and nothing is dropped out at random (followers would share their leader's dropout masks). One line why
-    not, where it is not."""
+def _sharing_works(model: nn.Module, setting: bool | str, kernel: str, say: bool) -> bool:
+    """Whether packed rows of ``model`` read a shared prefix from one row (:mod:`syncwise.data.prefixes`):
+    ``engine.share_prefixes`` allows it (auto: where packed rows run the per-sequence loop, whose calls the
+    prefix joins; a variable-length kernel would be given up for it), its attention is syncwise's packed
+    sdpa, a one-layer copy computes a follower as it would the whole row, and nothing is dropped out at
+    random (followers would share their leader's dropout masks). One line why not, where it is not."""
     from ..data.prefixes import shares_correctly
 
+    if setting is False or (setting == "auto" and kernel != "loop"):
+        if say and setting == "auto":
+            print(f"syncwise: engine.share_prefixes: off (auto keeps the {kernel} kernel; true shares with the "
+                  "per-sequence loop instead)", flush=True)
+        return False
     model = lora_adapters.base_model_of(model)
     config = hf_config_of(model)
     dropout = max([m.p for m in model.modules() if isinstance(m, nn.Dropout)]
