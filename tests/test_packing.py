@@ -426,3 +426,39 @@ def test_shared_prefixes_give_the_unshared_gradients_with_fewer_tokens(results, 
         assert m["batch/shared_tokens"] == m["batch/real_tokens"] - m["batch/computed_tokens"] > 0
         if split != "token cap 40":  # 2 rows or 200 tokens: each prompt's samples sit together
             assert packed["metrics"]["batch/computed_tokens"] - shared["metrics"]["batch/computed_tokens"] >= 2 * 8
+
+
+def test_every_row_reads_exactly_its_own_start_however_the_prompts_nest():
+    """Random GRPO-like micro-batches (system prompts shared by some prompts, prompts by their samples, rows
+    shuffled, left padding): the pieces each row's attention reads hold its own first tokens, in order."""
+    from syncwise.data.prefixes import shared_units
+
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(20):
+        systems = [torch.randint(1, 9, (int(n),), generator=gen) for n in torch.randint(0, 5, (2,), generator=gen)]
+        prompts = [torch.cat([systems[int(torch.randint(0, 2, (1,), generator=gen))],
+                              torch.randint(1, 9, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen)])
+                   for _ in range(3)]
+        rows = [(p, torch.randint(1, 9, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen))
+                for p in prompts for _ in range(int(torch.randint(1, 5, (1,), generator=gen)))]
+        rows = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
+        width = max(len(p) + len(r) for p, r in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        loss = torch.zeros_like(ids)
+        for i, (p, r) in enumerate(rows):
+            ids[i, width - len(p) - len(r):] = torch.cat([p, r])
+            loss[i, width - len(r):] = 1
+        mask = (ids > 0).long()
+        packed, packing = pack({"input_ids": ids, "attention_mask": mask, "loss_mask": loss}, share_prefixes=True)
+        flat = packed["input_ids"][0]
+        reads = packing.attention_inputs().get("shared_prefix", [[] for _ in rows])
+        for i, (pieces, (p, r)) in enumerate(zip(reads, rows, strict=True)):
+            n = int(packing.shared[i])
+            assert n <= len(p) - 1  # never the prompt's last token: its logits predict the response
+            read = torch.cat([flat[a:a + k] for a, k in pieces]) if pieces else flat[:0]
+            assert read.tolist() == p[:n].tolist()
+        units, computed = shared_units(ids, mask.bool(), loss)
+        assert sorted(r for u in units for r in u) == list(range(len(rows)))
+        for unit in units:  # a unit: rows with one whole prompt
+            assert len({tuple(rows[r][0].tolist()) for r in unit}) == 1
+        assert int(computed.sum()) == packed["input_ids"].shape[1]

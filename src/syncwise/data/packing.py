@@ -36,7 +36,7 @@ class Packing:
     """Where the sequences of one micro-batch sit in its packed row."""
 
     keep: torch.Tensor  # [B, T] bool: the tokens of the padded micro-batch the packed row computes
-    leader: torch.Tensor | None = None  # [B]: the earlier row whose start each row reads (-1: none); None: no sharing
+    leader: torch.Tensor | None = None  # [B]: the row whose start each row reads (-1: none); None: no sharing
     shared: torch.Tensor | None = None  # [B]: the first real tokens each row reads there
 
     @property

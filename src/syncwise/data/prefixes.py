@@ -7,14 +7,14 @@ prompt out of every layer's forward and backward (on the GRPO jobs of issue 71, 
 response tokens, 2.4x fewer tokens). The gradient is the same: the shared positions' gradient is the sum of
 what each row's tokens send back to them, which autograd adds up where they are read.
 
-The layout (:func:`shared_prefixes`): a row that has its first ``S`` real tokens in common with an earlier
+The layout (:func:`shared_prefixes`): a row that has its first ``S`` real tokens in common with another
 row (its *leader*) does not compute them -- ``S`` never reaches its first target's previous token (the loss
 mask says which tokens it trains on), so its packed part begins at the latest at the prompt's last token, whose
 logits predict its own first response token: every per-target tensor keeps its packed meaning (target j
 predicts token j+1 of the same part). Its attention reads the keys and values of those ``S`` tokens where they
 were computed (:func:`prefix_segments`: the leader's part, and where the leader itself read its start, there
--- samples of one prompt read the prompt from its first sample, which reads a common system prompt from the
-first row), then its own causally (``shared_prefix`` beside the packed bounds, :mod:`syncwise.data.attention`);
+-- samples of one prompt read the prompt from its first sample, which may read a system prompt common to
+several prompts from another prompt's first sample), then its own causally (``shared_prefix`` beside the packed bounds, :mod:`syncwise.data.attention`);
 its positions go on from ``S``. Dropped positions have no outputs (zeros where unpacked): never targets.
 """
 
@@ -43,10 +43,11 @@ def left_aligned(ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 def shared_prefixes(ids: torch.Tensor, keep: torch.Tensor, loss_mask: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each row of a micro-batch ([B, T] token ids, real-token mask, per-token loss mask: token j a
-    target): the earlier row whose start it reads (-1: none), how many of its first real tokens it reads
-    there instead of computing them (0 for none), and whether that is all of its start before its first
-    target (its prompt, for an RL sample: rows that share a prompt, not only a system prompt). A row reads
-    from the earlier row it has the most in common with; that row may read its own start from another."""
+    target): the row whose start it reads (-1: none), how many of its first real tokens it reads there
+    instead of computing them (0 for none), and whether that is all of its start before its first target (its
+    prompt, for an RL sample: rows that share a prompt, not only a system prompt). A row reads from a row it
+    has the most in common with (of equal starts, the first computes them); that row may read its own start
+    from another, never in a circle (the order is the starts' lexicographic one)."""
     rows = ids.shape[0]
     leader = torch.full((rows,), -1, dtype=torch.long)
     shared = torch.zeros(rows, dtype=torch.long)
@@ -55,17 +56,24 @@ def shared_prefixes(ids: torch.Tensor, keep: torch.Tensor, loss_mask: torch.Tens
         return leader, shared, whole
     tokens = left_aligned(ids, keep).cpu()
     lengths = keep.sum(dim=1).cpu()
-    # the first real token that is a target: a follower keeps the token before it (its logits predict it)
+    # the first real token that is a target: a row keeps the token before it (its logits predict it)
     targets = left_aligned(loss_mask.long(), keep).cpu() > 0 if loss_mask is not None else tokens >= 0
     targets[:, 0] = False
     first_target = torch.where(targets.any(dim=1), targets.float().argmax(dim=1), lengths).long()
-    same = (tokens[:, None, :] == tokens[None, :, :]) & (tokens[:, None, :] >= 0)
-    common = torch.minimum(same.long().cumprod(dim=2).sum(dim=2), (first_target - 1)[:, None])  # [B, B]
-    for row in range(1, rows):
-        best = int(common[row, :row].argmax())  # the earliest of the rows sharing the most
-        if common[row, best] >= MIN_SHARED:
-            leader[row], shared[row] = best, common[row, best]
-            whole[row] = shared[row] == first_target[row] - 1
+    limits = (first_target - 1).clamp(min=0)
+    # what a row may read: its tokens up to its limit (-1 after them never matches a real token)
+    starts = tokens[:, : int(limits.max())].clone()
+    starts[torch.arange(starts.shape[1])[None, :] >= limits[:, None]] = -1
+    # in lexicographic order, the most any earlier row has in common with a row is what its predecessor has
+    order = sorted(range(rows), key=lambda r: (starts[r].tolist(), r))
+    ordered = starts[order]
+    common = ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).long().cumprod(dim=1).sum(dim=1).tolist()
+    for previous, row, n in zip(order[:-1], order[1:], common, strict=True):
+        if n < MIN_SHARED:
+            continue
+        # where the predecessor read these tokens itself, read them there: chains only as deep as the nesting
+        lead = int(leader[previous]) if n <= int(shared[previous]) else previous
+        leader[row], shared[row], whole[row] = lead, n, n == int(limits[row])
     return leader, shared, whole
 
 
@@ -85,15 +93,14 @@ def prefix_segments(leader: torch.Tensor, shared: torch.Tensor, starts: list[int
 def shared_units(ids: torch.Tensor, keep: torch.Tensor, loss_mask: torch.Tensor | None
                  ) -> tuple[list[list[int]], torch.Tensor]:
     """The batch's rows as units that share a whole prompt (in row order), and the tokens each row computes
-    with its start read from an earlier row -- what a micro-batch split keeps together."""
+    with its start read from another row -- what a micro-batch split keeps together."""
     leader, shared, whole = shared_prefixes(ids, keep, loss_mask)
-    unit_of = list(range(ids.shape[0]))
-    for row in range(ids.shape[0]):
-        if whole[row]:
-            unit_of[row] = unit_of[int(leader[row])]
     members: dict[int, list[int]] = {}
-    for row, unit in enumerate(unit_of):
-        members.setdefault(unit, []).append(row)
+    for row in range(ids.shape[0]):
+        root = row
+        while whole[root]:  # up to the row that computes this whole prompt
+            root = int(leader[root])
+        members.setdefault(root, []).append(row)
     return sorted(members.values()), keep.sum(dim=1).cpu() - shared
 
 
