@@ -452,7 +452,7 @@ def test_every_row_reads_exactly_its_own_start_however_the_prompts_nest():
         packed, packing = pack({"input_ids": ids, "attention_mask": mask, "loss_mask": loss}, share_prefixes=True)
         flat = packed["input_ids"][0]
         reads = packing.attention_inputs().get("shared_prefix", [[] for _ in rows])
-        for i, (pieces, (p, r)) in enumerate(zip(reads, rows, strict=True)):
+        for i, (pieces, (p, _)) in enumerate(zip(reads, rows, strict=True)):
             n = int(packing.shared[i])
             assert n <= len(p) - 1  # never the prompt's last token: its logits predict the response
             read = torch.cat([flat[a:a + k] for a, k in pieces]) if pieces else flat[:0]

@@ -14,8 +14,9 @@ logits predict its own first response token: every per-target tensor keeps its p
 predicts token j+1 of the same part). Its attention reads the keys and values of those ``S`` tokens where they
 were computed (:func:`prefix_segments`: the leader's part, and where the leader itself read its start, there
 -- samples of one prompt read the prompt from its first sample, which may read a system prompt common to
-several prompts from another prompt's first sample), then its own causally (``shared_prefix`` beside the packed bounds, :mod:`syncwise.data.attention`);
-its positions go on from ``S``. Dropped positions have no outputs (zeros where unpacked): never targets.
+several prompts from another prompt's first sample), then its own causally (``shared_prefix`` beside the
+packed bounds, :mod:`syncwise.data.attention`); its positions go on from ``S``. Dropped positions have no
+outputs (zeros where unpacked): never targets.
 """
 
 from __future__ import annotations
