@@ -352,13 +352,23 @@ def _gpt2(dropout: float):
     return GPT2LMHeadModel(config)
 
 
-@pytest.mark.parametrize("preset", ["qwen2-test", "llama-test", "gpt2"])
+def _mistral_windowed():
+    """Mistral with a sliding window (5) shorter than the rows: followers' attention gets the window's mask."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            sliding_window=5, attn_implementation="sdpa"))
+
+
+@pytest.mark.parametrize("preset", ["qwen2-test", "llama-test", "gpt2", "mistral, window 5"])
 def test_a_shared_prompt_gives_each_row_its_logits_alone(preset):
     from syncwise.data import attention
     from syncwise.data.prefixes import shares_correctly
 
     torch.manual_seed(0)
-    model = (_gpt2(0.0) if preset == "gpt2" else build_model(ModelConfig(preset=preset))).eval()
+    built = {"gpt2": lambda: _gpt2(0.0), "mistral, window 5": _mistral_windowed}
+    model = (built[preset]() if preset in built else build_model(ModelConfig(preset=preset))).eval()
     attention.register()
     model.set_attn_implementation(attention.NAME)
     gen = torch.Generator().manual_seed(3)

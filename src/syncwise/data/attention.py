@@ -23,11 +23,12 @@ query head. The engine switches a model from ``sdpa`` to ``sdpa_varlen`` when it
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .prefixes import prefix_mask
 
 NAME = "sdpa_varlen"
 _kernel = "loop"  # set by choose_kernel; per process (one device, one compute dtype)
@@ -139,19 +140,18 @@ def varlen_sdpa_attention(
 
 def _after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
                   dropout: float, scaling: float | None, window: int | None, gqa: bool) -> torch.Tensor:
-    """A follower's attention: its queries (positions S, S+1, ...) over its leader's first S keys and values
-    and then its own, causally (within ``window`` where there is one), as the whole row's would be."""
-    allowed = _prefix_mask(prefix_k.shape[2], q.shape[2], window, q.device)
-    return F.scaled_dot_product_attention(q, torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2),
-                                          attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
-
-
-@lru_cache(maxsize=4096)
-def _prefix_mask(shared: int, own: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[own, shared + own] bool: query i (position shared + i) sees every key up to its own position (the last
-    ``window`` of them where there is a window). Made once per shape: every layer of every step asks again."""
-    distance = torch.arange(shared, shared + own, device=device)[:, None] - torch.arange(shared + own, device=device)
-    return (distance >= 0) & (distance < window) if window else distance >= 0
+    """A follower's attention: its queries (positions S, S+1, ...) over the S keys and values of its start and
+    then its own, causally, as the whole row's would be. sdpa's causal mask is aligned to the top left, so S
+    empty queries go first and their outputs are dropped: no [own, S + own] mask is made or kept for backward
+    (a layer with a sliding window shorter than the row gets one)."""
+    shared, own = prefix_k.shape[2], q.shape[2]
+    keys, values = torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)
+    if window and shared + own > window:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=prefix_mask(shared, own, window, q.device),
+                                              dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+    padded = torch.cat([q.new_zeros((*q.shape[:2], shared, q.shape[3])), q], dim=2)
+    return F.scaled_dot_product_attention(padded, keys, values, dropout_p=dropout, scale=scaling, is_causal=True,
+                                          enable_gqa=gqa)[:, :, shared:]
 
 
 def _one_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, longest: int,

@@ -25,6 +25,7 @@ class MicroBatch:
     data: Batch | None  # None: an empty micro-batch (this rank has fewer samples than micro-batches)
     packing: Packing | None = None  # set when ``data`` is packed into one row (see syncwise.data.packing)
     offset: int = 0  # leading columns of the batch trimmed away (left padding no sample of it uses)
+    positions: int = 0  # what its activations count, where not its tokens (rows reading a shared start)
 
     @property
     def width(self) -> int:

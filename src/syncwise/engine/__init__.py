@@ -27,6 +27,7 @@ from ..data import attention
 from ..data.batching import Batch
 from ..losses import LossFn
 from ..memory.accounting import resident_bytes, sharded_model_of
+from ..memory.activations import shared_read_cost
 from ..memory.autosync import LONGEST, Setting
 from ..memory.meter import PeakMeter
 from ..memory.schedule import unit_traffic
@@ -75,6 +76,8 @@ class Engine:
         raw = model if model is not None else build_model(config.model, deferred=True)
         # What this model supports (packing, its attention kernel, the fused head, LoRA), decided once.
         self.features = features or model_features(raw, config, self.info.device, self.info.is_main)
+        # what rows reading a shared start keep beyond their tokens, for the memory the plan counts
+        self._read_cost = shared_read_cost(self.features.hf_config) if self.features.share_prefixes else (0.0, 0.0)
         sharded = config.engine.strategy in SHARDED_STRATEGIES
         mesh = build_mesh(self.info, config.engine.hsdp_replicas) if sharded else None
         hsdp = mesh is not None and mesh.ndim == 2
@@ -127,7 +130,7 @@ class Engine:
         return plan_batch(
             batch, self.config.engine, dp_size=self.wrapped.dp_size, device=self.info.device,
             timeout_s=self.config.dist.timeout_s, require_tokens=require_tokens, packing=self.features.packing,
-            share_prefixes=self.features.share_prefixes,
+            share_prefixes=self.features.share_prefixes, read_cost=self._read_cost,
             varlen_attention=str(getattr(hf, "_attn_implementation", "")).startswith(("flash", attention.NAME)),
             vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
             loss_fn=loss_fn, split=(0, self.token_cap) if self.token_cap else None, stretch_cap=bool(self.token_cap),

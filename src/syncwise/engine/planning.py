@@ -8,6 +8,7 @@ collectives line up even when ranks hold different amounts of data.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,7 @@ def plan_batch(
     require_tokens: bool,
     packing: bool = False,
     share_prefixes: bool = False,
+    read_cost: tuple[float, float] = (0.0, 0.0),
     varlen_attention: bool = False,
     vocab_size: int | None = None,
     max_positions: int | None = None,
@@ -87,7 +89,10 @@ def plan_batch(
     the split allows and compute their common start once (:mod:`syncwise.data.prefixes`). The keys
     ``loss_fn`` declares (:func:`~syncwise.losses.reads`) are checked with the rest, before the all-reduce.
     ``split``: (sequences per micro-batch, token cap) of this step (default: ``cfg.fixed_split``);
-    ``stretch_cap``: a cap auto chose grows to this rank's longest sequence instead of refusing it."""
+    ``stretch_cap``: a cap auto chose grows to this rank's longest sequence instead of refusing it.
+    ``read_cost``: what a row reading a shared start keeps beyond its computed tokens, in computed tokens'
+    activations: per token of its start and own part (the copied keys and values), per token of its start
+    (the empty queries and their outputs) -- counted into ``largest_tokens``, what memory is planned on."""
     size, max_tokens = split or cfg.fixed_split
     error: BatchError | None = None
     sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]
@@ -124,7 +129,7 @@ def plan_batch(
     order = sorted(range(len(micro_batches)), key=lambda i: (-loads[i], i))
     micro_batches, loads = [micro_batches[i] for i in order], [loads[i] for i in order]
     computed, largest, shared = _pack_where_it_pays(micro_batches, packing, share_prefixes, varlen_attention,
-                                                    max_tokens, cfg.workload_linear_coef)
+                                                    max_tokens, cfg.workload_linear_coef, read_cost)
     norm = Normalizer(
         tokens=float(totals[0]), sequences=float(totals[1]), dp_size=dp_size,
         max_target_len=float(per_rank[:, 1].max()),
@@ -138,10 +143,12 @@ def plan_batch(
 
 
 def _pack_where_it_pays(micro_batches: list[MicroBatch], packing: bool, share_prefixes: bool,
-                        varlen_attention: bool, max_tokens: int, linear_coef: float) -> tuple[int, int, int]:
+                        varlen_attention: bool, max_tokens: int, linear_coef: float,
+                        read_cost: tuple[float, float]) -> tuple[int, int, int]:
     """Pack each micro-batch (in place) where that computes less than padding it -- always where its rows
-    share a prefix -- or where padded it would break the cap; the positions computed (all, and the most in
-    one micro-batch) and the real tokens read from a shared start instead."""
+    share a prefix -- or where padded it would break the cap; the positions computed (all), the most one
+    micro-batch's activations count (with what reading a shared start keeps: ``read_cost``) and the real
+    tokens read from a shared start instead of computed."""
     computed = largest = shared = 0
     for position, mb in enumerate(micro_batches):
         if mb.data is None:
@@ -153,10 +160,17 @@ def _pack_where_it_pays(micro_batches: list[MicroBatch], packing: bool, share_pr
         if packing and not packs and max_tokens > 0:  # padded, it must keep within the cap
             packs = token_cost(lengths, packed=False) > max_tokens
         tokens = int(packed[1].lengths.sum()) if packs else mb.data["input_ids"].numel()
-        computed, largest = computed + tokens, max(largest, tokens)
+        positions = tokens
         if packs:
             micro_batches[position] = MicroBatch(mb.indices, *packed, offset=mb.offset)
             shared += sum(lengths) - tokens
+            if shares:  # a reading row's copied keys and values (start and own part), its start's empty queries
+                reads = packed[1].shared
+                readers = reads > 0
+                positions += math.ceil(read_cost[0] * float(packed[1].lengths[readers].sum() + reads.sum())
+                                       + read_cost[1] * float(reads.sum()))
+                micro_batches[position].positions = positions
+        computed, largest = computed + tokens, max(largest, positions)
     return computed, largest, shared
 
 

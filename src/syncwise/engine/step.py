@@ -146,7 +146,7 @@ def accumulate(
     n = len(plan.micro_batches)
     for i, mb in enumerate(plan.micro_batches):
         if meter is not None:
-            meter.before_microbatch(mb.data["input_ids"].numel() if mb.data is not None else 0)
+            meter.before_microbatch((mb.positions or mb.data["input_ids"].numel()) if mb.data is not None else 0)
         what = f"micro-batch {i + 1}/{n} forward/backward (FSDP all-gather / reduce-scatter)"
         with collective_timeout(what, timeout_s), apply_switches(model, switches_of(i, n)), logprob_chunking(
             chunk_tokens

@@ -56,6 +56,20 @@ def kv_cache_bytes(config, tokens: int, dtype: str) -> int:
     return 2 * _shape(config, "num_hidden_layers") * kv_heads * head_dim * tokens * DTYPE_BYTES[dtype]
 
 
+def shared_read_cost(config) -> tuple[float, float]:
+    """What a packed row reading a shared start (:mod:`syncwise.data.prefixes`) keeps in a decoder layer beyond
+    its computed tokens, in computed tokens of the packed-loop layer below: per token of its start and its own
+    part (its copied keys and values, and its queries' copy with the start's empty ones in front), and per token
+    of its start (those queries' outputs). (0, 0) for a model without a Hugging Face config."""
+    if config is None:
+        return 0.0, 0.0
+    hidden = _shape(config, "hidden_size")
+    heads, kv_heads, head_dim = attention_shape(config)
+    inter = _shape(config, "intermediate_size", 4 * hidden)
+    width = 4 * hidden + 3 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter  # a packed-loop token
+    return (2 * kv_heads * head_dim + heads * head_dim) / width, heads * head_dim / width
+
+
 def estimate_activations(
     config, seq_len: int, micro_batch_size: int = 1, checkpointing: bool = False, dtype: str = "bfloat16",
     logprob_chunk: int = 1024, fused_head: bool = False, head_trains: bool = True, value_head: bool = False,
