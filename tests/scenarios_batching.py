@@ -168,9 +168,10 @@ def activation_checkpointing(info, batch: dict) -> dict:
 
 def grpo_batch(rank: int) -> dict[str, torch.Tensor]:
     """GRPO's layout: left-padded prompts, then responses (right-padded); 2 prompts x 3 samples that begin
-    with one 4-token system prompt, and one row of its own; responses the only targets."""
+    with one 17-token system prompt (at least MIN_SHARED in common), and one row of its own; responses the only
+    targets."""
     gen = torch.Generator().manual_seed(300 + rank)
-    system = torch.randint(1, VOCAB, (4,), generator=gen)
+    system = torch.randint(1, VOCAB, (17,), generator=gen)
     prompts = [torch.cat([system, torch.randint(1, VOCAB, (n,), generator=gen)]) for n in (5, 7)]
     prompts = [p for p in prompts for _ in range(3)] + [torch.randint(1, VOCAB, (9,), generator=gen)]
     responses = [torch.randint(1, VOCAB, (int(n),), generator=gen) for n in torch.randint(2, 9, (7,), generator=gen)]
@@ -191,7 +192,7 @@ def grpo_batch(rank: int) -> dict[str, torch.Tensor]:
 
 
 SHARED_SPLITS = {"two rows a micro-batch": "engine.micro_batch_size=2",
-                 "token cap 40": "engine.max_tokens_per_micro_batch=40",
+                 "token cap 80": "engine.max_tokens_per_micro_batch=80",
                  "token cap 200": "engine.max_tokens_per_micro_batch=200"}
 
 
