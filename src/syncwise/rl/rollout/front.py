@@ -239,27 +239,43 @@ class Rollout:
 
     def _batch(self, result: RolloutResult) -> None:
         """The training batch of the result's samples, the sampler's log-probs aligned with its targets, and
-        what truncation kept."""
+        what truncation kept -- each built as one tensor from the samples' lists (a step's hundreds of rows:
+        per-row tensors were most of a small job's rollout)."""
         trajectories = result.trajectories
-        sampled = [torch.tensor(t.sampled, dtype=torch.long) for t in trajectories]
-        full = [torch.tensor(t.full_log_probs, dtype=torch.float32) for t in trajectories]
+        prompts = [len(t.prompt) for t in trajectories]
+        lengths = torch.tensor([p + len(t.tokens) for p, t in zip(prompts, trajectories, strict=True)])
+        width = int(lengths.max())
+        real = torch.arange(width)[None, :] < lengths[:, None]  # right-padded: row-major order is the rows'
+        ids = torch.full((len(trajectories), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        ids[real] = torch.tensor([x for t in trajectories for x in (*t.prompt, *t.tokens)], dtype=torch.long)
+        sampled = torch.tensor([x for t in trajectories for x in t.sampled], dtype=torch.long)
+        trained = torch.tensor([int(t.ended or not self.cfg.mask_truncated) for t in trajectories])
+        responses = torch.tensor([len(t.tokens) for t in trajectories])
+        is_response = torch.repeat_interleave(torch.tensor([[0, 1]] * len(trajectories)).flatten(),
+                                              torch.stack([torch.tensor(prompts), responses], 1).flatten())
+        loss_mask = torch.zeros_like(ids)
+        loss_mask[real] = torch.zeros(int(lengths.sum()), dtype=torch.long).masked_scatter(
+            is_response.bool(), sampled * trained.repeat_interleave(responses))
+        full = torch.tensor([x for t in trajectories for x in t.full_log_probs], dtype=torch.float32)
+        # Per target (position j predicts token j + 1): the response tokens' sampler log-probs.
+        log_probs = torch.zeros((len(trajectories), width - 1), dtype=torch.float32)
+        targets = torch.arange(width - 1)[None, :] < (lengths - 1)[:, None]
+        log_probs[targets] = torch.zeros(int(lengths.sum()) - len(trajectories), dtype=torch.float32).masked_scatter(
+            is_response[_without_firsts(lengths)].bool(), full * sampled)
         drawn_known = all(t.drawn_log_probs is not None for t in trajectories)
         # with truncation, how much of the full distribution's mass each drawn token's step kept
-        kept_mass = (torch.cat([(f - torch.tensor(t.drawn_log_probs, dtype=torch.float32)).exp()[s.bool()]
-                                for t, f, s in zip(trajectories, full, sampled, strict=True)])
-                     if drawn_known else torch.zeros(0))
-        sequences, response_masks, sampler = [], [], []
-        for t, mask, log_probs in zip(trajectories, sampled, full, strict=True):
-            prompt = torch.tensor(t.prompt, dtype=torch.long)
-            sequences.append(torch.cat([prompt, torch.tensor(t.tokens, dtype=torch.long)]))
-            trained = mask * int(t.ended or not self.cfg.mask_truncated)
-            response_masks.append(torch.cat([torch.zeros_like(prompt), trained]))
-            # Per target (position j predicts token j + 1): the response tokens' sampler log-probs.
-            sampler.append(torch.cat([log_probs.new_zeros(len(prompt) - 1), log_probs * mask]))
-        batch = response_batch(sequences, response_masks, self.tokenizer.pad_token_id)
-        result.batch = {k: v.cpu() for k, v in batch.items()}
-        result.log_probs = right_pad(sampler, batch["input_ids"].shape[1] - 1, 0.0).cpu()
+        kept_mass = ((full - torch.tensor([x for t in trajectories for x in t.drawn_log_probs], dtype=torch.float32)
+                      ).exp()[sampled.bool()] if drawn_known else torch.zeros(0))
+        result.batch = {"input_ids": ids, "attention_mask": real.long(), "loss_mask": loss_mask}
+        result.log_probs = log_probs
         result.kept_mass = kept_mass.double()
+
+
+def _without_firsts(lengths: torch.Tensor) -> torch.Tensor:
+    """Of the rows' tokens laid end to end, all but each row's first (what the targets are: token j + 1)."""
+    keep = torch.ones(int(lengths.sum()), dtype=torch.bool)
+    keep[torch.cumsum(lengths, 0) - lengths] = False
+    return keep
 
 
 def response_batch(sequences: list[torch.Tensor], response_masks: list[torch.Tensor], pad_id: int) -> dict:
