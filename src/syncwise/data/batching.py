@@ -318,7 +318,7 @@ def _shared_parts(batch: Batch, k: int, max_tokens: int, linear_coef: float) -> 
                 pieces[-1].append(row)
         units = pieces
     tokens = [whole[u[0]] + sum(own[r] for r in u[1:]) for u in units]
-    weights = [linear_coef * n + n * n for n in tokens]
+    weights = workloads(torch.tensor(tokens), linear_coef)
     if max_tokens > 0:
         groups = capped_partition(tokens, weights, k, max_tokens, packed=True)
     else:

@@ -154,11 +154,13 @@ def _pack_where_it_pays(micro_batches: list[MicroBatch], packing: bool, share_pr
         if mb.data is None:
             continue
         lengths = sequence_lengths(mb.data).tolist()
-        packed = pack(mb.data, share_prefixes) if packing else None
+        pays = packing and packing_pays(lengths, linear_coef, varlen_attention)
+        if packing and not pays and max_tokens > 0:  # padded, it must keep within the cap
+            pays = token_cost(lengths, packed=False) > max_tokens
+        # packed only where it is kept: where it pays, or to see whether the rows share a start
+        packed = pack(mb.data, share_prefixes) if pays or (packing and share_prefixes) else None
         shares = packed is not None and int(packed[1].lengths.sum()) < sum(lengths)
-        packs = packing and (shares or packing_pays(lengths, linear_coef, varlen_attention))
-        if packing and not packs and max_tokens > 0:  # padded, it must keep within the cap
-            packs = token_cost(lengths, packed=False) > max_tokens
+        packs = pays or shares
         tokens = int(packed[1].lengths.sum()) if packs else mb.data["input_ids"].numel()
         positions = tokens
         if packs:
