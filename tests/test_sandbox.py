@@ -401,7 +401,9 @@ def test_run_by_a_user_without_root_the_call_holds_as_it_does_for_root():
               f"print(sandbox.run_python({HOGS!r}, sandbox.SandboxLimits(wall_s=20, cpu_s=10, "
               "memory_bytes=512 << 20)), end='')\n"
               f"try:\n    sandbox.run_python({bomb!r}, sandbox.SandboxLimits(wall_s=2, cpu_s=2))\n"
-              "except sandbox.SandboxFailure as exc:\n    print(str(exc).splitlines()[0])\n")
+              "except sandbox.SandboxFailure as exc:\n    print(str(exc).splitlines()[0])\n"
+              + KEY_SETUP + "print(KEY_ID >= 0)\nif KEY_ID >= 0:\n"
+              f"    print(sandbox.run_python({KEYRING_PROBE!r}.replace('KEY_ID', str(KEY_ID))), end='')\n")
     try:
         proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", "-c",
                                script], capture_output=True, text=True, timeout=120, cwd="/",
@@ -418,5 +420,62 @@ def test_run_by_a_user_without_root_the_call_holds_as_it_does_for_root():
         _assert_held(json.loads(lines[2]), folder)
         assert lines[3] != "[0, 0, 0]", lines[3]
         assert lines[4] == "the code did not finish within 2 s" and _running(marker) == []
+        if lines[5] == "True":  # issue 77 (4): its keyring out of reach in a user namespace too (where keys exist)
+            assert lines[6:] == ["read denied", "search denied", "list denied"], lines[6:]
     finally:
         shutil.rmtree(folder)
+
+
+# Issue 77 (4): what the program tries against a key the job holds in its session keyring: read it by id, find it by
+# search from its session keyring, list its session keyring -- each "denied" where the key is out of reach
+KEYRING_PROBE = """
+import ctypes, platform
+number = {"x86_64": 250, "aarch64": 219}[platform.machine()]
+libc = ctypes.CDLL(None, use_errno=True)
+value, links = ctypes.create_string_buffer(256), ctypes.create_string_buffer(256)
+read = libc.syscall(number, 11, KEY_ID, value, 256)  # KEYCTL_READ the key by id
+found = libc.syscall(number, 10, -3, b"user", b"syncwise-test-secret", 0)  # KEYCTL_SEARCH the session keyring
+listed = libc.syscall(number, 11, -3, links, 256)  # KEYCTL_READ the session keyring: the ids it links
+ids = [int.from_bytes(links.raw[i:i + 4], "little") for i in range(0, max(listed, 0), 4)]
+print("read", "denied" if read < 0 else value.raw[:read].decode(errors="replace"))
+print("search", "denied" if found < 0 else found)
+print("list", "denied" if KEY_ID not in ids else "holds the key")
+"""
+KEY_SETUP = """
+import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+add_key = {"x86_64": 248, "aarch64": 217}.get(platform.machine())
+KEY_ID = libc.syscall(add_key, b"user", b"syncwise-test-secret", b"hunter2", 7, ctypes.c_int(-3)) if add_key else -1
+"""
+
+
+def _job_key() -> int:
+    """A key added to this process's session keyring, as host tooling keeps a token there (skip: no keyrings)."""
+    scope: dict = {}
+    exec(KEY_SETUP, scope)
+    if scope["KEY_ID"] < 0:
+        pytest.skip("no key could be added (keyctl refused by a seccomp filter, or not x86_64 / aarch64)")
+    return scope["KEY_ID"]
+
+
+@pytest.mark.skipif(not NAMESPACES, reason="no namespaces here")
+def test_the_program_cannot_read_a_key_of_the_jobs_keyring():
+    """Issue 77 (4): the program kept the job's session keyring and read every key in it through keyctl(2), as
+    root's sandbox uid. Each call now joins a fresh anonymous session keyring first: read, search and list all find
+    nothing -- while this process still reads its own key (the job keeps its keyring)."""
+    key = _job_key()
+    out = run_python(KEYRING_PROBE.replace("KEY_ID", str(key)), LIMITS)
+    assert out.splitlines() == ["read denied", "search denied", "list denied"], out
+    mine = subprocess_free_probe(key)
+    assert mine.splitlines()[0] == "read hunter2", mine  # the job still holds its own key
+
+
+def subprocess_free_probe(key: int) -> str:
+    """The probe run in this process (no sandbox): what the job itself reads."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(KEYRING_PROBE.replace("KEY_ID", str(key)), {})
+    return out.getvalue()

@@ -7,13 +7,16 @@ made (``torchrun --nproc-per-node 2 -m syncwise sft ...``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from pathlib import Path
 
 from ..config import ROLLOUT_ENGINES, ConfigError, config_to_dict, load_job_config
 from ..config.reference import sections
 from ..runtime.launcher import DEBUG_ENV, launch
 from ..runtime.rank_server import Gate, Worker
+from ..runtime.run_folder import RunFolderBusy, RunFolderLock
 from .bench import WORKLOADS, run_workload
 
 
@@ -38,9 +41,13 @@ def _run_job(worker_path: str, args: argparse.Namespace, job: str) -> int:
         if os.environ.get("RANK", "0") == "0" and differences:
             print(f"syncwise {job}: beside the defaults: {'; '.join(differences)}", flush=True)
         payload = config_to_dict(config)
-        return launch(Worker(worker_path), config.dist.nproc, payload,
-                      gate=Gate(Worker("syncwise.jobs.preflight:check_job"), (payload, job)))
-    except (ConfigError, PreflightError) as exc:
+        key = "sft.out_dir" if job == "sft" else "train.out_dir"
+        folder = config.sft.out_dir if job == "sft" else config.train.out_dir
+        # one job a run folder, held by the launcher (under torchrun: rank 0) until it exits
+        with RunFolderLock(folder, key) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext():
+            return launch(Worker(worker_path), config.dist.nproc, payload,
+                          gate=Gate(Worker("syncwise.jobs.preflight:check_job"), (payload, job)))
+    except (ConfigError, PreflightError, RunFolderBusy) as exc:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks; one says it
             kind = "config error" if isinstance(exc, ConfigError) else "error"
             print(f"syncwise: {kind}: {exc}", file=sys.stderr)
@@ -59,7 +66,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse takes a positional list in one run: keys after an option (`serve model.path=DIR --port 8000
+    # rl.temperature=0.7`) come back unparsed, and go to the command's keys; anything else is argparse's error
+    keys = [a for a in extra if "=" in a and not a.startswith("-")]
+    if len(keys) < len(extra) or not hasattr(args, "args"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if keys:
+        args.args = [*args.args, *keys]
     if args.debug:
         os.environ[DEBUG_ENV] = "1"  # the ranks inherit it
     if args.command == "plan":
@@ -253,6 +267,9 @@ def _serve(args: argparse.Namespace) -> int:
         config, _ = load_job_config("serve", path, overrides)
         if not config.model.path:
             raise ConfigError("model.path: syncwise serve needs a model folder (a job's export, or save_pretrained's)")
+        if not Path(config.model.path).is_dir():
+            raise ConfigError(f"model.path: no such folder: {config.model.path} (syncwise serve takes a model "
+                              "folder: a job's export, or save_pretrained's)")
     except ConfigError as exc:
         print(f"syncwise: config error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ sampled together. The key is ``SYNCWISE_API_KEY`` where set, else a fresh one, p
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from ..config import Config
 from ..memory.accounting import resolve_budget
 from .env.tasks import end_token_ids, load_tokenizer
-from .rollout.base import RolloutSetup, sample_seed
+from .rollout.base import RolloutEngine, RolloutSetup, sample_seed
 from .rollout.endpoint import Endpoint
 from .rollout.front import make_rollout_engine, model_name
 from .rollout.serving import TurnServer
@@ -24,35 +25,54 @@ from .rollout.sessions import Session
 SERVE_MAX_NEW_TOKENS = 256
 
 
-def serve(config: Config, host: str = "127.0.0.1", port: int = 8000, ready: Any = print) -> None:
-    """Serve until interrupted (Ctrl-C: a KeyboardInterrupt, the endpoint closed first); ``ready`` is told the
-    line that says where."""
+@dataclass
+class Served:
+    """A model folder loaded to answer requests: its rollout engine and what a session needs beside it."""
+
+    engine: RolloutEngine
+    tokenizer: Any
+    end_ids: list[int]
+    max_new_tokens: int
+    max_positions: int
+    tool_parser: str
+
+    def session(self) -> Session:
+        return Session(self.tokenizer, self.end_ids, self.max_new_tokens, self.max_positions, self.tool_parser)
+
+
+def load_served(config: Config) -> Served:
+    """``model.path`` loaded into the rollout engine ``rl.rollout_engine`` names."""
     from transformers import AutoModelForCausalLM
 
-    if not config.model.path:
-        raise ValueError("model.path: syncwise serve needs a model folder (a job's export, or save_pretrained's)")
+    folder = config.model.path  # a folder: the command line checked it
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(config)
-    model = AutoModelForCausalLM.from_pretrained(config.model.path, local_files_only=True, dtype=torch.float32)
-    end_ids = sorted(set(end_token_ids(config.model.path)) | {tokenizer.eos_token_id})
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    end_ids = sorted(set(end_token_ids(folder)) | {tokenizer.eos_token_id})
     max_new_tokens = config.rl.max_new_tokens or SERVE_MAX_NEW_TOKENS
     engine = make_rollout_engine(RolloutSetup(model.config, device, config.rl, tokenizer, end_ids, max_new_tokens,
                                               config.train.seed, resolve_budget(config.sync.memory_budget, device, 1)))
     engine.refresh(iter([{name: p.detach() for name, p in model.named_parameters()}]))  # tied: once
     max_positions = getattr(model.config, "max_position_embeddings", None) or 2**31
-    del model
+    return Served(engine, tokenizer, end_ids, max_new_tokens, max_positions, config.rl.tool_parser)
+
+
+def serve(config: Config, host: str = "127.0.0.1", port: int = 8000, ready: Any = print) -> None:
+    """Serve until interrupted (Ctrl-C: a KeyboardInterrupt, the endpoint closed first); ``ready`` is told the
+    line that says where."""
+    served = load_served(config)
     endpoint = Endpoint(model_name(config), stateless=True, key=os.environ.get("SYNCWISE_API_KEY") or None)
     endpoint.start(host, port)
-    server = TurnServer(endpoint, engine, tokenizer, {"temperature": config.rl.temperature, "top_p": config.rl.top_p})
+    server = TurnServer(endpoint, served.engine, served.tokenizer,
+                        {"temperature": config.rl.temperature, "top_p": config.rl.top_p})
     ready(f"syncwise serve: {model_name(config)} at {endpoint.base_url()} (api_key {endpoint.key}), "
-          f"{engine.describe()}, up to {max_new_tokens} new tokens an answer; Ctrl-C stops")
+          f"{served.engine.describe()}, up to {served.max_new_tokens} new tokens an answer; Ctrl-C stops")
     try:
         calls = 0
         while True:
             batch = server.collect(lambda: 1 << 30, first_wait_s=0.5)
             if batch:
-                server.answer(batch, lambda _: Session(tokenizer, end_ids, max_new_tokens, max_positions,
-                                                       config.rl.tool_parser), 0,
+                server.answer(batch, lambda _: served.session(), 0,
                               sample_seed(config.train.seed, 0, 0, 1, calls, 1 << 40, len(batch)))
                 calls += 1
     finally:

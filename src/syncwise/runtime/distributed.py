@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .job_store import agree_run_id
 from .signals import JobStopped
 
 
@@ -149,6 +150,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
             timeout=timeout,
             device_id=device if backend == "nccl" else None,
         )
+        agree_run_id()  # before any signed message: the signatures cover this run alone
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 

@@ -8,9 +8,9 @@ the machine could still connect. So what the ranks tell each other through it --
 the rollout ranks' messages, weights' descriptions, scored batches and snapshots -- carries an HMAC-SHA256 of its
 key and value and of the run's id under the job's secret (:data:`SECRET_ENV`: the local launcher makes one per job;
 under torchrun, set the same value on every node), and a value that does not verify stops the job in one line naming
-its key. The run id (:func:`run_id`: the local launcher's own per launch, torchrun's ``--rdzv-id`` under torchrun)
-binds each message to one run: with a secret kept in the environment from job to job, a value recorded from an
-earlier run does not verify in the next.
+its key. The run id (:func:`run_id`: once the ranks are up, a hash of every rank's random nonce, whoever launched
+them) binds each message to one run: with a secret kept in the environment from job to job, or in one torchrun
+launch script, a value recorded from an earlier run does not verify in the next.
 The sandbox never sees the secret: its environment is empty and, as root, it runs as a uid that cannot read the
 ranks' ``/proc/<pid>/environ``.
 """
@@ -50,9 +50,25 @@ def job_secret() -> bytes | None:
 
 
 def run_id() -> str:
-    """This run's id, which every signature covers: the local launcher's (:data:`RUN_ID_ENV`), else torchrun's
-    rendezvous id (``--rdzv-id``, ``TORCHELASTIC_RUN_ID``), else empty (a run alone: the secret must be its own)."""
+    """This run's id, which every signature covers: once the process group is up, the one every rank agreed on
+    (:func:`agree_run_id`); before, the local launcher's (:data:`RUN_ID_ENV`), else torchrun's rendezvous id
+    (``--rdzv-id``, ``TORCHELASTIC_RUN_ID``), else empty."""
     return os.environ.get(RUN_ID_ENV) or os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def agree_run_id() -> str:
+    """Every rank draws a random nonce, the ranks gather them, and the run's id becomes a hash of the id so far and
+    all of them (set in :data:`RUN_ID_ENV` for this process): fresh for every run whoever launched it -- torchrun's
+    default rendezvous id is the string ``none`` in every job, so two torchrun jobs with one secret in their launch
+    script would otherwise accept each other's recorded messages. Collective: every rank of the default group, once,
+    right after it is made."""
+    import torch.distributed as dist
+
+    nonces: list = [None] * dist.get_world_size()
+    dist.all_gather_object(nonces, secrets.token_hex(16))
+    agreed = hashlib.sha256("\0".join([run_id(), *nonces]).encode()).hexdigest()
+    os.environ[RUN_ID_ENV] = agreed
+    return agreed
 
 
 class SignedStore:

@@ -80,6 +80,23 @@ class Isolation:
         return bool(self.namespaces)
 
 
+# The kernel's keyrings are no namespace: a process keeps its parent's session keyring, and may read every key in
+# it (Kerberos KEYRING: caches, tokens host tooling keeps there) -- as root's sandbox uid too, as its possessor. So
+# the call's first program joins a fresh anonymous session keyring, then becomes the code's Python (execv: the code
+# sees a plain ``python -I -c``). Where keyctl cannot be called (a seccomp filter, an unknown machine), the call
+# goes on only if its session keyring cannot be reached at all.
+_KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219, "arm64": 219, "riscv64": 219, "ppc64le": 311, "s390x": 280,
+                   "i686": 288, "armv7l": 311}
+LEAVE_KEYRING = f"""
+import ctypes, os, platform, sys
+number = {_KEYCTL_SYSCALL!r}.get(platform.machine())
+libc = ctypes.CDLL(None, use_errno=True)
+keyctl = (lambda *args: libc.syscall(number, *args)) if number else (lambda *args: -1)
+if keyctl(1, None) < 0 and keyctl(0, -3, 0) >= 0:  # JOIN_SESSION_KEYRING(NULL) failed, the session still reachable
+    sys.exit("sandbox: could not leave the job's session keyring; the code was not run")
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
 _NAMESPACES = ("--pid", "--fork", "--kill-child", "--net", "--mount", "--ipc", "--uts", "--propagation", "private")
 _PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 
@@ -197,7 +214,8 @@ def _command(code: str, limits: SandboxLimits, found: Isolation, uid: int | None
     per_process = limits.memory_bytes if cgroup is not None else limits.memory_bytes // FALLBACK_PROCESSES
     processes = limits.processes if cgroup is not None else min(limits.processes, FALLBACK_PROCESSES)
     command = ["prlimit", f"--cpu={limits.cpu_s}", f"--as={per_process}", f"--fsize={limits.file_bytes}",
-               "--nofile=256", "--core=0", f"--nproc={processes}", "--", sys.executable, "-I", "-c", code]
+               "--nofile=256", "--core=0", f"--nproc={processes}", "--",
+               sys.executable, "-I", "-c", LEAVE_KEYRING, sys.executable, "-I", "-c", code]
     drop = ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
     if uid is not None:
         command = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *drop, *command]

@@ -29,9 +29,9 @@ from .endpoint import Endpoint
 from .serving import BATCH_WAIT_S, TurnServer
 from .sessions import Session
 
-AGENT_COUNTS = ("requests", "segments", "rewritten", "sampled_tokens", "inserted_tokens", "malformed", "unauthorized",
-                "length", "sampling_overridden", "exceptions", "timeouts", "no_requests", "too_long", "engine_calls",
-                "wall_s")
+AGENT_COUNTS = ("requests", "segments", "rewritten", "concurrent", "sampled_tokens", "inserted_tokens", "malformed",
+                "unauthorized", "length", "sampling_overridden", "exceptions", "timeouts", "no_requests", "too_long",
+                "engine_calls", "wall_s")
 
 
 @dataclass
@@ -160,7 +160,8 @@ class AgentLoop:
         counts.update({key: state.counts[key] for key in ("exceptions", "timeouts")})
         counts["wall_s"] = sum(state.wall)
         for k, session in enumerate(sessions):
-            counts.update({key: session.counts[key] for key in ("rewritten", "sampled_tokens", "inserted_tokens")})
+            counts.update({key: session.counts[key] for key in ("rewritten", "concurrent", "sampled_tokens",
+                                                                           "inserted_tokens")})
             segments = [segment.trajectory for segment in session.segments]
             fits = [t for t in segments if len(t.prompt) + len(t.tokens) <= self.max_positions]
             counts["too_long"] += len(segments) - len(fits)  # a prompt past the context: answered, never trained

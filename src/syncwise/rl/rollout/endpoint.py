@@ -20,6 +20,9 @@ JSON: ``{"error": {"message", "type", "param", "code"}}``."""
 # No ``from __future__ import annotations`` here: FastAPI reads the route functions' annotations at run time, and
 # its Request is imported where the app is made (fastapi and uvicorn are the rl.agent extra's)
 import asyncio
+import hmac
+import json
+import math
 import queue
 import secrets
 import socket
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 REQUEST_FIELDS = {"chat": "messages", "text": "prompt"}
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # every address: the URL printed names the machine instead
 # How long an idle connection stays open: far beyond any client pool's own expiry (httpx 5 s, aiohttp 15 s, the
 # agents' shared pool POOL_KEEP_ALIVE_S), so a pool never sends on a connection the server is closing -- with
 # uvicorn's 5 s against httpx's 5 s, a step whose update took ~5 s failed some runs' first request
@@ -71,13 +75,16 @@ class Endpoint:
         self.requests: queue.Queue[Pending] = queue.Queue()
         self.sessions: set[str] = set()
         self.refused: Counter = Counter()  # requests answered here, never queued: unauthorized, malformed
-        self.port = 0
+        self.host, self.port = "127.0.0.1", 0
         self._server = None
         self._thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def base_url(self, session: str | None = None) -> str:
-        return f"http://127.0.0.1:{self.port}" + (f"/s/{session}/v1" if session else "/v1")
+        """Where a client reaches it: the address it listens on, this machine's name where that is every address."""
+        host = socket.gethostname() if self.host in WILDCARD_HOSTS else self.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}" + (f"/s/{session}/v1" if session else "/v1")
 
     def open_session(self) -> str:
         session = secrets.token_hex(8)
@@ -91,10 +98,10 @@ class Endpoint:
         """Serve from a thread of its own until :meth:`close` (loopback unless ``host`` says otherwise)."""
         import uvicorn
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        self.port = sock.getsockname()[1]
+        self.host, self.port = host, sock.getsockname()[1]
         config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off",
                                 timeout_keep_alive=KEEP_ALIVE_S)
         self._server = uvicorn.Server(config)
@@ -159,7 +166,8 @@ class Endpoint:
     async def _handle(self, request: Any, session: "str | None", kind: str) -> "tuple[int, dict[str, Any]]":
         """Checks what needs no model (the key, the session, the body's shape), then queues the request and waits
         for the sampling thread's answer."""
-        if request.headers.get("authorization", "") != f"Bearer {self.key}":
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                   f"Bearer {self.key}".encode()):  # in constant time: no key guessed by timing
             self.refused["unauthorized"] += 1
             return 401, error_body("Incorrect API key provided: use the key the job gave the agent (api_key).",
                                    code="invalid_api_key")
@@ -181,23 +189,114 @@ class Endpoint:
         return await future
 
 
-def check_body(body: Any, kind: str) -> tuple[str, str, str] | None:
-    """What the handler refuses before queueing: (message, type, param), or None."""
+def check_body(body: Any, kind: str) -> tuple[str, str, str | None] | None:
+    """What the handler refuses before queueing: (message, type, param), or None. Every field a client may send is
+    checked for its type here, so that nothing a request holds can raise in the sampling thread (which would end
+    ``syncwise serve`` or the rank): what a client may send is listed on the agents page."""
+    problem = _body_problem(body, kind)
+    return None if problem is None else (problem[0], "invalid_request_error", problem[1])
+
+
+def _body_problem(body: Any, kind: str) -> tuple[str, str | None] | None:
     if not isinstance(body, dict):
-        return "the request body must be a JSON object", "invalid_request_error", None
+        return "the request body must be a JSON object", None
+    try:  # a lone surrogate (JSON's "\\ud800") is no text a tokenizer can read
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return "the request holds a lone UTF-16 surrogate, which is not text", None
+    except (TypeError, ValueError):
+        return "the request body must be plain JSON", None
     needed = REQUEST_FIELDS[kind]
     if needed not in body:
-        return f"{needed}: required", "invalid_request_error", needed
+        return f"{needed}: required", needed
     if body.get("stream"):
-        return ("stream: streaming is not served here; send stream=false (the whole answer in one response)",
-                "invalid_request_error", "stream")
+        return "stream: streaming is not served here; send stream=false (the whole answer in one response)", "stream"
     if body.get("tool_choice") not in (None, "auto", "none"):
         return ("tool_choice: 'auto' or 'none' (the job samples freely: 'required' or a named function would need "
-                "constrained sampling)", "invalid_request_error", "tool_choice")
+                "constrained sampling)", "tool_choice")
     if body.get("n", 1) != 1:
-        return "n: one choice a request (a session is one conversation)", "invalid_request_error", "n"
+        return "n: one choice a request (a session is one conversation)", "n"
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            return f"{key}: a positive integer, got {value!r}", "invalid_request_error", key
+        if value is not None and (not _is_int(value) or value < 1):
+            return f"{key}: a positive integer, got {_short(value)}", key
+    for key in ("temperature", "top_p"):
+        value = body.get(key)
+        if value is not None and (not _is_number(value) or not math.isfinite(value) or value < 0):
+            return f"{key}: a number at least 0, got {_short(value)}", key
+    if body.get("seed") is not None and not _is_int(body["seed"]):
+        return f"seed: an integer, got {_short(body['seed'])}", "seed"
+    for key in ("logprobs", "return_token_ids"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            return f"{key}: true or false, got {_short(body[key])}", key
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        return f"stop: a string or a list of strings, got {_short(stop)}", "stop"
+    if kind == "chat":
+        return _messages_problem(body["messages"]) or _tools_problem(body.get("tools"))
+    return _prompt_problem(body["prompt"])
+
+
+def _messages_problem(messages: Any) -> tuple[str, str] | None:
+    if not isinstance(messages, list) or not messages:
+        return "messages: a non-empty list of messages is required", "messages"
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return f"{where}: an object with a string role", "messages"
+        content = message.get("content")
+        if content is not None and not isinstance(content, str) and not (
+                isinstance(content, list) and all(isinstance(part, dict) and isinstance(part.get("text", ""), str)
+                                                  for part in content)):
+            return f"{where}.content: a string, or a list of text parts", "messages"
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                return f"{where}.{key}: a string", "messages"
+        calls = message.get("tool_calls")
+        if calls is None:
+            continue
+        if not isinstance(calls, list):
+            return f"{where}.tool_calls: a list of tool calls", "messages"
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                return (f"{where}.tool_calls[{j}]: an object with a function {{'name': str, 'arguments': str}}",
+                        "messages")
+            if not isinstance(function.get("arguments", ""), (str, dict)):
+                return f"{where}.tool_calls[{j}].function.arguments: a JSON string", "messages"
     return None
+
+
+def _tools_problem(tools: Any) -> tuple[str, str] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools):
+        return "tools: a list of {'type': 'function', 'function': {'name': str, ...}} schemas", "tools"
+    return None
+
+
+def _prompt_problem(prompt: Any) -> tuple[str, str] | None:
+    """A string, token ids, or a list holding one of either (OpenAI's batch of one)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return None
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return None  # the ids' range is the tokenizer's to check (TurnServer)
+    return "prompt: a non-empty string, or a list of token ids", "prompt"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -50,8 +50,10 @@ class TurnServer:
 
     def answer(self, batch: list[Pending], session_of: Callable[[str], Session | None], version: int,
                seed: int) -> None:
-        """Plan every request of ``batch``, sample the planned ones in one engine call, answer each."""
-        planned: list[tuple[Pending, Session, Turn]] = []
+        """Plan every request of ``batch``, sample the planned ones -- one engine call for each distinct number of
+        new tokens they may have, so that no request is sampled past its own room (the model's positions) --
+        and answer each. ``seed``: the first of as many seeds as ``batch`` has requests."""
+        planned: dict[int, list[tuple[Pending, Session, Turn]]] = {}
         for pending in batch:
             self.counts["requests"] += 1
             session = session_of(pending.session)
@@ -65,38 +67,39 @@ class TurnServer:
                 pending.answer(400, error_body(str(exc), param=exc.param))
                 continue
             if turn.room <= 0:  # no room left in the context or the sample's budget
+                session.release(turn)
                 self.counts["length"] += 1
                 pending.answer(200, self._response(pending, session, turn, [], [], None, "length", ""))
                 continue
-            planned.append((pending, session, turn))
-        if not planned:
-            return
-        room = max(min(turn.room, _asked(p.body) or turn.room) for p, _, turn in planned)
-        self.calls += 1
-        prompts, n, place = shared_prompts([turn.prompt for _, _, turn in planned])
-        began = time.perf_counter()
-        samples = self.engine.sample(prompts, n, room, seed)
-        self.gap_s = batch_gap(time.perf_counter() - began)
-        for k, (pending, session, turn) in enumerate(planned):
-            self._record(pending, session, turn, samples, place[k], version)
+            planned.setdefault(min(turn.room, _asked(pending.body) or turn.room), []).append((pending, session, turn))
+        for room, group in planned.items():
+            self.calls += 1
+            prompts, n, place = shared_prompts([turn.prompt for _, _, turn in group])
+            began = time.perf_counter()
+            samples = self.engine.sample(prompts, n, room, seed)
+            seed += len(prompts) * n
+            self.gap_s = batch_gap(time.perf_counter() - began)
+            for k, (pending, session, turn) in enumerate(group):
+                self._record(pending, session, turn, samples, place[k], version)
 
     def _plan(self, pending: Pending, session: Session) -> Turn:
+        """The request's turn in its session; a RequestError (HTTP 400) for whatever in it cannot be sampled."""
         body = pending.body
         for key in ("temperature", "top_p"):
             if body.get(key) is not None and float(body[key]) != float(self.sampling[key]):
                 self.counts["sampling_overridden"] += 1  # the job samples what it trains on
         if pending.kind == "chat":
-            tools = body.get("tools") or None
-            if tools is not None and not isinstance(tools, list):
-                raise RequestError("tools: a list of tool schemas", "tools")
-            return session.plan_chat(body["messages"], tools)
-        prompt = body["prompt"]
+            return session.plan_chat(body["messages"], body.get("tools") or None)
+        prompt = body["prompt"]  # its shape checked by the handler (endpoint.check_body)
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
             prompt = list(self.tokenizer(prompt)["input_ids"])
-        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-            raise RequestError("prompt: a string, or a list of token ids", "prompt")
+        vocabulary = len(self.tokenizer)
+        outside = next((t for t in prompt if not 0 <= t < vocabulary), None)
+        if outside is not None:
+            raise RequestError(f"prompt: token id {outside} is outside the vocabulary (0 to {vocabulary - 1})",
+                               "prompt")
         return session.plan_text(prompt)
 
     def _record(self, pending: Pending, session: Session, turn: Turn, samples, k: int, version: int) -> None:
@@ -112,7 +115,7 @@ class TurnServer:
             tokens, ended = tokens[:cut], True
         full = samples.full_log_probs[k][: len(tokens)].float().tolist()
         drawn = samples.log_probs[k][: len(tokens)].float().tolist() if samples.log_probs is not None else None
-        session.take(tokens, full, drawn, ended, version)
+        session.take(turn, tokens, full, drawn, ended, version)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         if cut is not None:
             text = _before_stop(text, stops)
@@ -120,7 +123,7 @@ class TurnServer:
         try:
             ends_turn = bool(tokens) and tokens[-1] in session.end_ids  # the end token is no part of the text
             shown = self.tokenizer.decode(tokens[:-1] if ends_turn else tokens, skip_special_tokens=False)
-            parsed = session.answer(shown if calls else text, calls)
+            parsed = session.answer(turn, shown if calls else text, calls)
         except RequestError as exc:
             self.counts["malformed"] += 1
             pending.answer(400, error_body(str(exc), param=exc.param))

@@ -9,7 +9,11 @@ endpoint returned -- followed by new ones *extends* it: only the new messages' t
 turn loop renders tool answers (the template with and without them, the difference), so the sampled turns are never
 re-tokenised. A request that does not extend (history rewritten, an earlier turn's thinking dropped by the
 template, another conversation) opens a new segment, trained as its own sequence and counted (``rewritten``).
-``/v1/completions`` extends where the prompt's token ids begin with the segment's."""
+``/v1/completions`` extends where the prompt's token ids begin with the segment's.
+
+Requests of one session may be sent side by side: each planned turn names its own segment (:class:`Turn`), and its
+answer goes there. A segment whose turn is still being sampled (``awaiting``) is extended by nothing -- its next
+tokens are not known yet -- so a request sent beside it opens a segment of its own (counted ``concurrent``)."""
 
 from __future__ import annotations
 
@@ -71,19 +75,22 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 @dataclass
-class Turn:
-    """What a sampling request asks the engine for: the tokens to continue and at most how many more."""
-
-    prompt: list[int]
-    room: int
-
-
-@dataclass
 class Segment:
     trajectory: Trajectory
     messages: list[dict[str, Any]] | None  # chat: the conversation so far, as the template renders it
     prompt_messages: int = 0  # how many of them were the segment's first prompt
     tools: list[dict[str, Any]] | None = None
+    awaiting: bool = False  # a turn planned on it is being sampled: nothing may extend it until it is taken
+
+
+@dataclass
+class Turn:
+    """What a sampling request asks the engine for: the tokens to continue, at most how many more, and the segment
+    its answer belongs to."""
+
+    prompt: list[int]
+    room: int
+    segment: Segment
 
 
 @dataclass
@@ -110,7 +117,8 @@ class Session:
             raise RequestError("messages: a non-empty list of messages is required", "messages")
         rendered = [template_message(m) for m in messages]
         segment = self.current
-        if segment is not None and segment.messages is not None and self._extends(segment, rendered, tools):
+        if segment is not None and not segment.awaiting and segment.messages is not None \
+                and self._extends(segment, rendered, tools):
             between = self._between(segment, rendered, tools)
             if between is not None:
                 segment.trajectory.add(between, sampled=False)
@@ -118,41 +126,41 @@ class Session:
                 segment.trajectory.messages += rendered[len(segment.messages):]
                 segment.messages = rendered
                 return self._turn(segment)
-        if segment is not None:
-            self.counts["rewritten"] += 1
         prompt = self._render_ids(rendered, tools)
-        self.segments.append(Segment(Trajectory(prompt=prompt), rendered, len(rendered), tools))
-        return self._turn(self.current)
+        return self._open(Segment(Trajectory(prompt=prompt), rendered, len(rendered), tools))
 
     def plan_text(self, prompt: list[int]) -> Turn:
         """``/v1/completions``: the current segment extended where ``prompt`` begins with its tokens, else a new
         segment."""
         segment = self.current
-        if segment is not None and segment.messages is None:
+        if segment is not None and not segment.awaiting and segment.messages is None:
             so_far = segment.trajectory.prompt + segment.trajectory.tokens
             if len(prompt) >= len(so_far) and prompt[:len(so_far)] == so_far:
                 inserted = prompt[len(so_far):]
                 segment.trajectory.add(inserted, sampled=False)
                 self.counts["inserted_tokens"] += len(inserted)
                 return self._turn(segment)
-        if segment is not None:
-            self.counts["rewritten"] += 1
-        self.segments.append(Segment(Trajectory(prompt=list(prompt)), None))
-        return self._turn(self.current)
+        return self._open(Segment(Trajectory(prompt=list(prompt)), None))
 
-    def take(self, tokens: list[int], full: list[float], drawn: list[float] | None, ended: bool,
+    def take(self, turn: Turn, tokens: list[int], full: list[float], drawn: list[float] | None, ended: bool,
              version: int) -> None:
-        """The turn the engine sampled (cut to what the request allowed), appended as trained tokens."""
-        trajectory = self.current.trajectory
+        """The turn the engine sampled for ``turn`` (cut to what the request allowed), appended as trained tokens
+        to the segment it was planned on -- whichever segment is newest by now."""
+        trajectory = turn.segment.trajectory
         trajectory.add(tokens, sampled=True, full=full, drawn=drawn, version=version)
         trajectory.counts["turns"] += 1
         trajectory.ended = ended
+        turn.segment.awaiting = False
         self.counts["sampled_tokens"] += len(tokens)
 
-    def answer(self, text: str, tools: list[dict[str, Any]] | None) -> ParsedTurn:
+    def release(self, turn: Turn) -> None:
+        """A planned turn answered without sampling (no room left): its segment may be extended again."""
+        turn.segment.awaiting = False
+
+    def answer(self, turn: Turn, text: str, tools: list[dict[str, Any]] | None) -> ParsedTurn:
         """The sampled turn's text as an assistant message (its tool calls parsed in the model family's format
-        where the request gave tools), remembered as the conversation's next message."""
-        segment = self.current
+        where the request gave tools), remembered as the next message of ``turn``'s conversation."""
+        segment = turn.segment
         parsed = ParsedTurn(text)
         if tools:
             try:
@@ -171,11 +179,21 @@ class Session:
             segment.trajectory.text += text
         return parsed
 
+    def _open(self, segment: Segment) -> Turn:
+        """A new segment for a request that extends none: counted as a rewrite of the history, or as sent beside
+        a request still being answered."""
+        current = self.current
+        if current is not None:
+            self.counts["concurrent" if any(s.awaiting for s in self.segments) else "rewritten"] += 1
+        self.segments.append(segment)
+        return self._turn(segment)
+
     def _turn(self, segment: Segment) -> Turn:
         trajectory = segment.trajectory
         so_far = trajectory.prompt + trajectory.tokens
         room = min(self.max_new_tokens - len(trajectory.tokens), self.max_positions - len(so_far))
-        return Turn(so_far, max(room, 0))
+        segment.awaiting = True
+        return Turn(so_far, max(room, 0), segment)
 
     def _extends(self, segment: Segment, rendered: list[dict[str, Any]], tools) -> bool:
         known = segment.messages

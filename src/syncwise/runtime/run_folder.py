@@ -1,0 +1,56 @@
+"""One job a run folder: a lock held on ``train.out_dir`` / ``sft.out_dir`` for the job's life, so that a second
+job on the same folder is refused in one line instead of setting the first's logs aside, replacing its
+``config.yaml`` and writing checkpoints beside it (both would exit 0, and a later ``resume=auto`` would resume a
+mixture).
+
+The lock is the kernel's (``flock`` on ``<folder>/.syncwise.lock``): it goes with the process that holds it,
+however that process ends -- a crash, SIGKILL, the machine's OOM killer -- so a lock file a dead job left behind is
+simply taken over by the next one. The file holds the holder's pid and host for the refusal's line."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+LOCK_NAME = ".syncwise.lock"
+
+
+class RunFolderBusy(RuntimeError):
+    """Another live job holds the folder: the message names the folder and the holder."""
+
+
+class RunFolderLock:
+    """The lock on one run folder (made if missing); released by :meth:`release` or by the process's end."""
+
+    def __init__(self, folder: str | Path, key: str):
+        self.folder, self.key = Path(folder), key
+        self._fd: int | None = None
+
+    def acquire(self) -> RunFolderLock:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not said its pid"
+            os.close(fd)
+            raise RunFolderBusy(f"{self.key}: {self.folder} is in use by another job ({holder}); wait for it, stop "
+                                "it, or give this job another folder") from None
+        os.set_inheritable(fd, False)  # the ranks and tools this process starts do not hold it past its end
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the lock; the file stays for the next job
+            self._fd = None
+
+    def __enter__(self) -> RunFolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
