@@ -65,9 +65,13 @@ async def agent(row, client, model):
 CHAOS_AGENT = '''
 import asyncio
 import itertools
+import json
 import os
 
+import httpx
 import openai
+
+ROUTES = {"chat": "chat/completions", "text": "completions"}
 
 runs = itertools.count()
 
@@ -77,7 +81,7 @@ def note(what):
         log.write(what + "\\n")
 
 
-async def agent(row, client, model, base_url):
+async def agent(row, client, model, base_url, api_key):
     kind = next(runs) % 8
     question = list(row["prompt"])
     if kind == 0:  # a plain run
@@ -90,7 +94,12 @@ async def agent(row, client, model, base_url):
         raise RuntimeError("the agent's own bug")
     elif kind == 3:
         await asyncio.sleep(120)  # hangs: rl.agent_timeout_s cancels it
-    elif kind == 4:  # malformed: a stream it may not ask for, refused in OpenAI's shape
+    elif kind == 4:  # malformed: every bad field (each a 400), then a stream it may not ask for, re-raised
+        async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}",
+                                                                 "Content-Type": "application/json"}) as http:
+            for kind_, body, param in BAD_REQUESTS_JSON:
+                answer = await http.post(ROUTES[kind_], content=json.dumps(body))
+                note(f"{answer.status_code} {answer.json()['error']['param']}")
         try:
             await client.chat.completions.create(model=model, messages=question, stream=True)
         except openai.BadRequestError as exc:
@@ -134,7 +143,8 @@ def folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("agent_job")
     memorized_tool_model(root, CONVERSATION, TOOLS)
     (root / "calc_agent.py").write_text(CALC_AGENT)
-    (root / "chaos_agent.py").write_text(CHAOS_AGENT)
+    bad = f"json.loads({json.dumps(BAD_REQUESTS)!r})"
+    (root / "chaos_agent.py").write_text(CHAOS_AGENT.replace("BAD_REQUESTS_JSON", bad))
     (root / "echo_agent.py").write_text(ECHO_AGENT)
     rows = [{"prompt": CONVERSATION[:1], "answer": "19"}] * 4
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -205,14 +215,15 @@ def test_rewrites_and_faults_are_counted_on_rollout_ranks_and_the_job_goes_on(fo
         counts = {k.removeprefix("agent/"): v for k, v in row.items() if k.startswith("agent/")}
         assert counts["exceptions"] == 4 and counts["timeouts"] == 2, counts  # raised; the stream's re-raised
         assert counts["rewritten"] == 2 and counts["segments"] == 18, counts  # a new segment, trained on its own
-        assert counts["malformed"] == 2 and counts["unauthorized"] == 2, counts
+        assert counts["malformed"] == 2 * (1 + len(BAD_REQUESTS)) and counts["unauthorized"] == 2, counts
         assert counts["no_requests"] == 10, counts  # the raising, hanging, stream, 401 and never-calling runs
         assert counts["length"] >= 2 and counts["too_long"] == 2, counts  # answered, not trained
         table = _table(folder, "chaos", step)
         assert len(table) == 18
         assert sorted(table["reward/agent"].dropna().tolist()) == [0.0] * 6 + [0.5, 0.5, 1.0, 1.0], table  # failed: 0
     notes = (folder / "chaos.log").read_text().splitlines()
-    assert sorted(notes) == sorted(["400 stream", "401 invalid_api_key", "finish length"] * 4)
+    bad = [f"400 {param}" for _, _, param in BAD_REQUESTS]
+    assert sorted(notes) == sorted(["400 stream", "401 invalid_api_key", "finish length", *bad] * 4)
 
 
 def test_64_concurrent_sessions_a_rank_keep_their_rows_and_a_lag_trains_them(folder):
@@ -329,8 +340,8 @@ def test_a_session_appends_the_new_messages_tokens_and_opens_a_segment_for_a_rew
     # the model's turn as the template would write it, sampled: the template's own tokens
     whole = _ids(tokenizer, CONVERSATION[:2])
     sampled = whole[len(turn.prompt):whole.index(end[0], len(turn.prompt)) + 1]
-    session.take(sampled, [0.0] * len(sampled), None, True, 0)
-    parsed = session.answer(tokenizer.decode(sampled[:-1]), TOOLS)
+    session.take(turn, sampled, [0.0] * len(sampled), None, True, 0)
+    parsed = session.answer(turn, tokenizer.decode(sampled[:-1]), TOOLS)
     assert [(c.name, c.arguments) for c in parsed.calls] == [("add", {"a": 12, "b": 7})]
     openai_call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 12, "b": 7}'}}
     history = [CONVERSATION[0], {"role": "assistant", "content": None, "tool_calls": [openai_call]},
@@ -341,6 +352,7 @@ def test_a_session_appends_the_new_messages_tokens_and_opens_a_segment_for_a_rew
     trajectory = session.current.trajectory
     assert trajectory.sampled == [1] * len(sampled) + [0] * (len(trajectory.tokens) - len(sampled))
     assert session.counts["inserted_tokens"] == len(trajectory.tokens) - len(sampled) > 0
+    session.take(turn, sampled[:1], [0.0], None, False, 0)  # answered before the agent goes on
     session.plan_chat([CONVERSATION[0], {"role": "assistant", "content": "no call"}, CONVERSATION[0]], TOOLS)
     assert len(session.segments) == 2 and session.counts["rewritten"] == 1
 
@@ -389,3 +401,163 @@ def test_the_agent_job_samples_on_vllm(folder):
     (row,) = _rows(folder, "calc_vllm")
     assert row["agent/segments"] == 16 and row["agent/rewritten"] == 0 and row["agent/requests"] >= 24, row
     assert row["rollout/log_prob_diff"] < 1e-3, row  # vLLM's float32 CPU kernels against the trainer's
+
+
+# Issue 77 (6, 7): every kind of bad field a client can send, and the param OpenAI's 400 names (None: the body)
+BAD_REQUESTS = [
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "top_p": []}, "top_p"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "stop": [7]}, "stop"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}, "seed"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, "logprobs"),
+    ("chat", {"messages": [{"role": "assistant", "content": "", "tool_calls": [5]}]}, "messages"),
+    ("chat", {"messages": [{"role": "assistant", "content": "", "tool_calls": {"a": 1}}]}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("chat", {"messages": "hi"}, "messages"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": "add"}, "tools"),
+    ("chat", {"messages": [{"role": "user", "content": "\ud800"}]}, None),
+    ("text", {"prompt": [10 ** 9]}, "prompt"),
+    ("text", {"prompt": [-1]}, "prompt"),
+    ("text", {"prompt": [1, "a"]}, "prompt"),
+    ("text", {"prompt": "\ud800"}, None),
+    ("text", [1, 2], None),
+]
+ROUTES = {"chat": "chat/completions", "text": "completions"}
+
+
+class _Serving:
+    """An endpoint on a model folder answered by the real rollout engine, as ``syncwise serve`` and an agent job
+    answer it, in a thread: each engine call waits until ``batch`` requests are queued (no timing decides what is
+    sampled together). ``sessions``: the session of each ``/s/<id>`` base URL."""
+
+    def __init__(self, model: Path, batch: int = 1, stateless: bool = False):
+        from syncwise.config import load_job_config
+        from syncwise.rl.rollout.endpoint import Endpoint
+        from syncwise.rl.rollout.serving import TurnServer
+        from syncwise.rl.serve import load_served
+
+        config, _ = load_job_config("serve", None, [f"model.path={model}", "rl.max_new_tokens=32"])
+        self.served = load_served(config)
+        self.endpoint = Endpoint("m", stateless=stateless)
+        self.server = TurnServer(self.endpoint, self.served.engine, self.served.tokenizer,
+                                 {"temperature": 1.0, "top_p": 1.0})
+        self.batch, self.sessions, self.batches = batch, {}, []
+
+    def open(self) -> str:
+        sid = self.endpoint.open_session()
+        self.sessions[sid] = self.served.session()
+        return self.endpoint.base_url(sid)
+
+    def __enter__(self):
+        import threading
+
+        self.endpoint.start()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        calls = 0
+        while not self.stop.is_set():
+            if self.endpoint.requests.qsize() < self.batch:
+                self.stop.wait(0.005)
+                continue
+            batch = [self.endpoint.requests.get() for _ in range(self.batch)]
+            self.batches.append(len(batch))
+            self.server.answer(batch, lambda sid: self.sessions.get(sid) or self.served.session(), 0, 1000 * calls)
+            calls += 1
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(30)
+        self.endpoint.close()
+
+    def post(self, url: str, kind: str, body, **extra) -> tuple[int, dict]:
+        import httpx
+
+        response = httpx.post(f"{url}/{ROUTES[kind]}", content=json.dumps(body),  # ASCII JSON: a lone surrogate too
+                              headers={"Authorization": f"Bearer {self.endpoint.key}",
+                                       "Content-Type": "application/json"}, timeout=120, **extra)
+        return response.status_code, response.json()
+
+    def side_by_side(self, requests: list[tuple[str, str, dict]]) -> list[tuple[int, dict]]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(requests)) as pool:
+            return list(pool.map(lambda r: self.post(*r), requests))
+
+
+def test_requests_of_one_session_sent_side_by_side_each_train_their_own_tokens(folder):
+    """Issue 77 (1): two requests of one session in one engine call -- the first opened segment 0, the second
+    segment 1, then both answers went to segment 1 (segment 0 trained nothing, segment 1 another context's
+    tokens). Each segment now trains exactly its own request's sampled ids, chat and completions alike; a later
+    request extends the conversation it continues."""
+    with _Serving(folder / "qwen2-tools", batch=2) as serving:
+        url = serving.open()
+        session = serving.sessions[url.split("/s/")[1].split("/")[0]]
+        first = [{"role": "user", "content": "What is 12 + 7?"}]
+        second = [{"role": "user", "content": "What is 3 + 4?"}]
+        answers = serving.side_by_side([(url, "chat", {"messages": m, "max_tokens": 6, "return_token_ids": True})
+                                        for m in (first, second)])
+        assert [status for status, _ in answers] == [200, 200] and serving.batches == [2], answers
+        prompts = [a["prompt_token_ids"] for _, a in answers]
+        sampled = [a["choices"][0]["token_ids"] for _, a in answers]
+        assert len(session.segments) == 2 and session.counts["concurrent"] == 1
+        by_prompt = {tuple(s.trajectory.prompt): s.trajectory for s in session.segments}
+        for prompt, tokens in zip(prompts, sampled, strict=True):
+            trajectory = by_prompt[tuple(prompt)]
+            assert trajectory.tokens == tokens and trajectory.sampled == [1] * len(tokens)
+        # completions: the same, by token ids
+        texts = serving.side_by_side([(url, "text", {"prompt": p, "max_tokens": 5, "return_token_ids": True})
+                                      for p in ([5, 6, 7], [8, 9])])
+        assert len(session.segments) == 4
+        for (_, answer), segment in zip(texts, sorted(session.segments[2:], key=lambda s: -len(s.trajectory.prompt)),
+                                        strict=True):
+            assert segment.trajectory.tokens == answer["choices"][0]["token_ids"]
+        # the first conversation goes on in its own segment (not the newest), the second stays as it was
+        serving.batch = 1
+        opened = dict(session.counts)
+        reply = answers[0][1]["choices"][0]["message"]
+        status, _ = serving.post(url, "chat", {"messages": [*first, {"role": "assistant", "content": reply["content"]},
+                                                            {"role": "user", "content": "And 1 + 1?"}],
+                                               "max_tokens": 4})
+        assert status == 200 and len(session.segments) == 4
+        assert all(session.counts[k] == opened[k] for k in ("rewritten", "concurrent"))
+        extended = by_prompt[tuple(prompts[0])]
+        assert extended.tokens[:len(sampled[0])] == sampled[0] and len(extended.tokens) > len(sampled[0])
+        assert by_prompt[tuple(prompts[1])].tokens == sampled[1]
+
+
+def test_every_bad_field_is_a_400_naming_it_and_the_server_answers_the_next(folder):
+    """Issue 77 (6, 7): a malformed field (temperature "hot", stop 5, a tool call that is no object), token ids
+    outside the vocabulary or a lone surrogate raised in the sampling thread, ending `syncwise serve` or the rank.
+    Each is OpenAI's 400 naming the field, sent beside a good request of another session, which is answered."""
+    with _Serving(folder / "qwen2-tools", batch=1) as serving:
+        good, bad = serving.open(), serving.open()
+        for kind, body, param in BAD_REQUESTS:
+            [(status, answer), (ok, _)] = serving.side_by_side([
+                (bad, kind, body), (good, "chat", {"messages": CONVERSATION[:1], "max_tokens": 2})])
+            assert (status, answer["error"]["param"], ok) == (400, param, 200), (kind, body, answer)
+            assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+        assert serving.thread.is_alive()
+
+
+def test_a_request_near_the_context_is_sampled_within_its_own_room(tmp_path):
+    """Issue 77 (8): a batch was sampled for its largest room, so a prompt that nearly filled GPT-2's 64 learned
+    positions, beside a short one, was sampled past them (IndexError: the server died). Each request gets its own
+    room: the long one ends at the context (finish_reason length), the short one has its tokens."""
+    from user_models import save_model_dir
+
+    model = save_model_dir(tmp_path, "gpt2", positions=64)
+    with _Serving(model, batch=2, stateless=True) as serving:
+        url = serving.endpoint.base_url()
+        [(long_status, long), (short_status, short)] = serving.side_by_side([
+            (url, "text", {"prompt": list(range(5, 65)), "max_tokens": 30, "return_token_ids": True}),
+            (url, "text", {"prompt": [5, 6], "max_tokens": 30, "return_token_ids": True})])
+        assert (long_status, short_status) == (200, 200) and serving.batches == [2], (long, short)
+        assert len(long["choices"][0]["token_ids"]) <= 4
+        assert 1 <= len(short["choices"][0]["token_ids"]) <= 30
+        assert serving.thread.is_alive()

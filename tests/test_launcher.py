@@ -168,3 +168,54 @@ def test_ranks_forked_from_one_server_see_the_launcher_as_it_is_at_their_start(m
         seen[value] = run_distributed(_what_the_rank_sees, 2, "SYNCWISE_TEST_VALUE")
         assert [rank[:3] for rank in seen[value]] == [(value, str(tmp_path / value), threads)] * 2
     assert len({rank[3] for ranks in seen.values() for rank in ranks}) == 1  # one server forked all four
+
+
+# A torchrun job's rank: its run id, a message signed there recorded, or a recorded one replayed into its store
+TORCHRUN_RANK = """
+import os, sys
+from pathlib import Path
+import torch.distributed as dist
+from syncwise.runtime.distributed import init_distributed
+from syncwise.runtime.job_store import ForgedMessage, SignedStore, job_secret, run_id
+
+folder, mode = Path(sys.argv[1]), sys.argv[2]
+info = init_distributed("gloo")
+(folder / f"{mode}.rank{info.rank}").write_text(run_id())
+store = dist.HashStore()
+if mode == "record" and info.rank == 0:
+    SignedStore(store, job_secret()).set("batch/1/0", b"scored batch")
+    (folder / "recorded").write_bytes(store.get("batch/1/0"))
+if mode == "replay" and info.rank == 0:
+    store.set("batch/1/0", (folder / "recorded").read_bytes())
+    try:
+        SignedStore(store, job_secret()).get("batch/1/0")
+        (folder / "replayed").write_text("accepted")
+    except ForgedMessage:
+        (folder / "replayed").write_text("refused")
+dist.destroy_process_group()
+"""
+
+
+def test_two_torchrun_jobs_with_one_secret_do_not_accept_each_other_s_messages(tmp_path):
+    """Issue 77 (3): signatures covered torchrun's rendezvous id, whose default is the string 'none' in every
+    job, so two torchrun jobs launched with one secret (as torchrun's docs show them, no --rdzv-id) accepted each
+    other's recorded messages. Every rank now adds a random nonce at the start: each run's id is its own, its
+    ranks agree on it, and a message recorded from the first run does not verify in the second."""
+    (tmp_path / "rank.py").write_text(TORCHRUN_RANK)
+    env = {**os.environ, "SYNCWISE_JOB_SECRET": "one secret in the launch script", "OMP_NUM_THREADS": "1"}
+    env.pop("SYNCWISE_RUN_ID", None)
+    for mode in ("record", "replay"):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--master-port", str(_free_port()), str(tmp_path / "rank.py"), str(tmp_path), mode],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, failed(proc.stderr, 2000)
+    ids = {mode: {(tmp_path / f"{mode}.rank{r}").read_text() for r in range(2)} for mode in ("record", "replay")}
+    assert len(ids["record"]) == len(ids["replay"]) == 1 and ids["record"] != ids["replay"], ids
+    assert "none" not in ids["record"] | ids["replay"]
+    assert (tmp_path / "replayed").read_text() == "refused"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -13,7 +13,8 @@ template, another conversation) opens a new segment, trained as its own sequence
 
 Requests of one session may be sent side by side: each planned turn names its own segment (:class:`Turn`), and its
 answer goes there. A segment whose turn is still being sampled (``awaiting``) is extended by nothing -- its next
-tokens are not known yet -- so a request sent beside it opens a segment of its own (counted ``concurrent``)."""
+tokens are not known yet -- so a request sent beside it opens a segment of its own (counted ``concurrent``); a
+later request extends whichever segment its messages continue, the newest first."""
 
 from __future__ import annotations
 
@@ -116,9 +117,9 @@ class Session:
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages: a non-empty list of messages is required", "messages")
         rendered = [template_message(m) for m in messages]
-        segment = self.current
-        if segment is not None and not segment.awaiting and segment.messages is not None \
-                and self._extends(segment, rendered, tools):
+        for segment in self._open_segments(chat=True):
+            if not self._extends(segment, rendered, tools):
+                continue
             between = self._between(segment, rendered, tools)
             if between is not None:
                 segment.trajectory.add(between, sampled=False)
@@ -132,8 +133,7 @@ class Session:
     def plan_text(self, prompt: list[int]) -> Turn:
         """``/v1/completions``: the current segment extended where ``prompt`` begins with its tokens, else a new
         segment."""
-        segment = self.current
-        if segment is not None and not segment.awaiting and segment.messages is None:
+        for segment in self._open_segments(chat=False):
             so_far = segment.trajectory.prompt + segment.trajectory.tokens
             if len(prompt) >= len(so_far) and prompt[:len(so_far)] == so_far:
                 inserted = prompt[len(so_far):]
@@ -179,11 +179,15 @@ class Session:
             segment.trajectory.text += text
         return parsed
 
+    def _open_segments(self, chat: bool) -> list[Segment]:
+        """The segments a request may extend, newest first: of its kind, none being sampled (two conversations of
+        one session sent side by side each go on in their own segment)."""
+        return [s for s in reversed(self.segments) if not s.awaiting and (s.messages is not None) == chat]
+
     def _open(self, segment: Segment) -> Turn:
         """A new segment for a request that extends none: counted as a rewrite of the history, or as sent beside
         a request still being answered."""
-        current = self.current
-        if current is not None:
+        if self.segments:
             self.counts["concurrent" if any(s.awaiting for s in self.segments) else "rewritten"] += 1
         self.segments.append(segment)
         return self._turn(segment)
