@@ -130,3 +130,46 @@ def test_sft_logs_through_the_same_loggers_and_a_resume_continues_them(tmp_path)
     _syncwise(tmp_path, *job, "sft.steps=2", "sft.checkpoint_every=2")
     _syncwise(tmp_path, *job, "sft.steps=3", "sft.resume=auto")
     _check_runs(tmp_path, out, "loss", 3, out / "checkpoints" / "step_000003")
+
+
+# What a byte-level tokenizer can sample: a window title, a screen clear, an OSC 52 clipboard write, a carriage
+# return that overwrites the line, a C1 CSI, a right-to-left override
+HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x1b]52;c;ZXZpbA==\x07 wrong\rfake: all good \x9b31m\u202eevil"
+
+
+def test_syncwise_show_and_tensorboard_show_a_completion_s_control_characters_escaped(tmp_path):
+    """Issue 77 (5): completions are policy output, and `syncwise show` printed them raw to the terminal. Every
+    control character but newline and tab is shown escaped, there and in TensorBoard's text."""
+    from cli_harness import run_cli
+    from syncwise.completions import write_table
+    from syncwise.trackers import TensorBoardTracker
+
+    rows = [{"prompt": "say hi\n", "completion": HOSTILE + "\n\tindented", "reward": 1.0},
+            {"prompt": "p", "completion": "plain", "reward": 0.0}]
+    frame = write_table(rows, tmp_path, 1)
+    shown = run_cli(["show", str(tmp_path)])
+    assert shown.returncode == 0, shown.stderr
+    assert not any(c in shown.stdout for c in "\x1b\x07\r\x9b\u202e"), repr(shown.stdout)
+    assert ("\\x1b]0;pwned\\x07\\x1b[2J\\x1b]52;c;ZXZpbA==\\x07 wrong\\rfake: all good \\x9b31m\\u202eevil\n"
+            "\tindented") in shown.stdout
+    tracker = TensorBoardTracker(tmp_path, {}, None, fresh=True)
+    tracker.log_table(frame, 1)
+    tracker.close()
+    [text] = _tensorboard_texts(tmp_path / "tensorboard")
+    assert "fake: all good" in text and not any(c in text for c in "\x1b\x07\r\x9b\u202e"), repr(text)
+    assert "\\x1b]0;pwned" in text
+
+
+def _tensorboard_texts(folder: Path) -> list[str]:
+    """The text summaries in an event folder, read as TensorBoard reads them (TFRecord frames of Event protos)."""
+    from tensorboardX.proto import event_pb2
+
+    texts = []
+    for path in folder.glob("events.out.tfevents.*"):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            texts += [s.decode() for v in event.summary.value for s in v.tensor.string_val]
+    return texts

@@ -274,3 +274,65 @@ def test_samples_no_function_scored_are_counted():
     nan = float("nan")
     parts = {"a": torch.tensor([nan, 1.0, nan]), "b": torch.tensor([nan, nan, 2.0])}
     assert _all_none(parts) == 1.0 and _all_none({}) == 0.0
+
+
+def test_async_reward_functions_are_awaited_side_by_side_as_trl_awaits_them():
+    """Issue 77 (9): TRL awaits `async def` reward functions, all of a batch side by side; they passed the check
+    and then failed at the first scoring ('coroutine' object is not iterable). Two async TRL functions that each
+    wait for the other to have started -- finished only if they run side by side, whatever the timing -- an async
+    per-sample function, and a sync one between them, called in this thread."""
+    import asyncio
+    import threading
+
+    started: dict[str, asyncio.Event] = {}
+
+    async def waits_for(other: str, name: str, completions) -> list[float]:
+        started.setdefault(name, asyncio.Event()).set()
+        await started.setdefault(other, asyncio.Event()).wait()
+        return [float(len(c)) for c in completions]
+
+    async def first(completions, **kwargs):
+        return await waits_for("second", "first", completions)
+
+    async def second(completions, **kwargs):
+        return [-v for v in await waits_for("first", "second", completions)]
+
+    async def each(prompt, response, row):
+        await asyncio.sleep(0)
+        return 1.0 if response == "ab" else None
+
+    caller = []
+
+    def sync(completions, **kwargs):
+        caller.append(threading.current_thread())
+        return [0.5] * len(completions)
+
+    functions = [RewardFunction("first", "rl.reward_fn", first), RewardFunction("sync", "rl.reward_fn", sync),
+                 RewardFunction("second", "rl.reward_fn", second, 2.0), RewardFunction("each", "rl.reward_fn", each)]
+    for _ in range(2):  # the job's loop is kept: a second batch is awaited on it too
+        started.clear()
+        totals, parts = score(functions, ["q"] * 3, ["a", "ab", "abc"], [{"prompt": "q"}] * 3,
+                              state=RewardState(1, 10))
+        assert parts["first"] == [1.0, 2.0, 3.0] and parts["second"] == [-1.0, -2.0, -3.0]
+        assert parts["each"][1] == 1.0 and math.isnan(parts["each"][0]) and caller[-1] is threading.main_thread()
+        assert totals == [1.0 - 2.0 + 0.5, 2.0 - 4.0 + 0.5 + 1.0, 3.0 - 6.0 + 0.5]
+
+
+def test_an_async_reward_that_raises_and_a_trl_reward_that_returns_a_string_are_one_line():
+    """Issue 77 (9, 10): an awaited function's exception names it as a called one's does; a TRL function that
+    returns a string was read character by character (one reward a character): refused, naming it."""
+    async def broken(completions, **kwargs):
+        raise KeyError("answer")
+
+    async def each(prompt, response, row):
+        raise ValueError("no")
+
+    def text(completions, **kwargs):
+        return "1.0"
+
+    with pytest.raises(ValueError, match=r"^rl.reward_fn: broken raised KeyError: 'answer'$"):
+        score([RewardFunction("broken", "rl.reward_fn", broken)], ["q"], ["a"], [{"prompt": "q"}])
+    with pytest.raises(ValueError, match=r"^rl.reward_fn: raised ValueError: no \(prompt 'q', response 'a'\)$"):
+        score([RewardFunction("each", "rl.reward_fn", each)], ["q"], ["a"], [{"prompt": "q"}])
+    with pytest.raises(ValueError, match=r"^rl.reward_fn: text: returned '1.0', not a list of rewards \(one number "):
+        score([RewardFunction("text", "rl.reward_fn", text)], ["q"] * 3, ["a", "b", "c"], [{"prompt": "q"}] * 3)

@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .runtime.terminal import escape_controls
+
 FOLDER = "completions"
 # what the view prints above each sample's prompt and completion, where the table has it
 SHOWN = ("reward", "advantage", "length", "finish_reason", "turns", "tool_calls", "tool_errors", "policy_version",
@@ -73,7 +75,7 @@ def view(run: str | Path, step: int | None = None, best: int = 2, worst: int = 2
         facts = [f"{key} {_fmt(row[key])}" for key in (*SHOWN[:1], *parts, *SHOWN[1:]) if key in frame.columns]
         out += ["", f"--- {label} of {len(frame)}: " + ", ".join(facts), "[prompt]", str(row["prompt"]),
                 "[completion]", str(row["completion"])]
-    return "\n".join(out)
+    return escape_controls("\n".join(out))  # policy output: it may hold ESC, CR, OSC sequences
 
 
 def _fmt(value: Any) -> str:

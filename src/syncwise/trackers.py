@@ -19,6 +19,7 @@ from typing import Any
 
 from .config.loading import flat_keys
 from .metrics import set_aside
+from .runtime.terminal import escape_controls
 
 PROJECT = "syncwise"
 
@@ -66,8 +67,8 @@ class TensorBoardTracker(Tracker):
         self._writer.flush()
 
     def log_table(self, frame: Any, step: int) -> None:
-        self._writer.add_text("completions", frame.to_markdown(index=False) if _has_tabulate() else
-                              frame.to_string(index=False), step)
+        text = frame.to_markdown(index=False) if _has_tabulate() else frame.to_string(index=False)
+        self._writer.add_text("completions", escape_controls(text), step)  # policy output, shown as text
         self._writer.flush()
 
     def close(self) -> None:

@@ -69,11 +69,10 @@ def _main(argv: list[str] | None) -> int:
     args, extra = parser.parse_known_args(argv)
     # argparse takes a positional list in one run: keys after an option (`serve model.path=DIR --port 8000
     # rl.temperature=0.7`) come back unparsed, and go to the command's keys; anything else is argparse's error
-    keys = [a for a in extra if "=" in a and not a.startswith("-")]
-    if len(keys) < len(extra) or not hasattr(args, "args"):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if keys:
-        args.args = [*args.args, *keys]
+    if extra:
+        if not hasattr(args, "args") or not all("=" in a and not a.startswith("-") for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.args = [*args.args, *extra]
     if args.debug:
         os.environ[DEBUG_ENV] = "1"  # the ranks inherit it
     if args.command == "plan":

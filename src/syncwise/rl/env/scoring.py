@@ -28,13 +28,15 @@ rights.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .loader import load_function
+from .threads import OwnThread
 
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "environments", "log_extra",
                  "log_metric")
@@ -177,22 +179,35 @@ def score(functions: list[RewardFunction], prompts: list[Any], responses: list[A
     ``environments``: each sample's instance of the user's class, or its episode, for the functions that ask for
     it -- a TRL function gets them with ``trl_environments``). A function that raises, returns the wrong number
     of rewards or a non-finite one is a ValueError naming it (and, per sample, the prompt); ``logs``: where TRL's
-    ``log_extra`` / ``log_metric`` write."""
-    parts: dict[str, list[float]] = {}
+    ``log_extra`` / ``log_metric`` write. An ``async def`` function is awaited, every async call of the batch side
+    by side on one event loop kept for the job (TRL's: a client an async function keeps stays usable), the others
+    called in this thread, in order."""
     logs = logs if logs is not None else RewardLogs()
     logs.size = len(responses)
     envs = environments if environments is not None else [None] * len(responses)
+    returned: dict[str, Any] = {}  # each function's value (per-sample: a list of them), coroutines not yet awaited
     for reward in functions:
         wants = reward.parameters
         if reward.trl:
-            parts[reward.name] = _trl(reward, prompts, responses, rows, completion_ids, state,
-                                      environments if trl_environments else None, logs)
+            returned[reward.name] = _call(reward, None, reward.fn, **_trl_arguments(
+                reward, prompts, responses, rows, completion_ids, state,
+                environments if trl_environments else None, logs))
         elif reward.batched:
             extra = {"environments": environments} if "environments" in wants and environments else {}
-            parts[reward.name] = _batched(reward, prompts, responses, rows, extra)
+            returned[reward.name] = _call(reward, None, reward.fn, prompts, responses, rows, **extra)
         else:
-            parts[reward.name] = [_one(reward, p, r, row, {"env": env} if "env" in wants and env is not None else {})
-                                  for p, r, row, env in zip(prompts, responses, rows, envs, strict=True)]
+            returned[reward.name] = [
+                _call(reward, (p, r), reward.fn, p, r, row, **({"env": env} if "env" in wants and env is not None
+                                                               else {}))
+                for p, r, row, env in zip(prompts, responses, rows, envs, strict=True)]
+    returned = _awaited(returned, functions, prompts, responses)
+    parts: dict[str, list[float]] = {}
+    for reward in functions:
+        if reward.trl or reward.batched:
+            parts[reward.name] = _rewards(reward, returned[reward.name], len(responses))
+        else:
+            parts[reward.name] = [_number(reward.label, value, lambda p=p, r=r: f" (prompt {p!r}, response {r!r})")
+                                  for value, p, r in zip(returned[reward.name], prompts, responses, strict=True)]
     totals = [sum(r.weight * parts[r.name][i] for r in functions if not math.isnan(parts[r.name][i]))
               for i in range(len(responses))]
     return totals, parts
@@ -217,11 +232,11 @@ def score_samples(functions: list[RewardFunction], rows: list[dict[str, Any]], r
     return totals, parts
 
 
-def _trl(reward: RewardFunction, prompts: list[Any], responses: list[Any], rows: list[dict[str, Any]],
-         completion_ids: list[list[int]] | None, state: RewardState | None, environments: list[Any] | None,
-         logs: RewardLogs) -> list[float]:
-    """A TRL reward function called as TRL's ``_calculate_rewards`` calls it (what it cannot take left out where
-    it has no ``**kwargs``)."""
+def _trl_arguments(reward: RewardFunction, prompts: list[Any], responses: list[Any], rows: list[dict[str, Any]],
+                   completion_ids: list[list[int]] | None, state: RewardState | None,
+                   environments: list[Any] | None, logs: RewardLogs) -> dict[str, Any]:
+    """A TRL reward function's keywords as TRL's ``_calculate_rewards`` gives them (what it cannot take left out
+    where it has no ``**kwargs``)."""
     completions = [[{"role": "assistant", "content": r}] if isinstance(p, list) and isinstance(r, str) else r
                    for p, r in zip(prompts, responses, strict=True)]
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"} if rows else {}
@@ -232,14 +247,71 @@ def _trl(reward: RewardFunction, prompts: list[Any], responses: list[Any], rows:
         given["environments"] = environments
     if not reward.any_keyword:
         given = {k: v for k, v in given.items() if k in reward.parameters}
+    return given
+
+
+def _raised(reward: RewardFunction, exc: BaseException, sample: tuple[Any, Any] | None) -> ValueError:
+    """What a function that raised (called, or awaited) is said as: per sample, with its prompt and response."""
+    if reward.trl:
+        return ValueError(f"{reward.label}: {reward.name} raised {type(exc).__name__}: {exc}")
+    if reward.batched:
+        return ValueError(f"{reward.label} (batched): raised {type(exc).__name__}: {exc}")
+    prompt, response = sample
+    return ValueError(f"{reward.label}: raised {type(exc).__name__}: {exc} (prompt {prompt!r}, response "
+                      f"{response!r})")
+
+
+def _call(reward: RewardFunction, sample: tuple[Any, Any] | None, fn: Callable[..., Any], *args: Any,
+          **kwargs: Any) -> Any:
     try:
-        values = list(reward.fn(**given))
+        return fn(*args, **kwargs)
     except Exception as exc:  # user code: any exception
-        raise ValueError(f"{reward.label}: {reward.name} raised {type(exc).__name__}: {exc}") from exc
-    if len(values) != len(responses):
-        raise ValueError(f"{reward.label}: {reward.name} returned {len(values)} rewards for {len(responses)} "
-                         "completions")
-    return [_number(f"{reward.label}: {reward.name}", v) for v in values]
+        raise _raised(reward, exc, sample) from exc
+
+
+_ASYNC_REWARDS = OwnThread("syncwise-async-rewards")  # one event loop for the job's async reward functions
+
+
+async def _gather(awaitables: list[Any]) -> list[Any]:
+    return await asyncio.gather(*awaitables, return_exceptions=True)
+
+
+def _awaited(returned: dict[str, Any], functions: list[RewardFunction], prompts: list[Any],
+             responses: list[Any]) -> dict[str, Any]:
+    """``returned`` with every coroutine in it awaited, all side by side; the first that raised is its ValueError."""
+    places = []  # (name, sample index or None)
+    for reward in functions:
+        value = returned[reward.name]
+        if reward.trl or reward.batched:
+            places += [(reward, None)] if inspect.isawaitable(value) else []
+        else:
+            places += [(reward, i) for i, v in enumerate(value) if inspect.isawaitable(v)]
+    if not places:
+        return returned
+    awaitables = [returned[r.name] if i is None else returned[r.name][i] for r, i in places]
+    values = _ASYNC_REWARDS.call(_gather, awaitables)
+    out = {name: list(value) if isinstance(value, list) else value for name, value in returned.items()}
+    for (reward, i), value in zip(places, values, strict=True):
+        if isinstance(value, BaseException):
+            raise _raised(reward, value, None if i is None else (prompts[i], responses[i])) from value
+        if i is None:
+            out[reward.name] = value
+        else:
+            out[reward.name][i] = value
+    return out
+
+
+def _rewards(reward: RewardFunction, values: Any, completions: int) -> list[float]:
+    """A TRL or batched function's list of rewards, checked: a list (not a string, which would be read character
+    by character), one reward per completion, each a finite number or None."""
+    who, each = (f"{reward.label}: {reward.name}", "completion") if reward.trl else (f"{reward.label} (batched)",
+                                                                                  "response")
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise ValueError(f"{who}: returned {values!r}, not a list of rewards (one number or None per {each})")
+    values = list(values)
+    if len(values) != completions:
+        raise ValueError(f"{who}: returned {len(values)} rewards for {completions} {each}s")
+    return [_number(who, v) for v in values]
 
 
 def checked_reward(value: Any, returned: str, none: str, where: str | Callable[[], str] = "") -> float | None:
@@ -267,24 +339,3 @@ def _number(who: str, value: Any, where: str | Callable[[], str] = "") -> float:
     (``who`` returned it; ``where``: for which sample)."""
     number = checked_reward(value, f"{who}: returned", "None: no reward from it for that sample", where)
     return math.nan if number is None else number
-
-
-def _one(reward: RewardFunction, prompt: Any, response: str, row: dict[str, Any], extra: dict[str, Any]) -> float:
-    try:
-        value = reward.fn(prompt, response, row, **extra)
-    except Exception as exc:  # user code: any exception
-        raise ValueError(f"{reward.label}: raised {type(exc).__name__}: {exc} (prompt {prompt!r}, "
-                         f"response {response!r})") from exc
-    return _number(reward.label, value, lambda: f" (prompt {prompt!r}, response {response!r})")
-
-
-def _batched(reward: RewardFunction, prompts: list[Any], responses: list[str], rows: list[dict[str, Any]],
-             extra: dict[str, Any]) -> list:
-    try:
-        values = list(reward.fn(prompts, responses, rows, **extra))
-    except Exception as exc:  # user code: any exception
-        raise ValueError(f"{reward.label} (batched): raised {type(exc).__name__}: {exc}") from exc
-    if len(values) != len(responses):
-        raise ValueError(f"{reward.label} (batched): returned {len(values)} rewards for "
-                         f"{len(responses)} responses")
-    return [_number(f"{reward.label} (batched)", v) for v in values]
