@@ -561,3 +561,26 @@ def test_a_request_near_the_context_is_sampled_within_its_own_room(tmp_path):
         assert len(long["choices"][0]["token_ids"]) <= 4
         assert 1 <= len(short["choices"][0]["token_ids"]) <= 30
         assert serving.thread.is_alive()
+
+
+def test_serve_takes_keys_after_options_names_a_missing_folder_and_prints_the_url_it_listens_on(tmp_path):
+    """Issue 77 (10): `serve model.path=DIR --port 8000 rl.temperature=0.7` failed with 'unrecognized arguments'; a
+    missing model.path was answered with a hub repo-id error; `--host 0.0.0.0` printed a 127.0.0.1 URL."""
+    import socket
+
+    from cli_harness import run_cli
+    from syncwise.rl.rollout.endpoint import Endpoint
+
+    missing = tmp_path / "no-model"
+    proc = run_cli(["serve", f"model.path={missing}", "--port", "0", "rl.temperature=0.7"])
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"syncwise: config error: model.path: no such folder: {missing} (syncwise serve takes a model folder: a "
+        "job's export, or save_pretrained's)"), proc.stderr
+    wrong = run_cli(["serve", f"model.path={missing}", "--port", "0", "--nope"])
+    assert wrong.returncode == 2 and "unrecognized arguments: --nope" in wrong.stderr
+    endpoint = Endpoint("m")
+    endpoint.start("0.0.0.0", 0)
+    try:
+        assert endpoint.base_url() == f"http://{socket.gethostname()}:{endpoint.port}/v1"
+    finally:
+        endpoint.close()
