@@ -3,12 +3,13 @@
 Every error names the offending key (dotted, e.g. ``engine.strategy``) and, where there is a fixed set,
 the allowed values, so a typo fails before any process group is created. By concern: ``checks`` (the error
 and the checks), ``building`` (dicts into dataclasses), ``training`` (model, engine, sync, optim, dist),
-``rl`` (rl, rl.loss, critic), ``jobs`` (sft, train), ``rollout_engines`` (the table of rollout engines),
+``rl`` (rl, rl.loss, critic), ``jobs`` (sft, train), ``dpo``, ``rollout_engines`` (the table of rollout engines),
 ``root`` (:class:`Config`: the rules across sections), ``loading`` (YAML and overrides).
 """
 
 from .building import MOVED
 from .checks import ConfigError
+from .dpo import DPO_LOSSES, DPOConfig, RefModelConfig
 from .jobs import SFT_TASKS, SFT_TRUNCATION, SFTConfig, TrainConfig
 from .loading import PRESET_ONLY_KEYS, config_to_dict, load_config, load_config_dict, load_job_config, packaged_config
 from .rl import (
@@ -40,10 +41,10 @@ from .training import (
 )
 
 __all__ = [
-    "AGG_MODES", "BACKENDS", "CRITIC_SECTIONS", "DTYPES", "KL_ESTIMATORS", "MOVED", "OFF_POLICY_LOSSES",
+    "AGG_MODES", "BACKENDS", "CRITIC_SECTIONS", "DPO_LOSSES", "DTYPES", "KL_ESTIMATORS", "MOVED", "OFF_POLICY_LOSSES",
     "OPTIMIZERS", "POLICY_LOSSES", "PRESET_ONLY_KEYS", "ROLLOUT_ENGINES", "ROLLOUT_IS_LEVELS", "SFT_TASKS",
     "SFT_TRUNCATION", "SHARDED_STRATEGIES", "STRATEGIES", "VLLM_SLEEP_LEVELS", "Config", "ConfigError",
-    "CriticConfig", "DistConfig", "EngineConfig", "LoraConfig", "ModelConfig", "OptimConfig", "PolicyLossConfig",
-    "RLConfig", "SFTConfig", "SyncConfig", "TrainConfig", "config_to_dict", "load_config", "load_config_dict",
-    "load_job_config", "packaged_config", "reward_paths",
+    "CriticConfig", "DPOConfig", "DistConfig", "EngineConfig", "LoraConfig", "ModelConfig", "OptimConfig",
+    "PolicyLossConfig", "RLConfig", "RefModelConfig", "SFTConfig", "SyncConfig", "TrainConfig", "config_to_dict",
+    "load_config", "load_config_dict", "load_job_config", "packaged_config", "reward_paths",
 ]

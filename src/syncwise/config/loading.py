@@ -11,6 +11,7 @@ import yaml
 
 from .building import build, deep_merge
 from .checks import ConfigError
+from .dpo import DPOConfig
 from .jobs import SFTConfig
 from .root import Config
 
@@ -93,8 +94,8 @@ def load_job_config(job: str, path: str | Path | None, overrides: list[str]) -> 
     given = overrides_dict(overrides)
     user_yaml = read_yaml(path) if path is not None else {}
     mine = deep_merge(user_yaml, given)
-    if job == "sft":
-        _refuse_train_keys(mine.get("train") or {})
+    if job in OWN_SECTIONS:
+        _refuse_train_keys(job, mine.get("train") or {})
     layers: list[tuple[str, dict[str, Any]]] = []
     if path is None and job in RECIPES and not (mine.get("model") or {}).get("path") \
             and not (mine.get("rl") or {}).get("dataset"):
@@ -112,13 +113,17 @@ def load_job_config(job: str, path: str | Path | None, overrides: list[str]) -> 
     return config, _differences(config, layers)
 
 
-def _refuse_train_keys(train: dict[str, Any]) -> None:
-    """``syncwise sft`` reads its run's keys from ``sft``: a ``train.`` key that ``sft`` also has (its logger, its
-    bar, its folder) would be read by no one -- a ConfigError naming the key to use."""
-    shadowed = [key for key in train if key in {f.name for f in dataclasses.fields(SFTConfig)}]
+# The jobs whose run's keys (logger, bar, folder, steps) are in a section of their own, not ``train``
+OWN_SECTIONS = {"sft": SFTConfig, "dpo": DPOConfig}
+
+
+def _refuse_train_keys(job: str, train: dict[str, Any]) -> None:
+    """``syncwise sft`` / ``dpo`` read their run's keys from their own section: a ``train.`` key that section also
+    has (its logger, its bar, its folder) would be read by no one -- a ConfigError naming the key to use."""
+    shadowed = [key for key in train if key in {f.name for f in dataclasses.fields(OWN_SECTIONS[job])}]
     if shadowed:
-        raise ConfigError(f"train.{shadowed[0]}: syncwise sft does not read the train section; set "
-                          f"sft.{shadowed[0]}")
+        raise ConfigError(f"train.{shadowed[0]}: syncwise {job} does not read the train section; set "
+                          f"{job}.{shadowed[0]}")
 
 
 def flat_keys(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ..sync.modes import unsupported_reason
 from .building import build, deep_merge
 from .checks import ConfigError
+from .dpo import DPOConfig
 from .jobs import SFTConfig, TrainConfig
 from .rl import CRITIC_SECTIONS, CriticConfig, RLConfig
 from .rollout_engines import ROLLOUT_ENGINES
@@ -23,6 +24,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -43,7 +45,7 @@ class Config:
     def validate(self) -> Config:
         """Every section by itself, then the rules across sections."""
         self._validate_training()
-        for section in (self.rl, self.critic, self.train, self.sft):
+        for section in (self.rl, self.critic, self.train, self.sft, self.dpo):
             section.validate()
         if self.rl.algorithm == "ppo":
             self.critic_config()

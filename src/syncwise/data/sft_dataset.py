@@ -119,12 +119,12 @@ def tokenize_dataset(rows, source: str, tokenizer, max_length: int, truncation: 
         return {"input_ids": cut.input_ids, "loss_mask": cut.loss_mask, "truncated": cut.truncated,
                 "dropped": cut.dropped, "error": ""}
 
-    fingerprint = _fingerprint(rows, fmt, mask_source, tokenizer, max_length, truncation)
+    fingerprint = tokenized_fingerprint(rows, fmt, mask_source, tokenizer, max_length, truncation)
     done = rows.map(encode, remove_columns=columns, new_fingerprint=fingerprint)
     errors = [i for i, e in enumerate(done["error"]) if e]
     if errors and on_bad_row == "error":
         first = errors[0]
-        raise DatasetError(f"{key}: {source} {_row_name(source, first)}: {done[first]['error']}"
+        raise DatasetError(f"{key}: {source} {row_name(source, first)}: {done[first]['error']}"
                            + (f" ({len(errors) - 1} more bad row(s); sft.on_bad_row=skip leaves them out)"
                               if len(errors) > 1 else " (sft.on_bad_row=skip leaves such rows out)"))
     keep = [i for i, (e, dropped) in enumerate(zip(done["error"], done["dropped"], strict=True))
@@ -228,7 +228,7 @@ def _tokens(row: dict[str, Any]) -> tuple[list[int], list[int]]:
     return list(ids), [int(m) for m in mask]
 
 
-def _fingerprint(rows, fmt: str, mask_source: str | None, tokenizer, max_length: int, truncation: str) -> str:
+def tokenized_fingerprint(rows, fmt: str, mask_source: str | None, tokenizer, max_length: int, truncation: str) -> str:
     """The cache key of the tokenised dataset: the rows', the tokenizer's (vocabulary, template, special
     tokens) and the settings'."""
     digest = hashlib.sha256()
@@ -244,7 +244,7 @@ def _fingerprint(rows, fmt: str, mask_source: str | None, tokenizer, max_length:
     return digest.hexdigest()[:32]
 
 
-def _row_name(source: str, index: int) -> str:
+def row_name(source: str, index: int) -> str:
     """``line N`` of a JSONL file (blank lines skipped as the reader skips them), else ``row N`` (from 1)."""
     path = Path(source)
     if path.suffix in (".jsonl", ".json") and path.is_file():

@@ -41,8 +41,8 @@ def _run_job(worker_path: str, args: argparse.Namespace, job: str) -> int:
         if os.environ.get("RANK", "0") == "0" and differences:
             print(f"syncwise {job}: beside the defaults: {'; '.join(differences)}", flush=True)
         payload = config_to_dict(config)
-        key = "sft.out_dir" if job == "sft" else "train.out_dir"
-        folder = config.sft.out_dir if job == "sft" else config.train.out_dir
+        section = job if job in ("sft", "dpo") else "train"
+        key, folder = f"{section}.out_dir", getattr(config, section).out_dir
         # one job a run folder, held by the launcher (under torchrun: rank 0) until it exits
         with RunFolderLock(folder, key) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext():
             return launch(Worker(worker_path), config.dist.nproc, payload,
@@ -79,6 +79,8 @@ def _main(argv: list[str] | None) -> int:
         return _run_plan(args)
     if args.command == "train":
         return _run_job("syncwise.rl.job:train_worker", args, "train")
+    if args.command == "dpo":
+        return _run_job("syncwise.jobs.dpo:dpo_worker", args, "dpo")
     if args.command == "sft":
         if args.write_example_data:
             return _write_example_data(args.write_example_data, args.task)
@@ -114,9 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --write-example-data: arith_chat (word problems), arith_tools (the calculator, "
                           "and the same problems without it), arith_python (the python tool) or guess_number "
                           "(games of the built-in environment syncwise.environments:GuessNumber)")
+    dpo = sub.add_parser("dpo", help="preference training (DPO, IPO, hinge, robust, SimPO) on TRL's preference data",
+                         epilog=keys_help)
+    dpo.add_argument("args", nargs="*", help="[config.yaml] model.path=DIR dpo.dataset=PAIRS [section.key=value ...]")
     config = sub.add_parser("config", help="the resolved config of a job as YAML, every key with its doc and default",
                             epilog=keys_help)
-    config.add_argument("job", choices=("train", "sft"), help="the job whose config: train or sft")
+    config.add_argument("job", choices=tuple(JOB_SECTIONS), help="the job whose config: train, sft or dpo")
     config.add_argument("args", nargs="*", help="[config.yaml] [section.key=value ...]")
     serve = sub.add_parser("serve", help="an OpenAI-compatible endpoint on a model folder (an export): evaluate "
                                          "it with the agent code that trained it", epilog=keys_help)
@@ -228,11 +233,12 @@ def _write_example_data(folder: str, task: str = "arith_chat") -> int:
 
 # The sections a job's config shows (the other job's own are left out)
 JOB_SECTIONS = {"train": ("model", "engine", "sync", "optim", "dist", "rl", "critic", "train"),
-                "sft": ("model", "engine", "sync", "optim", "dist", "sft")}
+                "sft": ("model", "engine", "sync", "optim", "dist", "sft"),
+                "dpo": ("model", "engine", "sync", "optim", "dist", "dpo")}
 
 
 def _print_config(args: argparse.Namespace) -> int:
-    """``syncwise config [train|sft] [config.yaml] [overrides]``: what the job would run with."""
+    """``syncwise config [train|sft|dpo] [config.yaml] [overrides]``: what the job would run with."""
     from ..config.reference import describe
 
     path, overrides = _split_args(args.args)

@@ -219,6 +219,36 @@ def check_sft(config: Config) -> None:
         raise PreflightError(str(exc)) from exc
 
 
+def check_dpo(config: Config) -> None:
+    """The tokenizer loads; every pair of the dataset (and the evaluation set) tokenises into something to train on,
+    or is skipped as asked; the reference model is a model folder; the checkpoint to resume exists."""
+    import os
+
+    from ..checkpoint import CheckpointError, CheckpointManager
+    from ..data.sft_dataset import DatasetError
+    from ..dpo.data import preference_inputs
+    from ..sft.data import load_sft_tokenizer
+
+    dpo = config.dpo
+    key, folder = ("dpo.tokenizer", dpo.tokenizer) if dpo.tokenizer else ("model.path", config.model.path)
+    if not folder or not any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise PreflightError(f"{key}: {folder or 'the model preset'} has no tokenizer (tokenizer.json or "
+                             "tokenizer_config.json); preference pairs are text, and need one")
+    ref = dpo.ref_model.path
+    if ref and not (Path(ref) / "config.json").is_file():
+        raise PreflightError(f"dpo.ref_model.path: {ref} is not a model folder (no config.json)")
+    try:
+        preference_inputs(config, load_sft_tokenizer(folder), int(os.environ.get("WORLD_SIZE", config.dist.nproc)))
+    except (DatasetError, ValueError) as exc:
+        raise PreflightError(str(exc)) from exc
+    except OSError as exc:  # transformers: a folder without a loadable tokenizer
+        raise PreflightError(f"{key}: cannot load a tokenizer from {folder}: {_first_line(exc)}") from exc
+    try:
+        CheckpointManager(Path(dpo.out_dir) / "checkpoints").resolve(dpo.resume)
+    except CheckpointError as exc:
+        raise PreflightError(str(exc)) from exc
+
+
 def check_torch(config: Config) -> None:
     """The installed torch has the FSDP2 syncwise was verified on."""
     from ..sync.fsdp_internals import UnsupportedTorchError, require_supported_torch
@@ -297,7 +327,7 @@ def critic_shortfall(config: Config, critic: Config) -> str | None:
 
 
 def preflight(config: Config, job: str) -> None:
-    """Everything about ``job`` (``train`` or ``sft``) that can be checked before ranks start."""
+    """Everything about ``job`` (``train``, ``sft`` or ``dpo``) that can be checked before ranks start."""
     check_torch(config)
     check_model(config)
     check_lora(config)
@@ -305,11 +335,11 @@ def preflight(config: Config, job: str) -> None:
     if job == "train":
         check_critic(config)
         check_rl(config)
-    elif job == "sft":
+    else:
         if config.dist.rollout_ranks:
             raise PreflightError(f"dist.rollout_ranks={config.dist.rollout_ranks} is for syncwise train's rollouts; "
-                                 f"syncwise sft samples nothing (every rank trains)")
-        check_sft(config)
+                                 f"syncwise {job} samples nothing (every rank trains)")
+        check_sft(config) if job == "sft" else check_dpo(config)
 
 
 def check_job(payload: dict, job: str) -> None:

@@ -1,0 +1,299 @@
+"""`syncwise dpo`: preference optimisation through the engine -- TRL's preference data and losses, a frozen
+reference (the initial policy, ``dpo.ref_model.path``, the base with LoRA's adapters off, or scored once before
+training), checkpoints that resume at the exact next pair, evaluation, and a Hugging Face export.
+
+One step: the next ``dpo.batch_size`` pairs of the order, split over the ranks by length (a pair whole on one rank),
+each pair's chosen and rejected rows side by side (packed together; their common prompt computed once where the
+model allows, ``engine.share_prefixes``). The pairs are scored by a forward-only pass of the policy (and the
+reference's log-probs), and each sequence's gradient coefficient trains through the engine's
+:data:`~syncwise.losses.preference.coefficient_loss` -- the loss's own gradient, however the micro-batches split
+the pairs (see :mod:`syncwise.losses.preference`). Logged as TRL names them: ``loss``, ``rewards/chosen``,
+``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import CheckpointManager
+from ..config import Config, config_to_dict
+from ..data.preference import PreferenceData, preference_batch
+from ..data.sft_dataset import SampleOrder, rank_share
+from ..engine import Engine
+from ..export import export_hf
+from ..job_logs import JobLogs, LogSettings
+from ..losses.preference import (
+    PairScores,
+    PreferenceSettings,
+    coefficient_loss,
+    pair_losses,
+    sequence_coefficients,
+    sequence_log_probs,
+)
+from ..metrics import format_step, job_history, plot_curves
+from ..models import build_model
+from ..models.lora import adapters_disabled
+from ..runtime.distributed import DistInfo
+from ..runtime.signals import stopped
+from ..sft.data import load_sft_tokenizer
+from .data import preference_inputs
+
+EVAL_CHUNK = 128  # held-out pairs per forward-only pass (over all ranks)
+CURVES = (("loss", "eval/loss"), ("rewards/accuracies", "eval/rewards/accuracies"),
+          ("rewards/margins", "eval/rewards/margins"))
+SCORES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+          "logps/rejected")
+
+
+class DPOTrainer:
+    """One rank's DPO job."""
+
+    def __init__(self, config: Config, info: DistInfo):
+        """Set-up: pairs and tokenizer, the policy's engine and the reference, checkpoints (resuming if asked)
+        and, on rank 0, the logs."""
+        self.config, self.info = config, info
+        dpo = config.dpo
+        self.out_dir = Path(dpo.out_dir)
+        torch.manual_seed(dpo.seed * 1000 + info.rank)
+        random.seed(dpo.seed * 1000 + info.rank)
+        self.tokenizer = load_sft_tokenizer(dpo.tokenizer or config.model.path)
+        self.data, self.eval_data, self.length_note = preference_inputs(config, self.tokenizer, info.world_size)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.settings = PreferenceSettings(tuple(dpo.losses), tuple(dpo.weights), dpo.beta, dpo.label_smoothing,
+                                           dpo.simpo_gamma)
+        self.order = SampleOrder(self.data.lengths, dpo.seed)
+        self.total_steps = dpo.steps or self.order.steps_for(dpo.epochs, dpo.batch_size, 0, info.world_size)
+        # Dropout off unless kept on purpose (TRL's disable_dropout): the scoring pass and the training pass must
+        # see one network, or the coefficients would be another pass's
+        model_cfg = replace(config.model, dropout="keep" if config.model.dropout == "keep" else "off")
+        self.engine = Engine(config, build_model(model_cfg, deferred=True), info, total_steps=self.total_steps)
+        self.reference = self._reference(model_cfg)
+        self.precomputed: dict[str, torch.Tensor] = {}
+        if dpo.precompute_ref_log_probs:
+            self.precomputed = {"train": self._score_reference(self.data)}
+            if self.eval_data is not None:
+                self.precomputed["eval"] = self._score_reference(self.eval_data)
+            self.reference = None  # held no longer: training needs the policy alone
+        self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
+        self.resumed_from = self.checkpoints.resolve(dpo.resume)
+        state = self.checkpoints.load(self.resumed_from, self.engine) if self.resumed_from else {}
+        self.start, self.position = int(state.get("step", 0)), int(state.get("position", 0))
+        self._next_position = self.position  # where the prepared step's pairs end
+        self.logs = JobLogs()
+        if info.is_main:
+            self._open_logs(state.get("loggers", {}))
+
+    def _reference(self, model_cfg) -> Engine | None:
+        """The frozen reference: ``dpo.ref_model.path``'s model, else a copy of the initial policy; None where the
+        policy's own base serves (LoRA: its adapters switched off) or none is needed (SimPO)."""
+        dpo = self.config.dpo
+        if dpo.reference_free:
+            return None
+        if dpo.ref_model.path:
+            ref_cfg = replace(model_cfg, path=dpo.ref_model.path, lora=replace(model_cfg.lora, rank=0))
+            return Engine(self.config, build_model(ref_cfg, deferred=True), self.info, trainable=False)
+        if self.engine.features.lora:
+            return None
+        return Engine(self.config, build_model(model_cfg, deferred=True), self.info, trainable=False)
+
+    def _open_logs(self, runs: dict[str, str]) -> None:
+        dpo = self.config.dpo
+        settings = LogSettings(dpo.logger, dpo.progress, dpo.log_every, self.total_steps, "dpo")
+        log_note = self.logs.open(config_to_dict(self.config), self.out_dir, settings,
+                                  self.start if self.resumed_from else None, runs)
+        held = f"; eval {self.eval_data.describe()}" if self.eval_data is not None else ""
+        if self.length_note:
+            print(f"syncwise dpo: {self.length_note}", flush=True)
+        print(f"syncwise dpo: {self.data.describe()}{held}", flush=True)
+        losses = " + ".join(f"{w:g} x {name}" if len(dpo.losses) > 1 else name
+                            for name, w in zip(dpo.losses, dpo.weights, strict=True))
+        print(f"syncwise dpo: loss {losses}, beta {dpo.beta:g}; reference: {self._describe_reference()}", flush=True)
+        print(
+            f"syncwise dpo: {self.config.engine.strategy} on {self.info.world_size} rank(s), sync.mode="
+            f"{self.config.sync.mode}, {self.config.engine.split_label}, "
+            f"{self.engine.wrapped.num_units} FSDP units; {self.total_steps} steps of {dpo.batch_size} pairs "
+            f"({self.total_steps * dpo.batch_size / len(self.data):.3g} epochs)"
+            + (f", resumed from {self.resumed_from} at step {self.start}" if self.resumed_from else "") + log_note,
+            flush=True,
+        )
+
+    def _describe_reference(self) -> str:
+        dpo = self.config.dpo
+        if dpo.reference_free:
+            return "none (simpo)"
+        where = dpo.ref_model.path or ("the base model, LoRA's adapters off" if self.engine.features.lora
+                                       else "the initial policy, frozen")
+        return where + (", scored once before training (dpo.precompute_ref_log_probs)" if self.precomputed else "")
+
+    def _reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Collective: the reference's summed completion log-probs of each row of ``batch``."""
+        if self.reference is not None:
+            log_probs = self.reference.forward_batch(batch).outputs["log_probs"]
+        else:
+            with adapters_disabled(self.engine.model):
+                log_probs = self.engine.forward_batch(batch).outputs["log_probs"]
+        return sequence_log_probs(log_probs, batch)[0]
+
+    def _score_reference(self, data: PreferenceData) -> torch.Tensor:
+        """Collective: every pair's reference log-probs [P, 2] (chosen, rejected), each rank scoring its share."""
+        scored = torch.zeros(len(data), 2, dtype=torch.float64)
+        for chunk in torch.arange(len(data)).tensor_split(max(1, -(-len(data) // EVAL_CHUNK))):
+            mine = rank_share(chunk.tolist(), data.lengths, self.info.rank, self.info.world_size)
+            sums = self._reference_log_probs(preference_batch(data, mine, self.pad_id))
+            scored[mine] = sums.view(-1, 2).cpu()
+        if self.info.world_size > 1:
+            dist.all_reduce(scored)  # each pair scored on one rank, zeros elsewhere
+        return scored
+
+    def _scores(self, data: PreferenceData, pairs: list[int], batch: dict[str, torch.Tensor],
+                which: str) -> tuple[Callable[..., PairScores], torch.Tensor, torch.Tensor]:
+        """Collective: the policy's summed log-probs of ``batch``'s rows (chosen [P], rejected [P]) and the pairs'
+        score as a function of them, the reference's and the token counts fixed."""
+        policy, tokens = sequence_log_probs(self.engine.forward_batch(batch).outputs["log_probs"], batch)
+        ref = None
+        if not self.config.dpo.reference_free:
+            ref = (self.precomputed[which][pairs].reshape(-1) if self.precomputed
+                   else self._reference_log_probs(batch).cpu())
+        chosen, rejected = policy[0::2].cpu(), policy[1::2].cpu()
+        ref_chosen, ref_rejected = (ref[0::2], ref[1::2]) if ref is not None else (None, None)
+        score = partial(_score, ref_chosen=ref_chosen, ref_rejected=ref_rejected, chosen_tokens=tokens[0::2].cpu(),
+                        rejected_tokens=tokens[1::2].cpu(), settings=self.settings)
+        return score, chosen, rejected
+
+    def prepare(self) -> tuple[list[int], dict[str, torch.Tensor], PairScores, float]:
+        """Collective: the next step's pairs (all ranks'), this rank's batch of them with each sequence's
+        ``sequence_coefficient``, their scores (this rank's pairs), and the seconds the data took."""
+        dpo = self.config.dpo
+        started = time.perf_counter()
+        pairs, self._next_position = self.order.step(self.position, dpo.batch_size, 0, self.info.world_size)
+        mine = rank_share(pairs, self.data.lengths, self.info.rank, self.info.world_size)
+        batch = preference_batch(self.data, mine, self.pad_id)
+        data_s = time.perf_counter() - started
+        score, chosen, rejected = self._scores(self.data, mine, batch, "train")
+        batch["sequence_coefficient"] = sequence_coefficients(chosen, rejected, score, len(pairs))
+        with torch.no_grad():
+            return pairs, batch, score(chosen, rejected), data_s
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One optimizer step on the next pairs of the order; returns its metrics (same on every rank)."""
+        started = time.perf_counter()
+        pairs, batch, scores, data_s = self.prepare()
+        scored_s = time.perf_counter() - started - data_s
+        metrics = self.engine.train_batch(batch, coefficient_loss)
+        self.position = self._next_position
+        metrics.update(self.reduce(scores, len(pairs)))
+        metrics.update({
+            "train/step": step + 1,
+            "data/epoch": self.position / len(self.data),
+            "data/pairs": len(pairs),
+            "data/truncated_fraction": sum(self.data.truncated[i] for i in pairs) / len(pairs),
+            "data/dropped": self.data.dropped,
+            "data/skipped": self.data.skipped,
+            "time/data_s": data_s,
+            "time/score_s": scored_s,
+            "time/step_s": time.perf_counter() - started,
+        })
+        return metrics
+
+    def reduce(self, scores: PairScores, pairs: int, prefix: str = "") -> dict[str, float]:
+        """Collective: the step's pairs' means over every rank, as TRL logs them."""
+        sums = torch.stack([scores.loss.sum(), scores.chosen_rewards.sum(), scores.rejected_rewards.sum(),
+                            (scores.chosen_rewards > scores.rejected_rewards).double().sum(),
+                            (scores.chosen_rewards - scores.rejected_rewards).sum(), scores.chosen_logps.sum(),
+                            scores.rejected_logps.sum()]).double()
+        if self.info.world_size > 1:
+            dist.all_reduce(sums)
+        return {f"{prefix}{name}": float(value) / pairs for name, value in zip(SCORES, sums.tolist(), strict=True)}
+
+    def evaluate(self) -> dict[str, float]:
+        """Collective: the held-out pairs' loss and rewards, forward-only, every rank its share of each chunk."""
+        data = self.eval_data
+        totals: dict[str, float] = dict.fromkeys(SCORES, 0.0)
+        for chunk in torch.arange(len(data)).tensor_split(max(1, -(-len(data) // EVAL_CHUNK))):
+            pairs = chunk.tolist()
+            mine = rank_share(pairs, data.lengths, self.info.rank, self.info.world_size)
+            score, chosen, rejected = self._scores(data, mine, preference_batch(data, mine, self.pad_id), "eval")
+            with torch.no_grad():
+                for name, value in self.reduce(score(chosen, rejected), len(data)).items():
+                    totals[name] += value
+        return {f"eval/{name}": value for name, value in totals.items()}
+
+    def save(self, done: int) -> Path:
+        """Collective: a checkpoint after ``done`` steps, with the position in the pair order."""
+        return self.checkpoints.save(done, self.engine, {"step": done, "position": self.position,
+                                                         "loggers": self.logs.run_ids()})
+
+    def run(self) -> list[dict[str, Any]]:
+        """Train from the start (or the resumed) step; rank 0 returns every step's metrics of this run."""
+        dpo = self.config.dpo
+        history = []
+        for step in range(self.start, self.total_steps):
+            metrics = self.step(step)
+            done = step + 1
+            if self.eval_data is not None and ((dpo.eval_every and done % dpo.eval_every == 0)
+                                               or done == self.total_steps):
+                metrics.update(self.evaluate())
+            history.append(metrics)
+            self._log(metrics)
+            stop = metrics["stop/signal"]  # agreed by every rank in the step's last all-reduce
+            due = (dpo.checkpoint_every and done % dpo.checkpoint_every == 0) or done == self.total_steps
+            if due or stop:
+                path = self.save(done)
+            if stop:
+                self.logs.close()
+                raise stopped(stop, done, self.total_steps, f"checkpoint {path}; rerun with dpo.resume=auto to go on")
+        self.finish()
+        return history
+
+    def _log(self, metrics: dict[str, Any]) -> None:
+        if not self.info.is_main:
+            return
+        words = (f"loss {metrics['loss']:.4f} accuracy {metrics['rewards/accuracies']:.3f} "
+                 f"margin {metrics['rewards/margins']:.4f}")
+        if self.logs.bar is not None:
+            self.logs.log(metrics, words)
+            return
+        line = format_step(metrics) + f" | accuracy {metrics['rewards/accuracies']:.3f} margin " \
+            f"{metrics['rewards/margins']:.4f}"
+        if "eval/loss" in metrics:
+            line += (f" | eval loss {metrics['eval/loss']:.4f} accuracy {metrics['eval/rewards/accuracies']:.3f} "
+                     f"margin {metrics['eval/rewards/margins']:.4f}")
+        self.logs.log(metrics, line, always="eval/loss" in metrics)
+
+    def finish(self) -> None:
+        """Export (model and tokenizer), close the logs, plot and summarise the whole job."""
+        if self.config.dpo.export:
+            export_hf(self.engine, self.tokenizer, self.out_dir / "export", base_path=self.config.model.path)
+        self.logs.close()
+        if self.info.is_main:
+            history = job_history(self.out_dir / "metrics.jsonl")
+            plot_curves(history, self.out_dir / "curves.png", CURVES)
+            first, last = history[0], history[-1]
+            summary = (f"loss {first['loss']:.4f} -> {last['loss']:.4f}; rewards/accuracies "
+                       f"{first['rewards/accuracies']:.3f} -> {last['rewards/accuracies']:.3f}, rewards/margins "
+                       f"{first['rewards/margins']:.4f} -> {last['rewards/margins']:.4f}")
+            export = f", export {self.out_dir / 'export'}" if self.config.dpo.export else ""
+            print(f"{summary}; metrics {self.out_dir / 'metrics.jsonl'}, plot {self.out_dir / 'curves.png'}{export}",
+                  flush=True)
+
+
+def _score(chosen: torch.Tensor, rejected: torch.Tensor, *, ref_chosen, ref_rejected, chosen_tokens,
+           rejected_tokens, settings: PreferenceSettings) -> PairScores:
+    as_policy = {"dtype": chosen.dtype}
+    ref_c = ref_chosen.to(**as_policy) if ref_chosen is not None else None
+    ref_r = ref_rejected.to(**as_policy) if ref_rejected is not None else None
+    return pair_losses(chosen, rejected, ref_c, ref_r, chosen_tokens.to(**as_policy),
+                       rejected_tokens.to(**as_policy), settings)
+
+
+def run_dpo(config: Config, info: DistInfo) -> list[dict[str, Any]]:
+    """Train; rank 0 returns this run's steps' metrics."""
+    return DPOTrainer(config, info).run()

@@ -1,0 +1,46 @@
+"""Run on 1 and 2 gloo ranks by test_dpo.py: the first step of `syncwise dpo` for every loss type and layout
+(packed with the shared prompt, packed without it, padded), its scores and gradient, against an independent
+computation in the test process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from scenarios import full_grads
+from syncwise.config import load_config
+from syncwise.dpo.trainer import DPOTrainer
+from syncwise.losses.preference import coefficient_loss
+
+LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
+LAYOUTS = {"shared": ["engine.packing=true", "engine.share_prefixes=true"],
+           "packed": ["engine.packing=true", "engine.share_prefixes=false"],
+           "padded": ["engine.packing=false"]}
+
+
+def dpo_config(folder: Path, loss: str, layout: str, *extra: str):
+    reference = [] if loss == "simpo" else [f"dpo.ref_model.path={folder / 'reference'}"]
+    smoothing = ["dpo.label_smoothing=0.2"] if loss in ("robust", "simpo") else []
+    return load_config(None, [
+        f"model.path={folder / 'llama'}", f"dpo.dataset={folder / 'pairs.jsonl'}", f"dpo.loss_type={loss}",
+        "dpo.batch_size=6", "dpo.beta=0.5", f"dpo.out_dir={folder / 'runs' / loss / layout}", "dpo.progress=false",
+        "dpo.export=false", "engine.micro_batch_size=2", "engine.max_tokens_per_micro_batch=0",
+        "engine.fused_lm_head=false", "sync.mode=deferred", "optim.name=sgd", "optim.lr=0", "optim.grad_clip=0",
+        *reference, *smoothing, *LAYOUTS[layout], *extra])
+
+
+def dpo_suite(info, folder: str) -> dict:
+    """Per (loss, layout): the step's pairs, the reduced scores and the full gradient of the coefficient loss."""
+    folder = Path(folder)
+    out: dict = {}
+    for loss in LOSSES:
+        for layout in LAYOUTS:
+            trainer = DPOTrainer(dpo_config(folder, loss, layout), info)
+            pairs, batch, scores, _ = trainer.prepare()
+            trainer.engine.forward_backward_batch(batch, coefficient_loss)
+            out[loss, layout] = {"pairs": pairs, "scores": trainer.reduce(scores, len(pairs)),
+                                 "grads": full_grads(trainer.engine)}
+            trainer.logs.close()
+    torch.distributed.barrier()
+    return out
