@@ -42,5 +42,16 @@ def dpo_suite(info, folder: str) -> dict:
             out[loss, layout] = {"pairs": pairs, "scores": trainer.reduce(scores, len(pairs)),
                                  "grads": full_grads(trainer.engine)}
             trainer.logs.close()
+    # the other references: scored once before training, and LoRA's base with its adapters off (with and without)
+    for name, extra in (("precomputed", ["dpo.precompute_ref_log_probs=true"]),
+                        ("lora", ["model.lora.rank=4", "dpo.ref_model.path=null"]),
+                        ("lora precomputed", ["model.lora.rank=4", "dpo.ref_model.path=null",
+                                              "dpo.precompute_ref_log_probs=true"])):
+        trainer = DPOTrainer(dpo_config(folder, "sigmoid", "shared", *extra), info)
+        pairs, batch, scores, _ = trainer.prepare()
+        trainer.engine.forward_backward_batch(batch, coefficient_loss)
+        out[name] = {"pairs": pairs, "scores": trainer.reduce(scores, len(pairs)), "grads": full_grads(trainer.engine),
+                     "holds_reference": trainer.reference is not None}
+        trainer.logs.close()
     torch.distributed.barrier()
     return out

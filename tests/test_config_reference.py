@@ -29,7 +29,7 @@ def test_syncwise_config_prints_the_resolved_config_with_docs_and_defaults():
     printed = yaml.safe_load(proc.stdout)
     config, _ = load_job_config("train", None, ["model.path=/models/mine", "rl.dataset=p.jsonl", "rl.reward_fn=m:f"])
     want = config_to_dict(config)
-    assert printed == {k: v for k, v in want.items() if k != "sft"}  # the YAML is the job's config
+    assert printed == {k: v for k, v in want.items() if k not in ("sft", "dpo")}  # the YAML is the job's config
     assert ("  # the peak learning rate (syncwise train on a model.path: 1e-6 unless set) (default: 0.001)\n"
             "  lr: 1.0e-06") in proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == (

@@ -28,19 +28,10 @@ BETA, SMOOTHING, GAMMA = 0.5, 0.2, 0.5
 
 
 def preference_rows(count: int, seed: int) -> list[dict]:
-    """Pairs from the arith_chat task: the worked answer chosen, the same with a wrong final number rejected; every
-    third row with its prompt implicit in both (TRL's format without a 'prompt' column is per file, so those are
-    written apart)."""
-    from syncwise.sft.tasks import arith_chat_rows
+    """Pairs from the arith_chat task, as `syncwise sft --write-example-data` writes them."""
+    from syncwise.sft.tasks import arith_chat_rows, preference_pairs
 
-    rows = []
-    for i, row in enumerate(arith_chat_rows(count, seed)):
-        messages = row["messages"]
-        good = messages[-1]["content"]
-        bad = good.rsplit("#### ", 1)[0] + f"#### {int(row['answer']) + 1 + i % 7}"
-        rows.append({"prompt": messages[:-1], "chosen": [messages[-1]],
-                     "rejected": [{"role": "assistant", "content": bad}]})
-    return rows
+    return preference_pairs(arith_chat_rows(count, seed))
 
 
 @pytest.fixture(scope="module")
@@ -232,23 +223,43 @@ def _dpo(out: Path, *overrides: str) -> list[dict]:
 
 def test_a_job_learns_the_preference_resumes_exactly_and_exports(folder, tmp_path):
     """2 ranks: rewards/accuracies and rewards/margins rise over the steps (and on the held-out pairs); a job stopped
-    after 4 steps and resumed gives the uninterrupted job's steps; the export loads with from_pretrained."""
+    after 3 steps and resumed gives the uninterrupted job's steps; the export loads with from_pretrained."""
     from transformers import AutoModelForCausalLM
 
     common = [f"model.path={folder / 'llama'}", f"dpo.dataset={folder / 'pairs.jsonl'}",
               f"dpo.eval_dataset={folder / 'pairs.jsonl'}", "dpo.batch_size=8", "dpo.beta=0.5", "optim.lr=3e-3",
-              "dpo.checkpoint_every=4", "dpo.eval_every=4"]
-    full = _dpo(tmp_path / "full", *common, "dpo.steps=9")
+              "dpo.checkpoint_every=3", "dpo.eval_every=3"]
+    full = _dpo(tmp_path / "full", *common, "dpo.steps=6")
     first = [r for r in full if "rewards/margins" in r]
     assert first[-1]["rewards/margins"] > first[0]["rewards/margins"] + 0.1
     assert first[-1]["rewards/accuracies"] > 0.8 and first[0]["rewards/accuracies"] == 0.0  # policy = reference
     evals = [r for r in full if "eval/rewards/margins" in r]
     assert evals[-1]["eval/rewards/accuracies"] > 0.8 and evals[-1]["eval/rewards/margins"] > 0.1
-    _dpo(tmp_path / "split", *common, "dpo.steps=4")
-    resumed = _dpo(tmp_path / "split", *common, "dpo.steps=9", "dpo.resume=auto")
-    assert [r["train/step"] for r in resumed] == list(range(1, 10))  # the first run's rows kept up to its checkpoint
-    for a, b in zip(full[4:], resumed[4:], strict=True):
+    _dpo(tmp_path / "split", *common, "dpo.steps=3")
+    resumed = _dpo(tmp_path / "split", *common, "dpo.steps=6", "dpo.resume=auto")
+    assert [r["train/step"] for r in resumed] == list(range(1, 7))  # the first run's rows kept up to its checkpoint
+    for a, b in zip(full[3:], resumed[3:], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
         assert b["rewards/margins"] == pytest.approx(a["rewards/margins"], rel=1e-3, abs=1e-5)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "export")
     assert model.config.architectures == ["LlamaForCausalLM"]
+
+
+def test_a_precomputed_reference_and_lora_s_base_score_and_train_as_the_reference_model_does(ranks):
+    """dpo.precompute_ref_log_probs scores the pairs once and holds no reference: the same scores and gradient as
+    the frozen reference model's. With LoRA the reference is the base with its adapters off (the policy itself at
+    the start: loss ln 2, margins 0), precomputed or not, and only the adapters get a gradient."""
+    import math
+
+    got, held = ranks[0]["precomputed"], ranks[0]["sigmoid", "shared"]
+    assert not got["holds_reference"] and got["pairs"] == held["pairs"]
+    assert got["scores"] == pytest.approx(held["scores"], rel=1e-9, abs=1e-12)
+    for name, grad in held["grads"].items():
+        assert_close(got["grads"][name], grad, 1e-6, f"precomputed: {name}")
+    lora, precomputed = ranks[0]["lora"], ranks[0]["lora precomputed"]
+    assert lora["scores"]["loss"] == pytest.approx(math.log(2), rel=1e-6) and lora["scores"]["rewards/margins"] == 0
+    assert lora["scores"] == pytest.approx(precomputed["scores"], rel=1e-9, abs=1e-12)
+    trained = {n for n, g in lora["grads"].items() if g.abs().sum() > 0}
+    assert trained and all("lora_" in n for n in trained), trained
+    for name, grad in lora["grads"].items():
+        assert_close(precomputed["grads"][name], grad, 1e-6, f"lora precomputed: {name}")

@@ -28,6 +28,7 @@ from .chat import RowError, refusal, row_tools
 from .sft_dataset import DatasetError, read_rows, row_name, tokenized_fingerprint
 
 PREFERENCE_COLUMNS = ("chosen", "rejected")
+_CACHE_VERSION = "preference-2"  # bump when the tokenisation changes, so cached pairs are not reused
 
 
 @dataclass
@@ -92,7 +93,7 @@ def load_preference_data(path: str, tokenizer, max_length: int, truncation: str,
         return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "truncated": cut, "dropped": dropped,
                 "error": ""}
 
-    fingerprint = tokenized_fingerprint(rows, "preference", None, tokenizer, max_length, truncation)
+    fingerprint = tokenized_fingerprint(rows, _CACHE_VERSION, None, tokenizer, max_length, truncation)
     done = rows.map(encode, remove_columns=rows.column_names, new_fingerprint=fingerprint)
     errors = [i for i, e in enumerate(done["error"]) if e]
     if errors and on_bad_row == "error":
@@ -112,7 +113,7 @@ def load_preference_data(path: str, tokenizer, max_length: int, truncation: str,
 def tokenize_pair(row: dict[str, Any], tokenizer) -> tuple[list[int], list[int], list[int]]:
     """(prompt, chosen, rejected) token ids of one row as TRL's DPOTrainer tokenises it (see the module's text);
     a :class:`RowError` saying why it cannot be trained on."""
-    if "prompt" not in row:
+    if row.get("prompt") is None:  # no 'prompt' column, or a row without one in a file that has it
         row = extract_prompt(row)
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     conversational = isinstance(chosen, list)

@@ -98,7 +98,7 @@ def _main(argv: list[str] | None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     keys_help = (f"a job's keys are section.key=value, in the sections {', '.join(sections())}; `syncwise config "
-                 "[train|sft]` prints every key with its doc and default")
+                 "[train|sft|dpo]` prints every key with its doc and default")
     parser = argparse.ArgumentParser(prog="syncwise", description=__doc__.splitlines()[0], epilog=keys_help)
     parser.add_argument("--debug", action="store_true", help="print the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -223,6 +223,8 @@ def _write_example_data(folder: str, task: str = "arith_chat") -> int:
     if task == "arith_tools":
         extra = (f"; {out / 'train_no_tools.jsonl'}, {out / 'eval_no_tools.jsonl'} and "
                  f"{out / 'prompts_no_tools.jsonl'} are the same problems without the tool")
+    elif task == "arith_chat":
+        extra = f"; {out / 'pairs.jsonl'} and {out / 'eval_pairs.jsonl'} are preference pairs for syncwise dpo"
     print(f"syncwise sft: wrote {out / 'train.jsonl'}, {out / 'eval.jsonl'} (chat messages), {out / 'prompts.jsonl'} "
           f"(prompts and answers for GRPO) and {out / 'model'} (an untrained model with its tokenizer and chat "
           f"template){extra}; train on them with\n"

@@ -285,7 +285,8 @@ def tools_tokenizer(rows: list[dict[str, Any]]):
 def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: int = 200, seed: int = 0,
                        preset: str = "llama-chat", prompt_rows: int = 500, task: str = "arith_chat") -> Path:
     """A built-in task as a user brings data: ``train.jsonl`` and ``eval.jsonl`` (``messages`` rows, for SFT),
-    ``prompts.jsonl`` (new problems for GRPO: ``prompt``, the system and user messages, and ``answer``) and
+    ``prompts.jsonl`` (new problems for GRPO: ``prompt``, the system and user messages, and ``answer``), for
+    ``arith_chat`` ``pairs.jsonl`` and ``eval_pairs.jsonl`` (preference pairs for DPO: :func:`preference_pairs`), and
     ``model/`` (an untrained ``preset`` model saved with ``save_pretrained``, and the trained tokenizer with
     its chat template). ``task``: ``arith_chat``, ``arith_tools`` (tool-use chats with a ``tools`` column,
     and ``train_no_tools.jsonl`` / ``eval_no_tools.jsonl`` / ``prompts_no_tools.jsonl``: the same problems
@@ -328,6 +329,9 @@ def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: i
         tokenizer = chat_tokenizer(rows)
         prompts = [{"prompt": r["messages"][:2], "answer": r["answer"]}
                    for r in arith_chat_rows(prompt_rows, seed + 1)]
+        pairs = preference_pairs(arith_chat_rows(prompt_rows, seed + 2))
+        cut = max(len(pairs) * 9 // 10, 1)
+        files["pairs.jsonl"], files["eval_pairs.jsonl"] = pairs[:cut], pairs[cut:]
     files["train.jsonl"], files["eval.jsonl"], files["prompts.jsonl"] = rows[:train_rows], rows[train_rows:], prompts
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
     try:
@@ -344,6 +348,17 @@ def write_example_data(out_dir: str | Path, train_rows: int = 4000, eval_rows: i
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def preference_pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TRL's preference rows from arith_chat conversations: ``prompt`` (system and user), ``chosen`` (the worked
+    answer) and ``rejected`` (the same working with a wrong final number), for ``syncwise dpo``."""
+    pairs = []
+    for i, row in enumerate(rows):
+        *prompt, answer = row["messages"]
+        wrong = answer["content"].rsplit("#### ", 1)[0] + f"#### {int(row['answer']) + 1 + i % 7}"
+        pairs.append({"prompt": prompt, "chosen": [answer], "rejected": [{"role": "assistant", "content": wrong}]})
+    return pairs
 
 
 def progression_rows(count: int, seed: int, min_len: int, max_len: int, vocab_size: int) -> list[dict[str, Any]]:
