@@ -136,7 +136,7 @@ class DPOTrainer:
     def _reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Collective: the reference's summed completion log-probs of each row of ``batch``."""
         if self.reference is not None:
-            log_probs = self.reference.forward_batch(batch).outputs["log_probs"]
+            log_probs = self.reference.forward_batch(batch, token_cap=self.engine.token_cap).outputs["log_probs"]
         else:
             with adapters_disabled(self.engine.model):
                 log_probs = self.engine.forward_batch(batch).outputs["log_probs"]

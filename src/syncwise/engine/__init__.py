@@ -124,8 +124,10 @@ class Engine:
     # ----------------------------------------------------------------------------------------------
     # passes over a batch
     # ----------------------------------------------------------------------------------------------
-    def _plan(self, batch: Batch, require_tokens: bool, loss_fn: LossFn | None = None) -> BatchPlan:
+    def _plan(self, batch: Batch, require_tokens: bool, loss_fn: LossFn | None = None,
+              token_cap: int | None = None) -> BatchPlan:
         batch = {k: v.to(self.info.device) for k, v in batch.items()} if _is_batch(batch) else batch
+        token_cap = token_cap or self.token_cap
         hf = self.features.hf_config
         return plan_batch(
             batch, self.config.engine, dp_size=self.wrapped.dp_size, device=self.info.device,
@@ -133,7 +135,7 @@ class Engine:
             share_prefixes=self.features.share_prefixes, read_cost=self._read_cost,
             varlen_attention=str(getattr(hf, "_attn_implementation", "")).startswith(("flash", attention.NAME)),
             vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
-            loss_fn=loss_fn, split=(0, self.token_cap) if self.token_cap else None, stretch_cap=bool(self.token_cap),
+            loss_fn=loss_fn, split=(0, token_cap) if token_cap else None, stretch_cap=bool(token_cap),
         )
 
     def _use(self, setting: Setting) -> None:
@@ -175,12 +177,14 @@ class Engine:
             raise
 
     def forward_batch(
-        self, batch: Batch, loss_fn: LossFn | None = None, temperature: float = 1.0
+        self, batch: Batch, loss_fn: LossFn | None = None, temperature: float = 1.0, token_cap: int | None = None
     ) -> ForwardBackwardResult:
         """Forward-only pass (log-probs, evaluation): ``log_probs`` [B, T-1] of softmax(logits /
         ``temperature``) always in the outputs (not for a value model: ``features.value_head``), plus what
-        ``loss_fn`` returns. Never touches gradients or sync state, also when it fails."""
-        plan = self._plan(batch, require_tokens=False, loss_fn=loss_fn)
+        ``loss_fn`` returns. Never touches gradients or sync state, also when it fails. ``token_cap``: the
+        micro-batches' cap for this pass where another engine chose it (a frozen reference decides none of its own
+        and would split by the config's fixed size: many more micro-batches, each gathering every unit again)."""
+        plan = self._plan(batch, require_tokens=False, loss_fn=loss_fn, token_cap=token_cap)
         return forward_only(
             self.model, plan, loss_fn, device=self.info.device, timeout_s=self.config.dist.timeout_s,
             chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature,

@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--lora-rank", type=int, help="modes workload: LoRA rows with adapters of this rank "
                                                       "(default 8; 0: none)")
     bench.add_argument("--lora-modes", nargs="+", help="modes workload: sync modes of the LoRA rows")
+    bench.add_argument("--trl-python", metavar="PYTHON",
+                       help="dpo workload: a Python with trl installed, to run TRL's DPOTrainer beside syncwise dpo")
     bench.add_argument("--repeats", type=int, help="timed steps per configuration")
     bench.add_argument("--warmup", type=int, help="untimed rounds first")
     bench.add_argument("--seq-len", type=int, help="tokens per sample (default 64)")

@@ -295,7 +295,8 @@ class RLTrainer:
     def _reference_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         temperature = self.config.rl.temperature
         if self.reference is not None:
-            return self.reference.forward_batch(batch, temperature=temperature).outputs["log_probs"]
+            return self.reference.forward_batch(batch, temperature=temperature,
+                                                token_cap=self.engine.token_cap).outputs["log_probs"]
         with adapters_disabled(self.engine.model):
             return self.engine.forward_batch(batch, temperature=temperature).outputs["log_probs"]
 

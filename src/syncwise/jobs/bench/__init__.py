@@ -26,6 +26,8 @@ WORKLOADS: dict[str, Workload] = {
                            "GRPO job, per phase and per token, A B B A (--repeats: rounds)",
                            "syncwise.jobs.bench.regression:run"),
     "sft": Workload("syncwise sft's steps beside train_batch alone on the same batches", "syncwise.jobs.bench.sft:run"),
+    "dpo": Workload("syncwise dpo beside TRL's DPOTrainer (--trl-python: a Python with trl) on the same model, pairs "
+                    "and loss: pairs/s and peak memory, A B B A (--repeats: rounds)", "syncwise.jobs.bench.dpo:run"),
     "load": Workload("loading model.path: every rank whole on its CPU vs built on the meta device, each rank reading "
                      "its shards (peak host memory per rank, seconds)", "syncwise.jobs.bench.load:run"),
     "gpu": Workload("the one command for a GPU: the CUDA tests, the engine on Qwen2.5-0.5B / -1.5B shapes beside a "
