@@ -9,6 +9,8 @@ reported by :mod:`syncwise.runtime.launcher` instead.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..config import Config
@@ -195,8 +197,6 @@ def check_sft(config: Config) -> None:
     ``datasets``' cache for the ranks."""
     import os
 
-    from ..checkpoint import CheckpointError, CheckpointManager
-    from ..data.sft_dataset import DatasetError
     from ..sft.data import sft_inputs, write_task_data
 
     sft = config.sft
@@ -205,18 +205,11 @@ def check_sft(config: Config) -> None:
     if sft.dataset and folder and not any((Path(folder) / name).is_file()
                                           for name in ("tokenizer.json", "tokenizer_config.json")):
         raise PreflightError(f"{key}: {folder} has no tokenizer (tokenizer.json or tokenizer_config.json)")
-    try:
+    with _data_checked(key, folder):
         write_task_data(config)
         inputs = sft_inputs(config)
         inputs.check_world(int(os.environ.get("WORLD_SIZE", config.dist.nproc)), sft)
-    except (DatasetError, ValueError) as exc:
-        raise PreflightError(str(exc)) from exc
-    except OSError as exc:  # transformers: a folder without a loadable tokenizer
-        raise PreflightError(f"{key}: cannot load a tokenizer from {folder}: {_first_line(exc)}") from exc
-    try:
-        CheckpointManager(Path(sft.out_dir) / "checkpoints").resolve(sft.resume)
-    except CheckpointError as exc:
-        raise PreflightError(str(exc)) from exc
+    _check_resume(sft.out_dir, sft.resume)
 
 
 def check_dpo(config: Config) -> None:
@@ -224,8 +217,6 @@ def check_dpo(config: Config) -> None:
     or is skipped as asked; the reference model is a model folder; the checkpoint to resume exists."""
     import os
 
-    from ..checkpoint import CheckpointError, CheckpointManager
-    from ..data.sft_dataset import DatasetError
     from ..dpo.data import preference_inputs
     from ..sft.data import load_sft_tokenizer
 
@@ -237,14 +228,30 @@ def check_dpo(config: Config) -> None:
     ref = dpo.ref_model.path
     if ref and not (Path(ref) / "config.json").is_file():
         raise PreflightError(f"dpo.ref_model.path: {ref} is not a model folder (no config.json)")
-    try:
+    with _data_checked(key, folder):
         preference_inputs(config, load_sft_tokenizer(folder), int(os.environ.get("WORLD_SIZE", config.dist.nproc)))
+    _check_resume(dpo.out_dir, dpo.resume)
+
+
+@contextlib.contextmanager
+def _data_checked(key: str, folder: str | None) -> Iterator[None]:
+    """A dataset's or tokenizer's error inside, as the job's one line."""
+    from ..data.sft_dataset import DatasetError
+
+    try:
+        yield
     except (DatasetError, ValueError) as exc:
         raise PreflightError(str(exc)) from exc
     except OSError as exc:  # transformers: a folder without a loadable tokenizer
         raise PreflightError(f"{key}: cannot load a tokenizer from {folder}: {_first_line(exc)}") from exc
+
+
+def _check_resume(out_dir: str, resume: str) -> None:
+    """The checkpoint a job's ``resume`` names exists (sft / dpo)."""
+    from ..checkpoint import CheckpointError, CheckpointManager
+
     try:
-        CheckpointManager(Path(dpo.out_dir) / "checkpoints").resolve(dpo.resume)
+        CheckpointManager(Path(out_dir) / "checkpoints").resolve(resume)
     except CheckpointError as exc:
         raise PreflightError(str(exc)) from exc
 
