@@ -28,8 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .prefixes import prefix_mask
-
 NAME = "sdpa_varlen"
 _kernel = "loop"  # set by choose_kernel; per process (one device, one compute dtype)
 _kernel_gqa = True  # whether the chosen kernel maps query heads to fewer key / value heads itself
@@ -209,3 +207,10 @@ def sequence_bounds(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int]
     bounds = torch.cat([starts, starts.new_tensor([positions.numel()])]).to(torch.int32)
     longest = int(bounds.diff().max())
     return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
+
+
+def prefix_mask(shared: int, own: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[own, shared + own] bool: query i of a row's own part (position shared + i) sees every key up to its own
+    position -- its start's and its own -- or the last ``window`` of them where there is a window."""
+    distance = torch.arange(shared, shared + own, device=device)[:, None] - torch.arange(shared + own, device=device)
+    return (distance >= 0) & (distance < window) if window else distance >= 0

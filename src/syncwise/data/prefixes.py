@@ -94,13 +94,6 @@ def prefix_segments(leader: torch.Tensor, shared: torch.Tensor, starts: list[int
     return [pieces(lead[row], count[row]) if count[row] else [] for row in range(len(lead))]
 
 
-def prefix_mask(shared: int, own: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[own, shared + own] bool: query i of a row's own part (position shared + i) sees every key up to its own
-    position -- its start's and its own -- or the last ``window`` of them where there is a window."""
-    distance = torch.arange(shared, shared + own, device=device)[:, None] - torch.arange(shared + own, device=device)
-    return (distance >= 0) & (distance < window) if window else distance >= 0
-
-
 def shared_units(ids: torch.Tensor, keep: torch.Tensor, loss_mask: torch.Tensor | None
                  ) -> tuple[list[list[int]], torch.Tensor]:
     """The batch's rows as units that share a whole prompt (in row order), and the tokens each row computes

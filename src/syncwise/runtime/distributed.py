@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .job_store import agree_run_id
-from .signals import JobStopped
+from .signals import JobStopped, StopRequest
 
 
 @dataclass(frozen=True)
@@ -208,3 +208,10 @@ def build_mesh(info: DistInfo, hsdp_replicas: int = 1) -> DeviceMesh | None:
         )
     shape = (hsdp_replicas, info.world_size // hsdp_replicas)
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def agreed_stop(device, timeout_s: float) -> int:
+    """Collective: the stop signal any rank received (0: none), the same on every rank -- for loops that run
+    no engine step (benchmarks) to stop at an agreed point instead of leaving a peer in a collective."""
+    _, per_rank = agree([], [float(StopRequest.received)], "the stop-request all-reduce", device, timeout_s)
+    return int(per_rank.max())

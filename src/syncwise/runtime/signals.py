@@ -48,15 +48,6 @@ class StopRequest:
         cls.received = cls.received or signum
 
 
-def agreed_stop(device, timeout_s: float) -> int:
-    """Collective: the stop signal any rank received (0: none), the same on every rank -- for loops that run
-    no engine step (benchmarks) to stop at an agreed point instead of leaving a peer in a collective."""
-    from .distributed import agree
-
-    _, per_rank = agree([], [float(StopRequest.received)], "the stop-request all-reduce", device, timeout_s)
-    return int(per_rank.max())
-
-
 def stopped(signum: int, done: int, total: int, where: str) -> JobStopped:
     """The :class:`JobStopped` a job raises after stopping at a step boundary; ``where`` says what was kept."""
     name = signal.Signals(signum).name

@@ -36,8 +36,8 @@ from ...engine import Engine
 from ...losses import sft_loss
 from ...models import PRESETS, build_model, count_parameters, decoder_layers, preset_config
 from ...models.flops import UsefulFlops
-from ...runtime.distributed import DistInfo, run_rank
-from ...runtime.signals import JobStopped, agreed_stop
+from ...runtime.distributed import DistInfo, agreed_stop, run_rank
+from ...runtime.signals import JobStopped
 from ...sync.modes import MODES, SyncMode
 from .report import fmt, machine, write_report
 from .roofline import fraction_of_peak, gemm_rate

@@ -9,25 +9,24 @@ import torch
 from ...config import load_config
 from ...engine import Engine
 from ...losses import sft_loss
-from ...models import PRESETS, build_model
+from ...models import build_model
 from ...runtime.distributed import init_distributed
-from .rl import CAP, batch_of, long_tail_lengths
 
 
-def profile_packed_step(preset: str = "qwen2-20m", sequences: int = 32, rows: int = 14,
-                        out_dir: str = "runs/bench_rl") -> int:
+def profile_packed_step(batch: dict[str, torch.Tensor], cap: tuple[str, str], preset: str = "qwen2-20m",
+                        rows: int = 14, out_dir: str = "runs/bench_rl") -> int:
     """``syncwise bench --workload rl --profile``: torch.profiler's top self-CPU operators of one packed step
     (rank 0's long-tailed sequences, one process, ``engine.strategy=none``, after warm-up steps): at a
     512-token cap with the fused LM head and with materialised logits, and on the defaults (head and cap
-    auto's, profiled once auto has settled); printed and written to ``profile.md``."""
+    auto's, profiled once auto has settled); printed and written to ``profile.md``. ``batch`` and ``cap``: the rl
+    workload's (:mod:`syncwise.jobs.bench.rl`, which calls this)."""
     from torch.profiler import ProfilerActivity, profile
 
     info = init_distributed("gloo", 600.0)
-    batch = batch_of(long_tail_lengths(sequences, 0), PRESETS[preset]["vocab_size"], 0)
     sections = []
-    capped = ["engine.packing=true", "engine.max_tokens_per_micro_batch=512"]
-    for label, overrides in ((f"engine.fused_lm_head=true, {CAP[1]}", [*capped, "engine.fused_lm_head=true"]),
-                             (f"engine.fused_lm_head=false, {CAP[1]}", [*capped, "engine.fused_lm_head=false"]),
+    capped = list(cap)
+    for label, overrides in ((f"engine.fused_lm_head=true, {cap[1]}", [*capped, "engine.fused_lm_head=true"]),
+                             (f"engine.fused_lm_head=false, {cap[1]}", [*capped, "engine.fused_lm_head=false"]),
                              ("the defaults (LM head and token cap auto)", [])):
         cfg = load_config(None, [f"model.preset={preset}", "engine.strategy=none", *overrides])
         engine = Engine(cfg, build_model(cfg.model), info)

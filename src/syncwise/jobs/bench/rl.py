@@ -376,8 +376,9 @@ def run(args) -> int:
     if args.profile:
         from .profile import profile_packed_step
 
-        return profile_packed_step(*(args.presets or ["qwen2-20m"])[:1], sequences=args.sequences or 32,
-                                   out_dir=out_dir(args, "bench_rl"))
+        preset = (args.presets or ["qwen2-20m"])[0]
+        batch = batch_of(long_tail_lengths(args.sequences or 32, 0), PRESETS[preset]["vocab_size"], 0)
+        return profile_packed_step(batch, CAP, preset, out_dir=out_dir(args, "bench_rl"))
     return launch(bench_rl_worker, args.nproc, asdict(spec_of(args)))
 
 
