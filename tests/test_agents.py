@@ -23,6 +23,7 @@ import pytest
 
 from job_output import failed
 from syncwise.config.rollout_engines import ROLLOUT_ENGINES
+from tool_model_jobs import completions_table, metric_rows, train
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "description": "One number."},
@@ -154,29 +155,15 @@ def folder(tmp_path_factory):
 
 
 def _train(folder: Path, out: str, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "AGENT_LOG": str(folder / f"{out}.log")}
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([sys.executable, "-m", "syncwise", "train", *JOB, f"model.path={folder / 'qwen2-tools'}",
-                           f"train.out_dir={folder / out}", *overrides], cwd=folder, capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = train(folder, out, JOB, *overrides, env={"AGENT_LOG": str(folder / f"{out}.log")})
     assert proc.returncode == 0, failed(proc.stderr, 3000)
     return proc
-
-
-def _rows(folder: Path, out: str) -> list[dict]:
-    return [json.loads(line) for line in (folder / out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _table(folder: Path, out: str, step: int):
-    import pandas as pd
-
-    return pd.read_parquet(folder / out / "completions" / f"completions_{step:05d}.parquet")
 
 
 def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_endpoint_returned(folder):
     proc = _train(folder, "calc", "rl.agent=calc_agent.py:agent", "train.steps=3")
     assert "rl.agent calc_agent.py:agent through an OpenAI-compatible endpoint on loopback" in proc.stdout
-    rows = _rows(folder, "calc")
+    rows = metric_rows(folder, "calc")
     for row in rows:
         # the calculator conversations go call -> answer -> final turn, and score as the rl.tools job's do
         assert row["agent/segments"] == 16 and row["agent/rewritten"] == 0 and row["agent/exceptions"] == 0, row
@@ -194,11 +181,11 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_endpoint_return
             assert after["prompt"][:len(so_far)] == so_far
     # token out: what trained after each conversation's first prompt is exactly what the endpoint returned and put
     # between (the completions table's lengths, every step's sample)
-    trained = sorted(length for step in (1, 2, 3) for length in _table(folder, "calc", step)["length"])
+    trained = sorted(length for step in (1, 2, 3) for length in completions_table(folder, "calc", step)["length"])
     returned = sorted(len(r[-1]["prompt"]) + len(r[-1]["tokens"]) - len(r[0]["prompt"]) for r in runs)
     assert trained == returned
     assert sum(r["agent/sampled_tokens"] for r in rows) == sum(len(q["tokens"]) for r in runs for q in r)
-    table = _table(folder, "calc", 3)
+    table = completions_table(folder, "calc", 3)
     assert table["completion"].str.contains("-> tool call add(", regex=False).any()
 
 
@@ -211,14 +198,14 @@ def test_rewrites_and_faults_are_counted_on_rollout_ranks_and_the_job_goes_on(fo
     said = re.findall(r"syncwise train: rl\.agent: (\d+) of 8 run\(s\) for rank \d failed this step .*; the first: "
                       r"sample \d: (\w+)", proc.stdout)
     assert said and all(int(n) == 3 for n, _ in said), proc.stdout  # raised, stream (re-raised), hung
-    for step, row in enumerate(_rows(folder, "chaos"), start=1):
+    for step, row in enumerate(metric_rows(folder, "chaos"), start=1):
         counts = {k.removeprefix("agent/"): v for k, v in row.items() if k.startswith("agent/")}
         assert counts["exceptions"] == 4 and counts["timeouts"] == 2, counts  # raised; the stream's re-raised
         assert counts["rewritten"] == 2 and counts["segments"] == 18, counts  # a new segment, trained on its own
         assert counts["malformed"] == 2 * (1 + len(BAD_REQUESTS)) and counts["unauthorized"] == 2, counts
         assert counts["no_requests"] == 10, counts  # the raising, hanging, stream, 401 and never-calling runs
         assert counts["length"] >= 2 and counts["too_long"] == 2, counts  # answered, not trained
-        table = _table(folder, "chaos", step)
+        table = completions_table(folder, "chaos", step)
         assert len(table) == 18
         assert sorted(table["reward/agent"].dropna().tolist()) == [0.0] * 6 + [0.5, 0.5, 1.0, 1.0], table  # failed: 0
     notes = (folder / "chaos.log").read_text().splitlines()
@@ -229,10 +216,10 @@ def test_rewrites_and_faults_are_counted_on_rollout_ranks_and_the_job_goes_on(fo
 def test_64_concurrent_sessions_a_rank_keep_their_rows_and_a_lag_trains_them(folder):
     _train(folder, "echo", "rl.agent=echo_agent.py:agent", "rl.dataset=numbered.jsonl", "rl.prompts_per_rank=8",
            "rl.samples_per_prompt=8", "rl.off_policy_lag=1", "train.steps=2")
-    rows = _rows(folder, "echo")
+    rows = metric_rows(folder, "echo")
     assert all(r["agent/requests"] == 128 and r["agent/segments"] == 128 for r in rows)
     for step in (1, 2):
-        table = _table(folder, "echo", step)
+        table = completions_table(folder, "echo", step)
         assert len(table) == 128
         # every reward on the segment its own session sampled: the prompt it sent names the row it was given
         said = table["prompt"].str.extract(r"session of row (\d+)")[0].astype(float)
@@ -398,7 +385,7 @@ def test_syncwise_serve_answers_the_openai_client_and_stops_on_ctrl_c(folder):
 def test_the_agent_job_samples_on_vllm(folder):
     proc = _train(folder, "calc_vllm", "rl.agent=calc_agent.py:agent", "train.steps=1", "rl.rollout_engine=vllm")
     assert "rollouts by vLLM" in proc.stdout
-    (row,) = _rows(folder, "calc_vllm")
+    (row,) = metric_rows(folder, "calc_vllm")
     assert row["agent/segments"] == 16 and row["agent/rewritten"] == 0 and row["agent/requests"] >= 24, row
     assert row["rollout/log_prob_diff"] < 1e-3, row  # vLLM's float32 CPU kernels against the trainer's
 

@@ -9,7 +9,6 @@ same loop."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from cli_harness import run_cli
 from job_output import failed
 from syncwise.config.rollout_engines import ROLLOUT_ENGINES
+from tool_model_jobs import completions_table, metric_rows, train
 
 ADD_TOOL = '''
 import os
@@ -174,16 +174,8 @@ class NeedsSeed:
 
 
 def _train(folder: Path, out: str, *overrides: str, misbehaves: bool = False) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ADD_MISBEHAVES": "1" if misbehaves else "",
-           "ENV_LOG": str(folder / f"{out}.closed.jsonl")}
-    env.pop("PYTHONPATH", None)
-    return subprocess.run([sys.executable, "-m", "syncwise", "train", *JOB, f"model.path={folder / 'qwen2-tools'}",
-                           f"train.out_dir={folder / out}", *overrides], cwd=folder, capture_output=True,
-                          text=True, env=env, timeout=600)
-
-
-def _rows(folder: Path, out: str) -> list[dict]:
-    return [json.loads(line) for line in (folder / out / "metrics.jsonl").read_text().splitlines()]
+    return train(folder, out, JOB, *overrides, env={"ADD_MISBEHAVES": "1" if misbehaves else "",
+                                                    "ENV_LOG": str(folder / f"{out}.closed.jsonl")})
 
 
 COMPLETION_COLUMNS = {"step", "prompt", "completion", "messages", "reward", "advantage", "length", "finish_reason",
@@ -191,10 +183,8 @@ COMPLETION_COLUMNS = {"step", "prompt", "completion", "messages", "reward", "adv
 
 
 def _completions(folder: Path, out: str, step: int):
-    """The job's completions table of ``step`` (issue 69), as pandas reads it: every sample of both ranks."""
-    import pandas as pd
-
-    frame = pd.read_parquet(folder / out / "completions" / f"completions_{step:05d}.parquet")
+    """The job's completions table of ``step`` (issue 69): every sample of both ranks, its columns checked."""
+    frame = completions_table(folder, out, step)
     assert set(frame.columns) >= COMPLETION_COLUMNS, frame.columns
     assert len(frame) == 16 and (frame["step"] == step).all()  # 2 ranks x 2 prompts x 4 samples
     assert set(frame["finish_reason"]) <= {"eos", "stop", "length", "tool_error"}
@@ -208,7 +198,7 @@ def through(folder):
     assert ("multi-turn with tools add (hermes calls, up to 4 turns, 10 s per call, 300 s per step, 8 at a time)"
             in proc.stdout)
     assert "[tool add] adding 12 and 7" in proc.stdout  # what the tool prints says it is the tool's
-    return _rows(folder, "through")
+    return metric_rows(folder, "through")
 
 
 def test_the_policy_calls_the_tool_and_trains_on_its_own_tokens_only(through):
@@ -251,7 +241,7 @@ def test_a_resumed_job_repeats_the_conversations(folder, through):
     assert first.returncode == 0, failed(first.stderr, 3000)
     second = _train(folder, "resumed", "train.steps=4", "train.resume=auto")
     assert second.returncode == 0, failed(second.stderr, 3000)
-    resumed = _rows(folder, "resumed")
+    resumed = metric_rows(folder, "resumed")
     assert [r["train/step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(through, resumed, strict=True):
         for key in ("reward/mean", "rollout/turns_mean", "rollout/tool_calls_per_sample", "response/length_mean",
@@ -269,7 +259,7 @@ def test_a_tool_that_exits_or_hangs_in_a_retry_loop_is_cut_off_and_counted(folde
     proc = _train(folder, "misbehaves", "train.steps=1", "rl.tool_timeout_s=0.4", "rl.tool_step_timeout_s=1",
                   "rl.tool_workers=1", misbehaves=True)
     assert proc.returncode == 0, failed(proc.stderr, 3000)
-    (row,) = _rows(folder, "misbehaves")
+    (row,) = metric_rows(folder, "misbehaves")
     calls = row["rollout/tool_calls_per_sample"] * 16  # 2 ranks x 2 prompts x 4 samples
     errors = {kind: row[f"rollout/tool_errors/{kind}"] for kind in ("exception", "timeout", "step_timeout")}
     assert errors["exception"] == 2 and 2 <= errors["timeout"] <= 4 and errors["step_timeout"] >= 2, errors
@@ -284,7 +274,7 @@ def test_an_environment_class_written_for_trl_trains_unchanged(folder):
     proc = _train(folder, "environment", "train.steps=2", "rl.tools=[]", "rl.environment=adder_env.py:AdderEnv")
     assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert "multi-turn with environment AdderEnv: tools add (hermes calls" in proc.stdout
-    rows = _rows(folder, "environment")
+    rows = metric_rows(folder, "environment")
     for row in rows:
         assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
         assert 0 < row["reward/AdderEnv"] <= 1 and row["reward/final_number"] > 0.2, row
@@ -315,7 +305,7 @@ def test_partial_rollouts_carry_conversations_and_a_resume_repeats_them(folder):
     proc = _train(folder, "partial", "train.steps=4", *partial, *SAVED_ENV)
     assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert "partial rollouts carried across steps" in proc.stdout and "dropped at the checkpoint" not in proc.stdout
-    through = _rows(folder, "partial")
+    through = metric_rows(folder, "partial")
     for row in through:
         assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
         assert 0 < row["reward/SavedAdderEnv"] <= 1 and row["env/calls"] > 0, row
@@ -336,7 +326,7 @@ def test_partial_rollouts_carry_conversations_and_a_resume_repeats_them(folder):
     assert any(not t["done"] for g in held for t in g["trajectories"])  # a conversation in flight
     second = _train(folder, "partial_resumed", "train.steps=4", "train.resume=auto", *partial, *SAVED_ENV)
     assert second.returncode == 0, failed(second.stderr, 3000)
-    resumed = _rows(folder, "partial_resumed")
+    resumed = metric_rows(folder, "partial_resumed")
     assert [r["train/step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(through, resumed, strict=True):
         for key in ("reward/mean", "reward/SavedAdderEnv", "env/calls", "rollout/turns_mean", "rollout/staleness_mean",
@@ -354,7 +344,7 @@ def test_conversations_whose_environment_cannot_be_saved_are_dropped_at_the_chec
     assert proc.returncode == 0, failed(proc.stderr, 3000)
     said = [line for line in proc.stdout.splitlines() if "dropped at the checkpoint" in line]
     assert said and all("AdderEnv has no __getstate__ / __setstate__ of its own" in line for line in said), said
-    rows = _rows(folder, "partial_unsaved")
+    rows = metric_rows(folder, "partial_unsaved")
     assert sum(r["rollout/dropped_stale"] for r in rows[1:]) > 0
     closed = (folder / "partial_unsaved.closed.jsonl").read_text().splitlines()
     assert len(closed) >= 3 * 16 + rows[1]["rollout/dropped_stale"]  # trained, and dropped unscored
@@ -370,7 +360,7 @@ def test_rollout_ranks_draw_conversations_on_and_checkpoint_them(folder):
                   "dist.rollout_ranks=2", *PARTIAL, *SAVED_ENV)
     assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert "rollouts by 2 rollout rank(s) of their own (ranks 2-3, compact, drawing on" in proc.stdout
-    rows = _rows(folder, "partial_ranks")
+    rows = metric_rows(folder, "partial_ranks")
     for row in rows:
         assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
         assert 0 < row["reward/SavedAdderEnv"] <= 1 and row["rollout/staleness_max"] <= 1, row
@@ -392,7 +382,7 @@ def test_rollout_ranks_draw_conversations_on_and_checkpoint_them(folder):
                      *SAVED_ENV)
     assert resumed.returncode == 0, failed(resumed.stderr, 3000)
     assert "holds no partial rollouts" not in resumed.stdout
-    again = _rows(folder, "partial_ranks_resumed")
+    again = metric_rows(folder, "partial_ranks_resumed")
     assert [r["train/step"] for r in again] == [3, 4]
     assert all(r["rollout/staleness_max"] <= 1 and r["rollout/turns_mean"] > 1.3 for r in again)
 
@@ -496,7 +486,7 @@ def test_vllm_runs_the_same_conversations_loop(folder, partial):
     proc = _train(folder, out, "train.steps=2", "rl.rollout_engine=vllm", *(PARTIAL if partial else []))
     assert proc.returncode == 0, failed(proc.stderr, 3000)
     assert "rollouts by vLLM" in proc.stdout and "multi-turn with tools add" in proc.stdout
-    rows = _rows(folder, out)
+    rows = metric_rows(folder, out)
     for row in rows:
         assert row["rollout/turns_mean"] > 1.3 and row["rollout/tool_calls_per_sample"] > 0.5, row
         assert not partial or row["rollout/staleness_max"] <= 1, row
@@ -569,6 +559,6 @@ def test_a_trl_reward_reads_the_users_own_environment_instances(folder):
     proc = _train(folder, "adding", "train.steps=2", "rl.tools=[]", "rl.environment=adding_env.py:AddingEnv",
                   "rl.reward_fn=adding_env.py:reward_func")
     assert proc.returncode == 0, failed(proc.stderr, 3000)
-    rows = _rows(folder, "adding")
+    rows = metric_rows(folder, "adding")
     assert all(0.0 <= row["reward/mean"] <= 1.0 for row in rows)
     assert any(row["reward/mean"] > 0 for row in rows)  # the memorised model calls add(12, 7): 19, the answer
