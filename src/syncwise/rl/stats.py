@@ -186,6 +186,18 @@ def agent_metrics(totals: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def scoring_metrics(scored: ScoredBatch, source: Any, info: DistInfo, timeout_s: float) -> dict[str, float]:
+    """Collective: what the episodes said of themselves (``env/...``) and what TRL-signature rewards logged with
+    ``log_metric`` (under its name), each averaged over the step's entries on every rank (``source``: the job's
+    prompt source, its environment and rewards)."""
+    out: dict[str, float] = {}
+    if source.environment is not None:
+        out.update(env_metrics(scored.episode_metrics, info, timeout_s))
+    if any(reward.trl for reward in source.rewards):
+        out.update(env_metrics(scored.reward_metrics or [], info, timeout_s, prefix=""))
+    return out
+
+
 def env_metrics(per_episode: list[dict[str, float]], info: DistInfo, timeout_s: float,
                 prefix: str = "env/") -> dict[str, float]:
     """``env/<name>``: each number an environment's ``metrics`` gave, its mean over the step's episodes

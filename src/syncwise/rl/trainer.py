@@ -37,7 +37,7 @@ from ..job_logs import JobLogs, LogSettings
 from ..metrics import job_history, plot_curves, plot_phases
 from ..models import build_model
 from ..models.lora import adapters_disabled
-from ..runtime.distributed import DistInfo, gather_to_main, init_distributed
+from ..runtime.distributed import DistInfo, init_distributed
 from ..runtime.roles import JobRoles
 from ..runtime.signals import stopped
 from .algorithm.advantages import grpo_advantages, rloo_advantages
@@ -52,20 +52,19 @@ from .evaluation import Evaluation, eval_row
 from .job_log import first_line, print_summary
 from .rollout.channel import RolloutChannel
 from .rollout.front import Rollout
-from .rollout.queue import ScoredBatch
 from .rollout_rank import rollout_ranks_line, share_network
 from .stats import (
     PHASES,
     PhaseClock,
     combine_updates,
     drawn_tokens,
-    env_metrics,
     progress_line,
     rollout_rank_metrics,
     rollout_stats,
+    scoring_metrics,
     throughput,
 )
-from .transcripts import completion_rows
+from .transcripts import step_completions
 from .warm_start import keep_changed_bases, start_from_policy, warm_start_step
 
 
@@ -186,10 +185,11 @@ class RLTrainer:
         batch = dict(scored.batch)
         if self.critic is None:  # a group's samples (rl.agent: their segments carry the sample's advantage)
             batch["advantages"] = scored.per_row(advantages_for(scored.per_sample(rewards), self.config))
-            self._log_completions(scored, batch["advantages"], step + 1)
         else:
-            self._log_completions(scored, None, step + 1)
             batch["rewards"] = rewards.float()  # moves with its sample; GAE reads it after balancing
+        rows = step_completions(scored, batch.get("advantages"), step + 1, self.config)
+        if rows is not None:
+            self.logs.log_completions(rows, step + 1)
         batch["rollout_log_probs"] = scored.log_probs  # moves with its sample; the loss reads it if asked
         with clock("balance"):
             batch, balance_metrics, counts = samples_that_train(batch, scored.per_sample(rewards), self.config.rl,
@@ -236,7 +236,8 @@ class RLTrainer:
             metrics.update(critic_metrics)
             metrics["stop/signal"] = max(metrics["stop/signal"], critic_metrics["critic/stop/signal"])
         metrics.update(balance_metrics)
-        metrics.update({k: v for k, v in self._scoring_metrics(scored).items() if k not in metrics})
+        scoring = scoring_metrics(scored, self.source, self.info, self.config.dist.timeout_s)
+        metrics.update({k: v for k, v in scoring.items() if k not in metrics})
         metrics.update(rollout_stats(scored, before_update, sampler_log_probs, batch["loss_mask"][:, 1:].double(),
                                      counts, self.info, self.config.dist.timeout_s,
                                      step if rl.is_off_policy else None))
@@ -250,27 +251,6 @@ class RLTrainer:
         if self.info.is_main:
             self.logs.log(metrics, progress_line(metrics))
         return metrics
-
-    def _scoring_metrics(self, scored: ScoredBatch) -> dict[str, float]:
-        """Collective: what the episodes said of themselves (``env/...``) and what TRL-signature rewards logged
-        with ``log_metric`` (under its name), each averaged over the step's entries on every rank."""
-        out: dict[str, float] = {}
-        if self.source.environment is not None:
-            out.update(env_metrics(scored.episode_metrics, self.info, self.config.dist.timeout_s))
-        if any(reward.trl for reward in self.source.rewards):
-            out.update(env_metrics(scored.reward_metrics or [], self.info, self.config.dist.timeout_s, prefix=""))
-        return out
-
-    def _log_completions(self, scored: ScoredBatch, advantages: torch.Tensor | None, done: int) -> None:
-        """Collective where due (``train.log_completions_every``): every rank's samples of the step, with their
-        rewards and advantages, gathered to rank 0 into the completions table."""
-        every = self.config.train.log_completions_every
-        if not every or (done % every and done != self.config.train.steps):
-            return
-        rows = completion_rows(scored, advantages, done, self.config.rl.is_off_policy)
-        gathered = gather_to_main(rows, "the completions table's gather", self.config.dist.timeout_s)
-        if gathered is not None:
-            self.logs.log_completions([row for rank_rows in gathered for row in rank_rows], done)
 
     def warm_start(self) -> None:
         """``rl.warm_start_steps`` supervised steps on the task's correct responses through the same engine,

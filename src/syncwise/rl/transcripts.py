@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..runtime.distributed import gather_to_main
 from .env.tools import ERROR_KINDS
 from .rollout.base import Trajectory
 from .rollout.queue import ScoredBatch
@@ -90,3 +91,16 @@ def completion_rows(scored: ScoredBatch, advantages: torch.Tensor | None, step: 
 def _number(value: Any) -> float | None:
     value = float(value)
     return None if math.isnan(value) else value
+
+
+def step_completions(scored: ScoredBatch, advantages: torch.Tensor | None, done: int, config: Any
+                     ) -> list[dict[str, Any]] | None:
+    """Collective where due (``train.log_completions_every``, and the last step): every rank's samples of step
+    ``done`` with their rewards and advantages (None: PPO's, not known yet), gathered; rank 0 gets the rows of
+    the completions table, the other ranks (and a step not due) None."""
+    every = config.train.log_completions_every
+    if not every or (done % every and done != config.train.steps):
+        return None
+    rows = completion_rows(scored, advantages, done, config.rl.is_off_policy)
+    gathered = gather_to_main(rows, "the completions table's gather", config.dist.timeout_s)
+    return None if gathered is None else [row for rank_rows in gathered for row in rank_rows]
