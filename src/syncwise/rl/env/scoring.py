@@ -279,7 +279,7 @@ async def _gather(awaitables: list[Any]) -> list[Any]:
 def _awaited(returned: dict[str, Any], functions: list[RewardFunction], prompts: list[Any],
              responses: list[Any]) -> dict[str, Any]:
     """``returned`` with every coroutine in it awaited, all side by side; the first that raised is its ValueError."""
-    places = []  # (name, sample index or None)
+    places = []  # (the function, its sample or None: one value for the batch)
     for reward in functions:
         value = returned[reward.name]
         if reward.trl or reward.batched:

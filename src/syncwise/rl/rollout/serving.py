@@ -1,6 +1,7 @@
 """The sampling side of the endpoint: a batch of queued requests, from any number of sessions, planned (token in:
-:mod:`syncwise.rl.rollout.sessions`), sampled together in one call of the rank's rollout engine (the compact sampler,
-``generate``, vLLM; a prompt's alike first turns prefilled once, as the turn loop's), each cut to what it asked for
+:mod:`syncwise.rl.rollout.sessions`), sampled together in one call of the rank's rollout engine for each distinct
+room the requests have (the compact sampler, ``generate``, vLLM; a prompt's alike first turns prefilled once, as the
+turn loop's; no request sampled past its own room), each cut to what it asked for
 (``max_tokens``, ``stop``), recorded (token out) and answered in OpenAI's shape -- with vLLM's ``prompt_token_ids``
 / ``token_ids`` beside where the request asked for them (``return_token_ids``; null otherwise, as vLLM answers)."""
 

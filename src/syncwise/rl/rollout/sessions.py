@@ -145,7 +145,7 @@ class Session:
     def take(self, turn: Turn, tokens: list[int], full: list[float], drawn: list[float] | None, ended: bool,
              version: int) -> None:
         """The turn the engine sampled for ``turn`` (cut to what the request allowed), appended as trained tokens
-        to the segment it was planned on -- whichever segment is newest by now."""
+        to the segment it was planned on (not whichever segment is newest by now)."""
         trajectory = turn.segment.trajectory
         trajectory.add(tokens, sampled=True, full=full, drawn=drawn, version=version)
         trajectory.counts["turns"] += 1
