@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, help="timed steps per configuration")
     bench.add_argument("--warmup", type=int, help="untimed rounds first")
     bench.add_argument("--seq-len", type=int, help="tokens per sample (default 64)")
-    bench.add_argument("--sequences", type=int, help="rl workload: sequences per rank (default 32)")
+    bench.add_argument("--sequences", type=int, help="rl workload: sequences per rank (default 32); dpo workload: "
+                                                     "pairs per step over all ranks (default 16, TRL's 8 a device)")
     bench.add_argument("--profile", action="store_true",
                        help="rl workload: torch.profiler's top operators of one packed step, fused LM head on / off")
     plan = sub.add_parser("plan", help="what each sync mode costs for a model and cluster (no job is run)")

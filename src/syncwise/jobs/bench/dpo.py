@@ -29,7 +29,7 @@ PEAK_RSS = ("import resource, subprocess, sys\ncode = subprocess.call(sys.argv[1
 class DPOBenchSpec:
     out_dir: str = "runs/bench_dpo"
     steps: int = 20  # steps a job (the first two not timed)
-    pairs_per_step: int = 8
+    pairs_per_step: int = 16  # TRL's default per_device_train_batch_size (8) on 2 ranks
     rounds: int = 2  # A B B A rounds
     nproc: int = 2
     trl_python: str | None = None  # a Python with trl installed
@@ -129,6 +129,7 @@ def run(args) -> int:
     out = out_dir(args, "bench_dpo")
     spec = DPOBenchSpec.quick(out) if args.quick else DPOBenchSpec(out_dir=out)
     spec.nproc, spec.trl_python, spec.job = args.nproc, args.trl_python, list(args.job or [])
+    spec.pairs_per_step = args.sequences or spec.pairs_per_step
     if args.repeats is not None:
         spec.rounds = args.repeats
     if spec.trl_python and not TRL_SCRIPT.is_file():
