@@ -1,10 +1,10 @@
 """``syncwise bench --workload dpo``: ``syncwise dpo`` beside TRL's ``DPOTrainer`` on the same model, pairs, loss
 and shape -- the SFT example's preference pairs and model unless ``--job`` names others (``model.path=...
-dpo.dataset=...``), ``sigmoid`` at beta 0.1, 16 pairs a step on 2 ranks (--sequences), lr 1e-5, fp32 -- one job after the other,
-A B B A over ``--repeats`` rounds, each a fresh process. TRL runs as its users run it on CPU (``torchrun`` and
-``use_cpu=True``, ``docs/bench/trl_dpo.py``) in the Python ``--trl-python`` names (an environment with ``trl``;
-without it, syncwise's side alone). Pairs per second from each job's median step after its first two, and the
-largest resident memory of any of its processes (the ranks'), side by side."""
+dpo.dataset=...``), ``sigmoid`` at beta 0.1, 16 pairs a step on 2 ranks (``--sequences``), lr 1e-5, fp32 -- one
+job after the other, A B B A over ``--repeats`` rounds, each a fresh process. TRL runs as its users run it on CPU
+(``torchrun`` and ``use_cpu=True``, ``docs/bench/trl_dpo.py``) in the Python ``--trl-python`` names (an environment
+with ``trl``; without it, syncwise's side alone). Pairs per second from each job's median step after its first two,
+and the largest resident memory of any of its processes (the ranks'), side by side."""
 
 from __future__ import annotations
 
