@@ -1,6 +1,6 @@
 """Run on 1 and 2 gloo ranks by test_dpo.py: the first step of `syncwise dpo` for every loss type and layout
-(packed with the shared prompt, packed without it, padded), its scores and gradient, against an independent
-computation in the test process."""
+(packed with the shared prompt, packed without it, padded -- each in another sync mode), its scores and gradient,
+against an independent computation in the test process."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from syncwise.dpo.trainer import DPOTrainer
 from syncwise.losses.preference import coefficient_loss
 
 LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
-LAYOUTS = {"shared": ["engine.packing=true", "engine.share_prefixes=true"],
-           "packed": ["engine.packing=true", "engine.share_prefixes=false"],
-           "padded": ["engine.packing=false"]}
+# each layout in another sync mode; 3 rows a micro-batch: a pair split across two (the coefficients make it exact)
+LAYOUTS = {"shared": ["engine.packing=true", "engine.share_prefixes=true", "sync.mode=deferred"],
+           "packed": ["engine.packing=true", "engine.share_prefixes=false", "sync.mode=per_microbatch"],
+           "padded": ["engine.packing=false", "sync.mode=deferred_unsharded"]}
 
 
 def dpo_config(folder: Path, loss: str, layout: str, *extra: str):
@@ -25,8 +26,8 @@ def dpo_config(folder: Path, loss: str, layout: str, *extra: str):
     return load_config(None, [
         f"model.path={folder / 'llama'}", f"dpo.dataset={folder / 'pairs.jsonl'}", f"dpo.loss_type={loss}",
         "dpo.batch_size=6", "dpo.beta=0.5", f"dpo.out_dir={folder / 'runs' / loss / layout}", "dpo.progress=false",
-        "dpo.export=false", "engine.micro_batch_size=2", "engine.max_tokens_per_micro_batch=0",
-        "engine.fused_lm_head=false", "sync.mode=deferred", "optim.name=sgd", "optim.lr=0", "optim.grad_clip=0",
+        "dpo.export=false", "engine.micro_batch_size=3", "engine.max_tokens_per_micro_batch=0",
+        "engine.fused_lm_head=false", "optim.name=sgd", "optim.lr=0", "optim.grad_clip=0",
         *reference, *smoothing, *LAYOUTS[layout], *extra])
 
 
