@@ -141,8 +141,8 @@ def test_syncwise_show_and_tensorboard_show_a_completion_s_control_characters_es
     """Issue 77 (5): completions are policy output, and `syncwise show` printed them raw to the terminal. Every
     control character but newline and tab is shown escaped, there and in TensorBoard's text."""
     from cli_harness import run_cli
-    from syncwise.completions import write_table
-    from syncwise.trackers import TensorBoardTracker
+    from syncwise.logs.completions import write_table
+    from syncwise.logs.trackers import TensorBoardTracker
 
     rows = [{"prompt": "say hi\n", "completion": HOSTILE + "\n\tindented", "reward": 1.0},
             {"prompt": "p", "completion": "plain", "reward": 0.0}]

@@ -29,7 +29,7 @@ from ..data.preference import PreferenceData, preference_batch
 from ..data.sft_dataset import SampleOrder, rank_share
 from ..engine import Engine
 from ..export import export_hf
-from ..job_logs import JobLogs, LogSettings
+from ..logs import JobLogs, LogSettings
 from ..losses.preference import (
     PairScores,
     PreferenceSettings,

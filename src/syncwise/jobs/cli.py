@@ -260,7 +260,7 @@ def _print_config(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     """``syncwise show RUN [--step N]``: the step's samples, best and worst, from ``RUN/completions``."""
-    from ..completions import view
+    from ..logs.completions import view
 
     try:
         print(view(args.run, args.step, args.best, args.worst))

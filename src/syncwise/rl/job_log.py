@@ -1,5 +1,5 @@
 """What an RL job says on rank 0: its first line (the task, the ranks, the rollouts, the loss, where it resumed) and
-its summary at the end (its logs: :class:`syncwise.job_logs.JobLogs`)."""
+its summary at the end (its logs: :class:`syncwise.logs.JobLogs`)."""
 
 from __future__ import annotations
 

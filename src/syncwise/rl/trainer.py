@@ -33,7 +33,7 @@ from ..checkpoint import CheckpointManager
 from ..config import Config, config_to_dict
 from ..engine import Engine
 from ..export import export_hf
-from ..job_logs import JobLogs, LogSettings
+from ..logs import JobLogs, LogSettings
 from ..metrics import job_history, plot_curves, plot_phases
 from ..models import build_model
 from ..models.lora import adapters_disabled

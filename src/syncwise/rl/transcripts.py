@@ -1,4 +1,4 @@
-"""What each sample of a step was, as the completions table (:mod:`syncwise.completions`) shows it: the prompt and
+"""What each sample of a step was, as the completions table (:mod:`syncwise.logs.completions`) shows it: the prompt and
 the completion as readable text (a conversation's tool calls and tool answers marked), the completion's messages as
 JSON, how it ended, its turns, calls and tool errors -- plain strings and numbers, drawn with the batch and kept with
 it (a lagged job's queue, a checkpoint, a rollout rank's mailbox) -- and, at the step that trains on it, its

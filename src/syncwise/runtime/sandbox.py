@@ -80,22 +80,17 @@ class Isolation:
         return bool(self.namespaces)
 
 
-# The kernel's keyrings are no namespace: a process keeps its parent's session keyring, and may read every key in
-# it (Kerberos KEYRING: caches, tokens host tooling keeps there) -- as root's sandbox uid too, as its possessor. So
-# the call's first program joins a fresh anonymous session keyring, then becomes the code's Python (execv: the code
-# sees a plain ``python -I -c``). Where keyctl cannot be called (a seccomp filter, an unknown machine), the call
-# goes on only if its session keyring cannot be reached at all.
-_KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219, "arm64": 219, "riscv64": 219, "ppc64le": 311, "s390x": 280,
-                   "i686": 288, "armv7l": 311}
-LEAVE_KEYRING = f"""
-import ctypes, os, platform, sys
-number = {_KEYCTL_SYSCALL!r}.get(platform.machine())
-libc = ctypes.CDLL(None, use_errno=True)
-keyctl = (lambda *args: libc.syscall(number, *args)) if number else (lambda *args: -1)
+# Keyrings are no namespace: the program would keep the job's session keyring and, as its possessor, read every key
+# in it (Kerberos KEYRING: caches, host tooling's tokens). Its first program joins a fresh anonymous session keyring,
+# then execs the code's Python; where keyctl cannot be called (seccomp, another machine), it goes on only if the
+# job's keyring is out of reach anyway.
+_KEYCTL = {"x86_64": 250, "aarch64": 219, "arm64": 219, "riscv64": 219, "ppc64le": 311, "s390x": 280, "i686": 288}
+LEAVE_KEYRING = f"""import ctypes, os, platform, sys
+number = {_KEYCTL!r}.get(platform.machine())
+keyctl = (lambda *a: ctypes.CDLL(None, use_errno=True).syscall(number, *a)) if number else (lambda *a: -1)
 if keyctl(1, None) < 0 and keyctl(0, -3, 0) >= 0:  # JOIN_SESSION_KEYRING(NULL) failed, the session still reachable
     sys.exit("sandbox: could not leave the job's session keyring; the code was not run")
-os.execv(sys.argv[1], sys.argv[1:])
-"""
+os.execv(sys.argv[1], sys.argv[1:])"""
 
 _NAMESPACES = ("--pid", "--fork", "--kill-child", "--net", "--mount", "--ipc", "--uts", "--propagation", "private")
 _PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
@@ -337,16 +332,11 @@ class _CallCgroup:
     def __exit__(self, *exc) -> None:
         for folder in set(self.dirs.values()):
             deadline = time.monotonic() + 10
-            while True:
-                try:
+            while folder.exists() and time.monotonic() < deadline:
+                with contextlib.suppress(OSError):  # its last processes may still be being torn down
                     folder.rmdir()
                     break
-                except FileNotFoundError:
-                    break
-                except OSError:  # its last processes are still being torn down
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.01)
+                time.sleep(0.01)
 
 
 def _kill_all(proc: subprocess.Popen, uid: int | None, cgroup: _CallCgroup | None, found: Isolation) -> None:
@@ -358,15 +348,11 @@ def _kill_all(proc: subprocess.Popen, uid: int | None, cgroup: _CallCgroup | Non
     if uid is not None and not found.own_pids:
         subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "kill", "-9", "-1"],
                        capture_output=True, timeout=10, check=False)
+    if cgroup is None and uid is None:
+        return
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if cgroup is not None:
-            gone = cgroup.empty()
-        elif uid is not None:
-            gone = not _alive(uid)
-        else:
-            return
-        if gone:
+        if cgroup.empty() if cgroup is not None else not _alive(uid):
             return
         time.sleep(0.01)
 

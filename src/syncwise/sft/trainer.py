@@ -23,7 +23,7 @@ from ..config import Config, config_to_dict
 from ..data.sft_dataset import SampleOrder, padded_batch, rank_share
 from ..engine import Engine
 from ..export import export_hf
-from ..job_logs import JobLogs, LogSettings
+from ..logs import JobLogs, LogSettings
 from ..losses import sft_loss
 from ..metrics import format_step, job_history, plot_curves
 from ..models import build_model

@@ -1,7 +1,7 @@
-"""Where a job's steps go on rank 0, for ``syncwise train`` and ``syncwise sft`` alike: its ``config.yaml``,
-``metrics.jsonl`` (continued where a resumed job starts), the loggers of ``train.logger`` / ``sft.logger``
-(:mod:`syncwise.trackers`), the completions table (:mod:`syncwise.completions`), and the console -- a progress
-bar, or with the bar off a line every ``log_every`` steps."""
+"""Where a job's steps go on rank 0, for ``syncwise train``, ``sft`` and ``dpo`` alike: its ``config.yaml``,
+``metrics.jsonl`` (continued where a resumed job starts), the loggers of ``train.logger`` / ``sft.logger`` /
+``dpo.logger`` (:mod:`syncwise.logs.trackers`), the completions table (:mod:`syncwise.logs.completions`), and the
+console -- a progress bar, or with the bar off a line every ``log_every`` steps."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
+from ..metrics import open_job_log, set_aside
 from .completions import FOLDER, write_table
-from .metrics import open_job_log, set_aside
 from .trackers import Tracker, open_trackers
 
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .runtime.terminal import escape_controls
+from ..runtime.terminal import escape_controls
 
 FOLDER = "completions"
 # what the view prints above each sample's prompt and completion, where the table has it

@@ -1,6 +1,6 @@
 """Where a job's metrics go beside its ``metrics.jsonl`` (``train.logger`` / ``sft.logger``): TensorBoard, Weights &
 Biases, MLflow and Trackio, through their own packages (optional extras), on rank 0 only. Each tracker gets every
-step's numbers, the evaluations' rows, the completions table (:mod:`syncwise.completions`) and the job's config;
+step's numbers, the evaluations' rows, the completions table (:mod:`syncwise.logs.completions`) and the job's config;
 a resumed job continues the same run, whose id its checkpoint keeps (:meth:`Tracker.run_id`).
 
 Where each writes is its package's own setting: wandb's ``WANDB_PROJECT`` / ``WANDB_MODE`` (``offline``: a run
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config.loading import flat_keys
-from .metrics import set_aside
-from .runtime.terminal import escape_controls
+from ..config.loading import flat_keys
+from ..metrics import set_aside
+from ..runtime.terminal import escape_controls
 
 PROJECT = "syncwise"
 
