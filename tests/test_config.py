@@ -53,6 +53,21 @@ def test_bad_values_name_the_key(override, message):
     assert message in str(info.value)
 
 
+def test_every_unknown_key_is_named_in_one_error(tmp_path):
+    """Issue 80 (4): a command line or YAML with several unknown keys was one error a run. Now one error names each,
+    across sections, with its hint (TRL's logging_steps pointing at every job's log_every)."""
+    yaml_file = tmp_path / "job.yaml"
+    yaml_file.write_text("engine:\n  stratgy: fsdp2\ntrain:\n  logging_steps: 5\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(yaml_file, ["optim.learning_rate=1e-6", "rl.num_generations=8", "nosection.key=1"])
+    assert len([part for part in str(info.value).split("; ") if "unknown key" in part]) == 5, str(info.value)
+    for words in ("'engine.stratgy' (did you mean 'engine.strategy'?)",
+                  "'train.logging_steps': TRL's logging_steps is train.log_every, sft.log_every or dpo.log_every",
+                  "'optim.learning_rate': TRL's learning_rate is optim.lr", "'rl.num_generations': TRL's num_generations",
+                  "'nosection'"):
+        assert words in str(info.value), words
+
+
 def test_impossible_combinations():
     with pytest.raises(ConfigError, match="engine.hsdp_replicas=2 needs engine.strategy fsdp2 or fsdp1"):
         load_config(None, ["engine.strategy=ddp", "engine.hsdp_replicas=2"])

@@ -28,19 +28,35 @@ def build(cls: type, data: Any, prefix: str) -> Any:
             f"e.g. {section}.{names[0]}=..."
         )
     hints = typing.get_type_hints(cls)
-    kwargs = {}
+    kwargs, unknown = {}, []  # every unknown key of every section, in one error: not one a run
     for key, value in data.items():
         if key not in names:
-            if f"{prefix}{key}" in MOVED:
-                raise ConfigError(f"'{prefix}{key}' is now '{MOVED[prefix + key]}'")
-            peer = peer_hint(f"{prefix}{key}", value)
-            if peer:
-                raise ConfigError(f"unknown key '{peer[0]}': {peer[1]}")
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise ConfigError(f"unknown key '{prefix}{key}'{hint}; known keys: {', '.join(names)}")
-        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+            unknown.append(_unknown(names, prefix, key, value))
+        elif dataclasses.is_dataclass(hints[key]):
+            try:
+                kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+            except UnknownKeys as exc:
+                unknown.append(str(exc))
+        else:
+            kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    if unknown:
+        raise UnknownKeys("; ".join(unknown))
     return cls(**kwargs)
+
+
+class UnknownKeys(ConfigError):
+    """One or more keys no section has: each named, with its nearest known key or its TRL / verl equivalent."""
+
+
+def _unknown(names: list[str], prefix: str, key: str, value: Any) -> str:
+    if f"{prefix}{key}" in MOVED:
+        return f"'{prefix}{key}' is now '{MOVED[prefix + key]}'"
+    peer = peer_hint(f"{prefix}{key}", value)
+    if peer:
+        return f"unknown key '{peer[0]}': {peer[1]}"
+    close = difflib.get_close_matches(str(key), names, n=1)
+    hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+    return f"unknown key '{prefix}{key}'{hint}; known keys: {', '.join(names)}"
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
