@@ -63,8 +63,8 @@ def test_every_unknown_key_is_named_in_one_error(tmp_path):
     assert len([part for part in str(info.value).split("; ") if "unknown key" in part]) == 5, str(info.value)
     for words in ("'engine.stratgy' (did you mean 'engine.strategy'?)",
                   "'train.logging_steps': TRL's logging_steps is train.log_every, sft.log_every or dpo.log_every",
-                  "'optim.learning_rate': TRL's learning_rate is optim.lr", "'rl.num_generations': TRL's num_generations",
-                  "'nosection'"):
+                  "'optim.learning_rate': TRL's learning_rate is optim.lr",
+                  "'rl.num_generations': TRL's num_generations", "'nosection'"):
         assert words in str(info.value), words
 
 
