@@ -170,6 +170,8 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_endpoint_return
         assert row["agent/inserted_tokens"] > 0 and row["agent/sampled_tokens"] > 0, row
         assert row["agent/requests"] >= 16 + 8, row  # most runs call the tool, then answer
         assert row["reward/mean"] > 0.2, row
+        # issue 80 (4): a single reward function's own mean is logged too (the agents' runs return None: all its)
+        assert row["reward/final_number"] == pytest.approx(row["reward/mean"], abs=1e-9), row
         # the trainer's forward of the whole conversation gives the sampler's log-probs: nothing re-tokenised
         assert row["rollout/log_prob_diff"] < 2e-6 and row["rollout/log_prob_diff_max"] < 2e-5, row
     runs = [json.loads(line) for log in folder.glob("calc.log.*") for line in log.read_text().splitlines()]

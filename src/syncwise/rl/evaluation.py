@@ -66,9 +66,9 @@ class Evaluation:
         metrics = {"eval/reward/mean": totals["reward"] / count, "eval/solved_fraction": totals["solved"] / count,
                    "eval/response/length_mean": totals["response_tokens"] / count,
                    "eval/response/clipped_fraction": totals["clipped"] / count, "eval/samples": totals["samples"]}
-        if len(names) > 1:  # each function's mean over the samples it scored (none: left out)
-            metrics |= {f"eval/reward/{n}": totals[f"reward/{n}"] / totals[f"scored_by/{n}"] for n in names
-                        if totals[f"scored_by/{n}"]}
+        # each function's mean over the samples it scored (none: left out), a single function's too
+        metrics |= {f"eval/reward/{n}": totals[f"reward/{n}"] / totals[f"scored_by/{n}"] for n in names
+                    if totals[f"scored_by/{n}"]}
         return metrics
 
 

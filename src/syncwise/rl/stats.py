@@ -68,7 +68,7 @@ def rollout_stats(
     return {
         **(tool_metrics(tools, count) if tools else {}),
         **(agent_metrics(totals) if result.agent_counts is not None else {}),
-        **(by_function if sum(k.startswith("reward/") for k in totals) > 1 else {}),
+        **by_function,  # a single function's too, as TRL logs rewards/<name>/mean for each
         **({"reward/all_none_fraction": totals["all_none"] / count} if totals["all_none"] else {}),
         "response/clipped_fraction": totals["clipped"] / count,  # cut by rl.max_new_tokens
         "reward/mean": mean,
