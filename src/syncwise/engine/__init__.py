@@ -85,7 +85,9 @@ class Engine:
         if not trainable:
             raw.requires_grad_(False)
         self.flops = UsefulFlops.of(raw, self.features.hf_config)  # before wrapping: FSDP1 flattens them
-        self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh)
+        role = ("the critic (value model)" if self.features.value_head else "the trained model") if trainable \
+            else "a frozen model (the reference)"
+        self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh, role)
         self.model = self.wrapped.module
         self.trainable = trainable
         self.optimizer = build_optimizer(self.model.parameters(), config.optim) if trainable else None

@@ -60,11 +60,13 @@ def wrap_model(
     model_cfg: ModelConfig,
     device: torch.device,
     mesh: DeviceMesh | None,
+    role: str = "the model",
 ) -> WrappedModel:
     """Wrap ``model`` (fp32, on CPU, same weights on every rank; or built on the meta device by
     ``build_model(..., deferred=True)``: filled here, once sharded under FSDP2) according to
-    ``engine_cfg.strategy``."""
-    _, world_size = rank_and_world()
+    ``engine_cfg.strategy``; ``role``: which model it is, in the line rank 0 says when it fills one."""
+    rank, world_size = rank_and_world()
+    say = role if rank == 0 else None
     strategy = engine_cfg.strategy
     if engine_cfg.cpu_offload and device.type == "cpu":
         # FSDP's offload moves parameters and optimizer state from an accelerator to host memory; on a
@@ -73,7 +75,7 @@ def wrap_model(
     if engine_cfg.activation_checkpointing:
         checkpoint_decoder_layers(model)
     if strategy != "fsdp2":  # a model built on the meta device, filled whole before wrapping (FSDP2: once sharded)
-        materialize(model, device if strategy != "fsdp1" else torch.device("cpu"), say=rank_and_world()[0] == 0)
+        materialize(model, device if strategy != "fsdp1" else torch.device("cpu"), say=say)
     if strategy == "none":
         if world_size > 1:
             raise ValueError(
@@ -84,7 +86,7 @@ def wrap_model(
     if not dist.is_initialized():
         raise ValueError(f"engine.strategy={strategy!r} needs a process group (run under the launcher)")
     if strategy == "fsdp2":
-        module = _wrap_fsdp2(model, engine_cfg, model_cfg, device, mesh)
+        module = _wrap_fsdp2(model, engine_cfg, model_cfg, device, mesh, say)
         units = [m for m in fsdp.fsdp2_units(module) if fsdp.has_params(m)]
     elif strategy == "fsdp1":
         module = _wrap_fsdp1(model, engine_cfg, model_cfg, device, mesh)
@@ -117,7 +119,7 @@ def checkpoint_decoder_layers(model: nn.Module) -> None:
 
 def _wrap_fsdp2(
     model: nn.Module, engine_cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device,
-    mesh: DeviceMesh | None,
+    mesh: DeviceMesh | None, say: str | None = None,
 ) -> nn.Module:
     fsdp.require_supported_torch()
     param_dtype = DTYPE_BY_NAME[model_cfg.param_dtype]
@@ -141,7 +143,7 @@ def _wrap_fsdp2(
         del root_kwargs["reshard_after_forward"]
     fully_shard(model, **root_kwargs)
     if deferred:  # each rank allocates and fills only its own shards
-        materialize(model, torch.device("cpu") if engine_cfg.cpu_offload else device, say=rank_and_world()[0] == 0)
+        materialize(model, torch.device("cpu") if engine_cfg.cpu_offload else device, say=say)
     fsdp.init_root(model)
     return model
 

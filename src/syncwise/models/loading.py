@@ -118,10 +118,11 @@ def defer(model: nn.Module, source: str | None, seed: int, init_std: float, stan
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device | str, say: bool = False) -> None:
+def materialize(model: nn.Module, device: torch.device | str, say: str | None = None) -> None:
     """Allocate the (wrapped or not) meta model's tensors on ``device`` -- each rank its own shards under FSDP2 --
     and fill them: buffers and kept values copied back, the checkpoint's tensors read (each rank its slices),
-    the rest initialised. ``say``: print the one line of what it did (rank 0)."""
+    the rest initialised. ``say``: which model it is (``the policy``), for the one line of what it did (rank 0;
+None: nothing said)."""
     pending = pending_of(model)
     if pending is None:
         return
@@ -152,7 +153,7 @@ def materialize(model: nn.Module, device: torch.device | str, say: bool = False)
     if say:
         if pending.report.get("note"):
             print(f"syncwise: {pending.report['note']}", flush=True)
-        print(f"syncwise: {load_line(pending.report)}", flush=True)
+        print(f"syncwise: {say} {load_line(pending.report)}", flush=True)
 
 
 def load_line(report: dict[str, Any]) -> str:
@@ -160,7 +161,7 @@ def load_line(report: dict[str, Any]) -> str:
             else "initialised on the device, seeded per tensor")
     peak = (f"; at most {report['host_bytes'] / 2**30:.2f} GiB of host memory above the process's own (rank 0)"
             if report.get("host_bytes") is not None else "")
-    return f"model built on the meta device, {what} in {report['seconds']:.1f} s{peak}"
+    return f"built on the meta device, {what} in {report['seconds']:.1f} s{peak}"
 
 
 def read_checkpoint(requests: dict[str, torch.Tensor], layout: CheckpointLayout) -> None:
