@@ -123,7 +123,7 @@ def test_checkpoint_holds_adapters_and_their_optimizer_state_only(w2):
 
 def test_exports_load_and_give_the_trained_log_probs(w2):
     r = w2["checkpoint"]
-    assert "adapter" in r["export_files"] and "model.safetensors.index.json" in r["export_files"]
+    assert "adapter" in r["export_files"] and "model.safetensors" in r["export_files"]  # a small model: one file
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r["adapter_files"])
     engine = r["engine_log_probs"][:, : r["merged_log_probs"].shape[1]]
     mask = engine != 0

@@ -94,6 +94,8 @@ def test_export_chats_with_transformers(user):
 
     export = user["root"] / "full" / "export"
     assert (export / "chat_template.jinja").is_file()
+    # issue 80 (4): a small model is one file, as save_pretrained writes it (it was a shard per wrapping unit)
+    assert [p.name for p in export.glob("model*.safetensors*")] == ["model.safetensors"]
     tokenizer = AutoTokenizer.from_pretrained(export)
     model = AutoModelForCausalLM.from_pretrained(export).eval()
     messages = [{"role": "user", "content": "Ava has 3 apples and buys 4 more. How many apples does Ava have?"}]
@@ -214,3 +216,28 @@ def test_the_export_s_generation_config_is_the_folder_s_else_the_tokenizer_s(tmp
     tokenizer = builtin_tokenizer()
     made = generation_config(None, tokenizer, config)
     assert (made.eos_token_id, made.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+def test_a_larger_export_is_written_in_shards_with_their_index(tmp_path, monkeypatch):
+    """The export's files hold units until about SHARD_BYTES (2 GiB): past it, shards and the index, which
+    from_pretrained loads to the same weights."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from syncwise import export
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    weights = {k: v for k, v in model.state_dict().items()}
+    monkeypatch.setattr(export, "SHARD_BYTES", 40_000)  # a few units a file
+    writer = export._ShardWriter(tmp_path, config, value_head=False)
+    for i in range(config.num_hidden_layers):
+        writer.add({k: v for k, v in weights.items() if k.startswith(f"model.layers.{i}.")})
+    writer.add({k: v for k, v in weights.items() if not k.startswith("model.layers.")})
+    writer.finish()
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in weights.items())

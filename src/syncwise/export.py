@@ -24,8 +24,8 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | N
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it.
 
     Streamed: the weights are gathered one wrapping unit at a time (:meth:`Engine.full_weights_by_unit`) and
-    rank 0 writes each unit as a shard file of its own (``model-0000k-of-0000n.safetensors`` with the index), so
-    no rank ever holds the whole model beside its shards.
+    rank 0 writes them in files of about :data:`SHARD_BYTES` (``model-0000k-of-0000n.safetensors`` with the index;
+    a smaller model one ``model.safetensors``), so no rank ever holds the whole model beside its shards.
 
     With LoRA, ``out_dir`` holds the merged model (each adapted weight plus its peft layer's delta; untied
     where an adapter sits on a tied embedding) and ``out_dir/adapter`` the peft adapter folder
@@ -63,9 +63,13 @@ def export_hf(engine: Engine, tokenizer, out_dir: str | Path, base_path: str | N
     return out if rank == 0 else None
 
 
+SHARD_BYTES = 2 << 30  # units are gathered into files of about this size: a small model is one file, as save_pretrained
+
+
 class _ShardWriter:
-    """A Hugging Face model folder written a shard at a time: each ``add`` one safetensors file (the tied weight's
-    second name left out, as ``save_pretrained`` does), ``finish`` the index and ``config.json``."""
+    """A Hugging Face model folder written a shard at a time: ``add`` a unit's tensors (the tied weight's second name
+    left out, as ``save_pretrained`` does), held until :data:`SHARD_BYTES` are, then written as one safetensors
+    file; ``finish`` the last, the index (a single file is ``model.safetensors``, no index) and ``config.json``."""
 
     def __init__(self, out: Path, hf_config, value_head: bool):
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
@@ -78,29 +82,39 @@ class _ShardWriter:
         self.config.architectures = [mapping[type(hf_config)].__name__]
         self.weight_map: dict[str, str] = {}
         self.total = 0
+        self.held: dict[str, torch.Tensor] = {}
         tied = getattr(hf_config, "tie_word_embeddings", False) and not value_head
         self.drop = {"lm_head.weight"} if tied else set()
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.held |= {k: v.detach().to("cpu").contiguous() for k, v in tensors.items() if k not in self.drop}
+        if sum(t.numel() * t.element_size() for t in self.held.values()) >= SHARD_BYTES:
+            self._write()
+
+    def _write(self) -> None:
         from safetensors.torch import save_file
 
-        kept = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items() if k not in self.drop}
-        if not kept:
+        if not self.held:
             return
         name = f"part-{len(self.files):05d}.safetensors"
-        save_file(kept, str(self.out / name), metadata={"format": "pt"})
+        save_file(self.held, str(self.out / name), metadata={"format": "pt"})
         self.files.append(name)
-        self.weight_map |= dict.fromkeys(kept, name)
-        self.total += sum(t.numel() * t.element_size() for t in kept.values())
+        self.weight_map |= dict.fromkeys(self.held, name)
+        self.total += sum(t.numel() * t.element_size() for t in self.held.values())
+        self.held = {}
 
     def finish(self) -> None:
+        self._write()
         count = len(self.files)
-        final = {name: f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i, name in enumerate(self.files)}
-        for name, target in final.items():
-            os.replace(self.out / name, self.out / target)
-        index = {"metadata": {"total_size": self.total},
-                 "weight_map": {k: final[v] for k, v in sorted(self.weight_map.items())}}
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        if count == 1:
+            os.replace(self.out / self.files[0], self.out / "model.safetensors")
+        else:
+            final = {name: f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i, name in enumerate(self.files)}
+            for name, target in final.items():
+                os.replace(self.out / name, self.out / target)
+            index = {"metadata": {"total_size": self.total},
+                     "weight_map": {k: final[v] for k, v in sorted(self.weight_map.items())}}
+            (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         self.config.save_pretrained(self.out)
 
 
