@@ -49,3 +49,13 @@ def test_help_names_the_sections_and_points_to_syncwise_config():
         assert proc.returncode == 0
         assert "in the sections model, engine, sync, optim, dist, sft, rl, critic, train" in text
         assert "`syncwise config [train|sft]` prints every key with its doc and default" in text
+
+
+def test_syncwise_config_prints_a_job_that_still_lacks_its_reward_and_says_so():
+    """Issue 80 (4): `syncwise config train model.path=... rl.dataset=...`, as the README prints it, was refused (no
+    reward yet). It prints the config, and its last line says what `syncwise train` still needs."""
+    proc = _syncwise("config", "train", "model.path=/models/mine", "rl.dataset=p.jsonl")
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["rl"]["dataset"] == "p.jsonl"
+    assert proc.stdout.strip().splitlines()[-1] == ("# before syncwise train can run it: rl.dataset needs rl.reward_fn "
+                                                    "(package.module:function): a prompt file brings no reward")

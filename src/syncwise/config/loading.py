@@ -86,7 +86,8 @@ RECIPES = {"train": "grpo.yaml"}
 PRETRAINED = {"train": {"optim": {"lr": 1.0e-6}}}
 
 
-def load_job_config(job: str, path: str | Path | None, overrides: list[str]) -> tuple[Config, list[str]]:
+def load_job_config(job: str, path: str | Path | None, overrides: list[str],
+                    runnable: bool = True) -> tuple[Config, list[str]]:
     """The config of ``syncwise <job>``, layered: the defaults, the built-in task's recipe (:data:`RECIPES`, only
     for the built-in task), the defaults for a pretrained model (:data:`PRETRAINED`, with ``model.path``), the
     YAML at ``path``, the command line -- and the lines that say which keys differ from the defaults and where
@@ -109,7 +110,7 @@ def load_job_config(job: str, path: str | Path | None, overrides: list[str]) -> 
     merged: dict[str, Any] = {}
     for _, layer in layers:
         merged = deep_merge(merged, layer)
-    config = load_config_dict(merged)
+    config = load_config_dict(merged, runnable)
     return config, _differences(config, layers)
 
 
@@ -151,9 +152,10 @@ def _differences(config: Config, layers: list[tuple[str, dict[str, Any]]]) -> li
     return [f"{', '.join(keys)} ({source})" for source, keys in by_source.items()]
 
 
-def load_config_dict(data: dict[str, Any]) -> Config:
-    """A validated :class:`Config` from a nested dict (as :func:`config_to_dict` writes it)."""
-    return build(Config, data, prefix="").validate()
+def load_config_dict(data: dict[str, Any], runnable: bool = True) -> Config:
+    """A validated :class:`Config` from a nested dict (as :func:`config_to_dict` writes it); ``runnable``: see
+    :meth:`Config.validate`."""
+    return build(Config, data, prefix="").validate(runnable)
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

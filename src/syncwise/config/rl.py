@@ -211,6 +211,14 @@ class RLConfig:
         """Whether rl.top_k / rl.top_p / rl.min_p cut the sampler's distribution."""
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
+    def missing_scorer(self) -> str | None:
+        """What a job on these keys still needs to score its samples, or None: a prompt file brings no reward (the
+        environment's get_reward, or the agent, may score instead). Config.validate refuses it for a job;
+        ``syncwise config`` prints the config and says it."""
+        if self.dataset and not self.reward_fn and not self.environment and not self.agent:
+            return "rl.dataset needs rl.reward_fn (package.module:function): a prompt file brings no reward"
+        return None
+
     def validate(self) -> RLConfig:
         """The section's own rules (those that read another section are :class:`~syncwise.config.Config`'s)."""
         self._validate_algorithm()
@@ -218,9 +226,6 @@ class RLConfig:
         self._validate_tools()
         self.loss.validate()
         self._validate_agent()
-        # the environment's get_reward, or the agent, may score
-        if self.dataset and not self.reward_fn and not self.environment and not self.agent:
-            raise ConfigError("rl.dataset needs rl.reward_fn (package.module:function): a prompt file brings no reward")
         positive("rl.prompts_per_rank", self.prompts_per_rank)
         positive("rl.samples_per_prompt", self.samples_per_prompt)
         non_negative("rl.warm_start_steps", self.warm_start_steps)

@@ -42,11 +42,14 @@ class Config:
         except ConfigError as exc:  # every message starts with the key it names
             raise ConfigError(f"critic.{exc}") from None
 
-    def validate(self) -> Config:
-        """Every section by itself, then the rules across sections."""
+    def validate(self, runnable: bool = True) -> Config:
+        """Every section by itself, then the rules across sections; ``runnable``: also that a job could run on it
+        (``syncwise config`` prints a config that is not yet, and says what it lacks)."""
         self._validate_training()
         for section in (self.rl, self.critic, self.train, self.sft, self.dpo):
             section.validate()
+        if runnable and (missing := self.rl.missing_scorer()):
+            raise ConfigError(missing)
         if self.rl.algorithm == "ppo":
             self.critic_config()
         if not self.rl.tool_step_timeout_s:  # resolved here: what runs is what config.yaml records

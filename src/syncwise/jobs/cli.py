@@ -248,13 +248,15 @@ def _print_config(args: argparse.Namespace) -> int:
 
     path, overrides = _split_args(args.args)
     try:
-        config, differences = load_job_config(args.job, path, overrides)
+        config, differences = load_job_config(args.job, path, overrides, runnable=False)
     except ConfigError as exc:
         print(f"syncwise: config error: {exc}", file=sys.stderr)
         return 2
     print(describe(config, args.job, JOB_SECTIONS[args.job]))
     if differences:
         print(f"# beside the defaults: {'; '.join(differences)}")
+    if args.job == "train" and (missing := config.rl.missing_scorer()):
+        print(f"# before syncwise train can run it: {missing}")
     return 0
 
 
