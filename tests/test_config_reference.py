@@ -43,12 +43,12 @@ def test_syncwise_config_prints_the_resolved_config_with_docs_and_defaults():
 
 
 def test_help_names_the_sections_and_points_to_syncwise_config():
-    for args in (["--help"], ["train", "--help"], ["sft", "--help"]):
+    for args in (["--help"], ["train", "--help"], ["sft", "--help"], ["dpo", "--help"]):
         proc = _syncwise(*args)
         text = " ".join(proc.stdout.split())
         assert proc.returncode == 0
-        assert "in the sections model, engine, sync, optim, dist, sft, rl, critic, train" in text
-        assert "`syncwise config [train|sft]` prints every key with its doc and default" in text
+        assert "in the sections model, engine, sync, optim, dist, sft, dpo, rl, critic, train" in text
+        assert "`syncwise config [train|sft|dpo]` prints every key with its doc and default" in text
 
 
 def test_syncwise_config_prints_a_job_that_still_lacks_its_reward_and_says_so():
