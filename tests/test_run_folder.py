@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from job_output import failed
-from syncwise.runtime.run_folder import LOCK_NAME, RunFolderBusy, RunFolderLock
+from syncwise.runtime.run_folder import LOCK_NAME, RunFolderLock, RunFolderRefused
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 HOLD = ("import sys\nfrom syncwise.runtime.run_folder import RunFolderLock\n"
@@ -34,7 +34,7 @@ def _holder(folder: Path) -> subprocess.Popen:
 def test_a_folder_held_by_a_live_process_is_refused_and_taken_over_once_it_dies(tmp_path):
     holder = _holder(tmp_path / "run")
     try:
-        with pytest.raises(RunFolderBusy, match=rf"^sft.out_dir: {tmp_path / 'run'} is in use by another job "
+        with pytest.raises(RunFolderRefused, match=rf"^sft.out_dir: {tmp_path / 'run'} is in use by another job "
                                                 rf"\(pid {holder.pid} on "):
             RunFolderLock(tmp_path / "run", "sft.out_dir").acquire()
     finally:

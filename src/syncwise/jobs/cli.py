@@ -16,7 +16,7 @@ from ..config import ROLLOUT_ENGINES, ConfigError, config_to_dict, load_job_conf
 from ..config.reference import sections
 from ..runtime.launcher import DEBUG_ENV, launch
 from ..runtime.rank_server import Gate, Worker
-from ..runtime.run_folder import RunFolderBusy, RunFolderLock
+from ..runtime.run_folder import RunFolderLock, RunFolderRefused
 from .bench import WORKLOADS, run_workload
 
 
@@ -47,7 +47,7 @@ def _run_job(worker_path: str, args: argparse.Namespace, job: str) -> int:
         with RunFolderLock(folder, key) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext():
             return launch(Worker(worker_path), config.dist.nproc, payload,
                           gate=Gate(Worker("syncwise.jobs.preflight:check_job"), (payload, job)))
-    except (ConfigError, PreflightError, RunFolderBusy) as exc:
+    except (ConfigError, PreflightError, RunFolderRefused) as exc:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks; one says it
             kind = "config error" if isinstance(exc, ConfigError) else "error"
             print(f"syncwise: {kind}: {exc}", file=sys.stderr)

@@ -1,6 +1,6 @@
-"""One job a run folder: a lock held on ``train.out_dir`` / ``sft.out_dir`` for the job's life, so that a second
-job on the same folder is refused in one line instead of setting the first's logs aside, replacing its
-``config.yaml`` and writing checkpoints beside it (both would exit 0, and a later ``resume=auto`` would resume a
+"""One job a run folder: a lock held on ``train.out_dir`` / ``sft.out_dir`` / ``dpo.out_dir`` for the job's life,
+so that a second job on the same folder is refused in one line instead of setting the first's logs aside, replacing
+its ``config.yaml`` and writing checkpoints beside it (both would exit 0, and a later ``resume=auto`` would resume a
 mixture).
 
 The lock is the kernel's (``flock`` on ``<folder>/.syncwise.lock``): it goes with the process that holds it,
@@ -17,8 +17,8 @@ from pathlib import Path
 LOCK_NAME = ".syncwise.lock"
 
 
-class RunFolderBusy(RuntimeError):
-    """Another live job holds the folder: the message names the folder and the holder."""
+class RunFolderRefused(RuntimeError):
+    """Another live job holds the folder, or it cannot be written: the message names the folder (and the holder)."""
 
 
 class RunFolderLock:
@@ -29,14 +29,17 @@ class RunFolderLock:
         self._fd: int | None = None
 
     def acquire(self) -> RunFolderLock:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise RunFolderRefused(f"{self.key}: {self.folder}: cannot write there ({exc.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not said its pid"
             os.close(fd)
-            raise RunFolderBusy(f"{self.key}: {self.folder} is in use by another job ({holder}); wait for it, stop "
+            raise RunFolderRefused(f"{self.key}: {self.folder} is in use by another job ({holder}); wait for it, stop "
                                 "it, or give this job another folder") from None
         os.set_inheritable(fd, False)  # the ranks and tools this process starts do not hold it past its end
         os.ftruncate(fd, 0)
