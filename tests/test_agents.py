@@ -573,3 +573,15 @@ def test_serve_takes_keys_after_options_names_a_missing_folder_and_prints_the_ur
         assert endpoint.base_url() == f"http://{socket.gethostname()}:{endpoint.port}/v1"
     finally:
         endpoint.close()
+
+
+def test_an_agent_job_whose_every_run_fails_the_same_way_stops_with_that_reason(folder):
+    """Issue 80 (4): every run raised the same error, so nothing trained, and the job ended with the engine's
+    'loss_mask ... leaves no target token' -- the reason lost. It stops with the first run's words."""
+    (folder / "broken_agent.py").write_text("def agent(row, base_url):\n    return row['missing_column']\n")
+    proc = train(folder, "broken", JOB, "rl.agent=broken_agent.py:agent", "train.steps=2")
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(r"^syncwise: error: rl\.agent: all 8 run\(s\) for rank [01] failed this step, every one the "
+                     r"same way; the first: sample 0: KeyError: 'missing_column'$", proc.stderr, re.M), \
+        failed(proc.stderr, 2000)  # whichever rank says it first
+    assert "leaves no target token" not in proc.stderr

@@ -34,6 +34,10 @@ AGENT_COUNTS = ("requests", "segments", "rewritten", "concurrent", "sampled_toke
                 "engine_calls", "wall_s")
 
 
+class AgentsFailed(RuntimeError):
+    """Every agent run of a step failed the same way: the job's error, with the first run's words."""
+
+
 @dataclass
 class AgentRun:
     """A rollout step's agent runs on this rank: the segments as trajectories (each sample's consecutive), which
@@ -106,6 +110,7 @@ class AgentLoop:
                 calls += 1
         runs.result()
         self._gap_s = server.gap_s
+        self._stop_if_all_failed(state, samples, seed[2])
         self._say_failures(state, samples, seed[2])
         for sid in ids:
             sessions[sid].closed = True
@@ -113,6 +118,16 @@ class AgentLoop:
         server.counts.update(Counter(endpoint.refused) - refused_before)  # answered by the handlers themselves
         server.counts["engine_calls"] = server.calls
         return self._collect([sessions[sid] for sid in ids], prompt_ids, n, state, server.counts)
+
+    @staticmethod
+    def _stop_if_all_failed(state: _RunState, samples: int, rank: int) -> None:
+        """Every run of the step failed, and for one reason (the same exception, or all timed out): the agent cannot
+        run here at all, so the job stops with that reason -- training on no sample would end it later with a
+        batch that has no target token, and the reason lost."""
+        if state.first_failure is None or not all(state.failed) or len(state.kinds) != 1:
+            return
+        raise AgentsFailed(f"rl.agent: all {samples} run(s) for rank {rank} failed this step, every one the same "
+                           f"way; the first: {state.first_failure[1]}")
 
     def _say_failures(self, state: _RunState, samples: int, rank: int) -> None:
         """A line where the step's runs failed in a way not shown before (the first failure's words; each kind of
@@ -190,6 +205,7 @@ class _RunState:
         self.wall = [0.0] * samples
         self.counts: Counter = Counter()
         self.first_failure: tuple[str, str] | None = None  # (its kind: the exception's name or timeout, its words)
+        self.kinds: set[str] = set()  # every failure's kind
         self._begun: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -210,5 +226,6 @@ class _RunState:
         with self._lock:
             self.failed[k] = True
             self.counts[count] += 1
+            self.kinds.add(kind)
             if self.first_failure is None:
                 self.first_failure = (kind, f"sample {k}: {words}")
