@@ -173,3 +173,22 @@ def _tensorboard_texts(folder: Path) -> list[str]:
             at += 12 + length + 4
             texts += [s.decode() for v in event.summary.value for s in v.tensor.string_val]
     return texts
+
+
+def test_a_file_store_the_user_names_is_written_with_a_line_instead_of_ending_the_job(tmp_path, monkeypatch, capsys):
+    """Issue 80 (4): MLflow 3 refuses to write a file store unless MLFLOW_ALLOW_FILE_STORE is set, so a
+    MLFLOW_TRACKING_URI=file:... the user set ended the job on rank 0. The job sets it, and says so in a line."""
+    from mlflow import MlflowClient
+
+    from syncwise.logs.trackers import MlflowTracker
+
+    store = tmp_path / "mine"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store.as_uri())
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    tracker = MlflowTracker(tmp_path / "run", {"optim": {"lr": 0.1}}, None, fresh=True)
+    tracker.log({"loss": 1.5}, 1)
+    tracker.close()
+    assert (f"syncwise: MLFLOW_TRACKING_URI={store.as_uri()} is a file store, which MLflow 3 writes only with "
+            "MLFLOW_ALLOW_FILE_STORE=true: set for this job") in capsys.readouterr().out
+    history = MlflowClient(store.as_uri()).get_metric_history(tracker.run_id(), "loss")
+    assert [m.value for m in history] == [1.5]

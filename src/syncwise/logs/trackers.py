@@ -107,9 +107,15 @@ class MlflowTracker(Tracker):
     name = "mlflow"
 
     def __init__(self, out_dir: Path, config: dict[str, Any], resumed: str | None, fresh: bool):
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for it: we chose a file store
             os.environ["MLFLOW_TRACKING_URI"] = (out_dir / "mlruns").resolve().as_uri()
+        elif _file_store(uri) and "MLFLOW_ALLOW_FILE_STORE" not in os.environ:
+            # the user's own file store: MLflow 3 refuses to write one unless told, which would end the job
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+            print(f"syncwise: MLFLOW_TRACKING_URI={uri} is a file store, which MLflow 3 writes only with "
+                  "MLFLOW_ALLOW_FILE_STORE=true: set for this job (open it with the same variable set)", flush=True)
         import mlflow
 
         self._mlflow = mlflow
@@ -130,6 +136,12 @@ class MlflowTracker(Tracker):
 
     def close(self) -> None:
         self._mlflow.end_run()
+
+
+def _file_store(uri: str) -> bool:
+    """Whether an MLflow tracking URI names a folder (``file:...`` or a plain path), not a server or a database."""
+    return uri.startswith("file:") or "://" not in uri and not uri.startswith(("databricks", "sqlite", "postgresql",
+                                                                             "mysql", "mssql", "http"))
 
 
 class TrackioTracker(Tracker):
