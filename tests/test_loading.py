@@ -184,3 +184,35 @@ def test_wrong_weights_are_one_line_naming_the_tensor_and_the_file_before_any_ra
     check_model(load_config(None, [f"model.path={tmp_path / 'good' / 'qwen2'}"]))
     proc = run_cli(["train", f"model.path={dirs['missing']}"])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"syncwise: error: {said['missing']}"]
+
+
+def test_a_hub_id_resolves_from_a_populated_cache_offline_and_a_missing_one_is_one_line(tmp_path):
+    """Issue 80 (3): model.path=org/name, as TRL users name models, is the snapshot folder in the Hugging Face cache
+    (HF_HUB_OFFLINE=1: nothing downloaded), resolved before any rank starts; an id with no cache is one line."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from user_models import save_model_dir
+
+    saved = save_model_dir(tmp_path / "saved", "llama")
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--syncwise-test--tiny-llama" / "snapshots" / ("a" * 40)
+    shutil.copytree(saved, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+    def sft(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "syncwise", "sft", *args, f"sft.out_dir={tmp_path / 'out'}"],
+                              env=env, capture_output=True, text=True, timeout=300)
+
+    proc = sft("model.path=syncwise-test/tiny-llama", f"sft.dataset={tmp_path / 'none.jsonl'}")
+    assert f"model.path=syncwise-test/tiny-llama: the Hugging Face cache's {snapshot}" in proc.stdout, proc.stdout
+    assert proc.returncode == 2 and f"sft.dataset: {tmp_path / 'none.jsonl'} does not exist" in proc.stderr  # past it
+    missing = sft("model.path=syncwise-test/absent")
+    assert missing.returncode == 2 and missing.stderr.strip() == (
+        "syncwise: config error: model.path: syncwise-test/absent is no folder here, nor a model in the Hugging Face "
+        "cache; HF_HUB_OFFLINE=1, so nothing is downloaded: download it first (`hf download syncwise-test/absent`) "
+        "or unset HF_HUB_OFFLINE"), missing.stderr

@@ -50,7 +50,9 @@ class ModelConfig:
     """Which causal LM to build. ``path`` (a local Hugging Face directory) wins over ``preset``."""
 
     preset: str = "qwen2-tiny"  # a built-in config (syncwise.models.PRESETS), built with seeded weights
-    path: str | None = None  # a local Hugging Face model folder (save_pretrained output); wins over preset
+    # a Hugging Face model folder (save_pretrained output), or a hub id (org/name) resolved to its snapshot in the
+    # Hugging Face cache before any rank starts (downloaded unless HF_HUB_OFFLINE=1); wins over preset
+    path: str | None = None
     param_dtype: str = "float32"  # the compute dtype of the wrapped model (the master weights stay fp32)
     reduce_dtype: str = "float32"  # the dtype gradients are reduced in across ranks
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 | ... (what the model class supports)
