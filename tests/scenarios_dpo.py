@@ -4,6 +4,7 @@ against an independent computation in the test process."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,28 +32,38 @@ def dpo_config(folder: Path, loss: str, layout: str, *extra: str):
         *reference, *smoothing, *LAYOUTS[layout], *extra])
 
 
+def _first_step(trainer: DPOTrainer) -> dict:
+    """The step's pairs, the reduced scores and the full gradient of the coefficient loss (the gradient zeroed after:
+    the trainer serves the next loss)."""
+    pairs, batch, scores, _ = trainer.prepare()
+    trainer.engine.forward_backward_batch(batch, coefficient_loss)
+    out = {"pairs": pairs, "scores": trainer.reduce(scores, len(pairs)), "grads": full_grads(trainer.engine)}
+    trainer.engine.optimizer.zero_grad(set_to_none=True)
+    return out
+
+
 def dpo_suite(info, folder: str) -> dict:
-    """Per (loss, layout): the step's pairs, the reduced scores and the full gradient of the coefficient loss."""
+    """Per (loss, layout): the step's pairs, scores and gradient. One trainer a layout serves the reference-based
+    losses in turn (the loss is the trainer's settings; its engines do not depend on it), another simpo."""
     folder = Path(folder)
     out: dict = {}
-    for loss in LOSSES:
-        for layout in LAYOUTS:
-            trainer = DPOTrainer(dpo_config(folder, loss, layout), info)
-            pairs, batch, scores, _ = trainer.prepare()
-            trainer.engine.forward_backward_batch(batch, coefficient_loss)
-            out[loss, layout] = {"pairs": pairs, "scores": trainer.reduce(scores, len(pairs)),
-                                 "grads": full_grads(trainer.engine)}
-            trainer.logs.close()
+    for layout in LAYOUTS:
+        trainer = DPOTrainer(dpo_config(folder, "sigmoid", layout), info)
+        for loss in LOSSES[:-1]:
+            smoothing = 0.2 if loss == "robust" else 0.0
+            trainer.settings = replace(trainer.settings, losses=(loss,), label_smoothing=smoothing)
+            out[loss, layout] = _first_step(trainer)
+        trainer.logs.close()
+        simpo = DPOTrainer(dpo_config(folder, "simpo", layout), info)
+        out["simpo", layout] = _first_step(simpo)
+        simpo.logs.close()
     # the other references: scored once before training, and LoRA's base with its adapters off (with and without)
     for name, extra in (("precomputed", ["dpo.precompute_ref_log_probs=true"]),
                         ("lora", ["model.lora.rank=4", "dpo.ref_model.path=null"]),
                         ("lora precomputed", ["model.lora.rank=4", "dpo.ref_model.path=null",
                                               "dpo.precompute_ref_log_probs=true"])):
         trainer = DPOTrainer(dpo_config(folder, "sigmoid", "shared", *extra), info)
-        pairs, batch, scores, _ = trainer.prepare()
-        trainer.engine.forward_backward_batch(batch, coefficient_loss)
-        out[name] = {"pairs": pairs, "scores": trainer.reduce(scores, len(pairs)), "grads": full_grads(trainer.engine),
-                     "holds_reference": trainer.reference is not None}
+        out[name] = _first_step(trainer) | {"holds_reference": trainer.reference is not None}
         trainer.logs.close()
     torch.distributed.barrier()
     return out
