@@ -45,6 +45,14 @@ def test_a_folder_held_by_a_live_process_is_refused_and_taken_over_once_it_dies(
         assert f"pid {os.getpid()}" in (tmp_path / "run" / LOCK_NAME).read_text()
     with RunFolderLock(tmp_path / "run", "sft.out_dir"):  # released on exit: taken again
         pass
+    assert (tmp_path / "run" / LOCK_NAME).is_file()  # a folder the lock did not make keeps its lock file
+    # a folder (and parents) the lock made, where nothing else was written -- a job refused before any rank -- goes
+    with RunFolderLock(tmp_path / "new" / "run", "train.out_dir"):
+        assert (tmp_path / "new" / "run" / LOCK_NAME).is_file()
+    assert not (tmp_path / "new").exists()
+    with RunFolderLock(tmp_path / "kept" / "run", "train.out_dir"):
+        (tmp_path / "kept" / "run" / "metrics.jsonl").write_text("{}\n")
+    assert (tmp_path / "kept" / "run" / "metrics.jsonl").is_file()
 
 
 def test_a_second_job_on_a_running_job_s_folder_is_one_line_and_touches_nothing(tmp_path):

@@ -27,8 +27,10 @@ class RunFolderLock:
     def __init__(self, folder: str | Path, key: str):
         self.folder, self.key = Path(folder), key
         self._fd: int | None = None
+        self._made: list[Path] = []  # the folders acquire made, deepest first: removed again if left empty
 
     def acquire(self) -> RunFolderLock:
+        self._made = [f for f in (self.folder, *self.folder.parents) if not f.exists()]
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -48,9 +50,19 @@ class RunFolderLock:
         return self
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the lock; the file stays for the next job
-            self._fd = None
+        """The lock released (the file stays for the next job); a folder this lock made and nothing else wrote in --
+        a job refused before any rank started -- is removed again, so a mistake leaves nothing behind."""
+        if self._fd is None:
+            return
+        os.close(self._fd)  # closing the descriptor releases the lock
+        self._fd = None
+        if self._made and [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
+            (self.folder / LOCK_NAME).unlink(missing_ok=True)
+            for folder in self._made:
+                try:
+                    folder.rmdir()
+                except OSError:  # not empty: something else is there
+                    break
 
     def __enter__(self) -> RunFolderLock:
         return self.acquire()
