@@ -55,9 +55,13 @@ async def agent(row, client, model):
         if not choice.message.tool_calls:
             break
         for call in choice.message.tool_calls:
-            args = json.loads(call.function.arguments)
+            try:  # a sampled call may name other arguments: the tool answers with the error, as agents do
+                args = json.loads(call.function.arguments)
+                content = str(int(args["a"]) + int(args["b"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                content = f"error: {exc!r}"
             messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
-                             "content": str(int(args["a"]) + int(args["b"]))})
+                             "content": content})
     with open(os.environ["AGENT_LOG"] + f".{os.getpid()}", "a") as log:
         log.write(json.dumps(requests) + "\\n")
     return None  # rl.reward_fn scores the final conversation
@@ -160,8 +164,14 @@ def _train(folder: Path, out: str, *overrides: str) -> subprocess.CompletedProce
     return proc
 
 
-def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_endpoint_returned(folder):
-    proc = _train(folder, "calc", "rl.agent=calc_agent.py:agent", "train.steps=3")
+@pytest.fixture(scope="module")
+def calc(folder):
+    """The calculator agent's job, 3 steps, a checkpoint after the second."""
+    return _train(folder, "calc", "rl.agent=calc_agent.py:agent", "train.steps=3", "train.checkpoint_every=2")
+
+
+def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_endpoint_returned(folder, calc):
+    proc = calc
     assert "rl.agent calc_agent.py:agent through an OpenAI-compatible endpoint on loopback" in proc.stdout
     rows = metric_rows(folder, "calc")
     for row in rows:
@@ -189,6 +199,22 @@ def test_an_openai_client_agent_trains_on_exactly_the_tokens_the_endpoint_return
     assert sum(r["agent/sampled_tokens"] for r in rows) == sum(len(q["tokens"]) for r in runs for q in r)
     table = completions_table(folder, "calc", 3)
     assert table["completion"].str.contains("-> tool call add(", regex=False).any()
+
+
+def test_a_resumed_agent_job_draws_what_the_job_that_ran_through_did(folder, calc):
+    """Issue 77 (left from earlier): each turn's seed is the job's, the step's, the rank's, the session's sample's
+    and the turn's -- not the order the agents' requests came in -- and each request draws by its own seed
+    whatever was batched beside it: step 3 resumed from step 2's checkpoint samples the conversations the job that
+    ran through did, token for token, and trains alike."""
+    _train(folder, "calc_resumed", "rl.agent=calc_agent.py:agent", "train.steps=3",
+           f"train.resume={folder / 'calc' / 'checkpoints' / 'step_000002'}")
+    through, resumed = completions_table(folder, "calc", 3), completions_table(folder, "calc_resumed", 3)
+    assert len(resumed) == 2 * 8 and len(set(through["completion"])) > 2  # the draws differ from sample to sample
+    for column in ("prompt", "completion", "length", "reward"):
+        assert through[column].tolist() == resumed[column].tolist(), column
+    (a,), (b,) = metric_rows(folder, "calc")[2:], metric_rows(folder, "calc_resumed")
+    assert b["train/step"] == 3 and b["agent/sampled_tokens"] == a["agent/sampled_tokens"]
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
 
 
 def test_rewrites_and_faults_are_counted_on_rollout_ranks_and_the_job_goes_on(folder):
@@ -456,7 +482,8 @@ class _Serving:
                 continue
             batch = [self.endpoint.requests.get() for _ in range(self.batch)]
             self.batches.append(len(batch))
-            self.server.answer(batch, lambda sid: self.sessions.get(sid) or self.served.session(), 0, 1000 * calls)
+            self.server.answer(batch, lambda sid: self.sessions.get(sid) or self.served.session(), 0,
+                               lambda k, _session, _turn, first=1000 * calls: first + k)
             calls += 1
 
     def __exit__(self, *exc):

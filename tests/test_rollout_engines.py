@@ -19,7 +19,7 @@ from syncwise.config.rollout_engines import ROLLOUT_ENGINES, VLLM_CPU_HEAD_SIZES
 from syncwise.memory.rollout import footprint_of
 from syncwise.models import preset_config
 from syncwise.rl.rollout.base import sample_seed
-from syncwise.rl.rollout.vllm import VllmRollout, check_vllm, request_seeds, sleep_plan
+from syncwise.rl.rollout.vllm import VllmRollout, check_vllm, sleep_plan, vllm_requests
 
 INSTALL_HINT = VLLM_INSTALL
 HAS_VLLM = ROLLOUT_ENGINES["vllm"].installed()
@@ -89,7 +89,7 @@ def test_no_two_samples_of_a_job_share_a_seed():
                     # turn 0: n samples of each prompt; later turns: one per conversation still going
                     asked, per = (prompts, n) if turn == 0 else (prompts * n, 1)
                     base = sample_seed(seed, step, rank, world, turn, turns, prompts * n)
-                    drawn += [s + k for s in request_seeds(base, asked, per) for k in range(per)]
+                    drawn += [s + k for _, samples, s in vllm_requests(base, asked, per) for k in range(samples)]
         return drawn
 
     seeds = job(0)

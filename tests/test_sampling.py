@@ -163,3 +163,43 @@ def test_a_rollout_engine_is_built_from_a_plain_setup_without_a_training_engine(
     for i, (tokens, log_probs) in enumerate(zip(out.tokens, out.full_log_probs, strict=True)):
         expected = _forward_log_probs(model, prompts[i // 3], tokens, 0.7)
         torch.testing.assert_close(log_probs, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sequence_with_its_own_seed_draws_alike_whatever_is_batched_beside_it(setup):
+    """Issue 77 (left from earlier): an agent's requests are batched as they arrive, so a resumed job batches them
+    otherwise; each sequence given its own seed draws the same tokens alone, beside other prompts (left padding,
+    another batch size, compaction), and in another place of the batch -- and its log-probs stay the forward's."""
+    tok, model, prompts = setup
+    seeds = [101, 7, 55, 9000, 3, 12]
+
+    def draw(ps, n, own):
+        return [t.tolist() for t in sample(model, ps, n, MAX_NEW, 1.0, tok.eos_token_id, tok.pad_token_id,
+                                           seeds=own).tokens]
+
+    batched = draw(prompts[:3], 2, seeds)
+    assert len({len(t) for t in batched}) > 1 and batched[0] != batched[1]  # samples of one prompt differ
+    alone = [draw([prompts[k // 2]], 1, [seed])[0] for k, seed in enumerate(seeds)]
+    assert alone == batched
+    reordered = draw([prompts[2], prompts[0], prompts[4]], 1, [seeds[4], seeds[0], 77])
+    assert reordered[:2] == [batched[4], batched[0]]
+    out = sample(model, prompts[:3], 2, MAX_NEW, 1.0, tok.eos_token_id, tok.pad_token_id, seeds=seeds)
+    for k, (tokens, log_probs) in enumerate(zip(out.tokens, out.log_probs, strict=True)):
+        torch.testing.assert_close(log_probs, _forward_log_probs(model, prompts[k // 2], tokens, 1.0),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_the_seeded_draw_follows_the_distribution_and_never_draws_a_cut_token():
+    """The inverse-CDF draw at hashed uniforms: over 20000 (seed, step) pairs each token's share within 4 standard
+    errors of its probability; a token of probability 0 (truncated) never drawn; the uniforms depend on (seed,
+    step) alone."""
+    from syncwise.rl.rollout.compact import draw_by_cdf, seeded_uniforms
+
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    seeds = list(range(1000))
+    drawn = torch.cat([draw_by_cdf(probs.log().expand(len(seeds), -1), seeded_uniforms(seeds, step, probs.device))
+                       for step in range(20)])
+    share = torch.bincount(drawn, minlength=len(probs)).double() / len(drawn)
+    error = (probs.double() * (1 - probs.double()) / len(drawn)).sqrt()
+    assert ((share - probs.double()).abs() <= 4 * error + 1e-12).all(), share
+    assert torch.equal(seeded_uniforms([5, 6], 3, probs.device), seeded_uniforms([9, 5, 6], 3, probs.device)[1:])
+    assert not torch.equal(seeded_uniforms([5], 3, probs.device), seeded_uniforms([5], 4, probs.device))

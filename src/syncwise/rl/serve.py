@@ -72,8 +72,8 @@ def serve(config: Config, host: str = "127.0.0.1", port: int = 8000, ready: Any 
         while True:
             batch = server.collect(lambda: 1 << 30, first_wait_s=0.5)
             if batch:
-                server.answer(batch, lambda _: served.session(), 0,
-                              sample_seed(config.train.seed, 0, 0, 1, calls, 1 << 40, len(batch)))
+                first = sample_seed(config.train.seed, 0, 0, 1, calls, 1 << 40, len(batch))
+                server.answer(batch, lambda _: served.session(), 0, lambda k, _session, _turn, first=first: first + k)
                 calls += 1
     finally:
         endpoint.close()

@@ -27,7 +27,7 @@ from ..env.agents import AgentFunction
 from .base import RolloutEngine, Trajectory, sample_seed
 from .endpoint import Endpoint
 from .serving import BATCH_WAIT_S, TurnServer
-from .sessions import Session
+from .sessions import Session, Turn
 
 AGENT_COUNTS = ("requests", "segments", "rewritten", "concurrent", "sampled_tokens", "inserted_tokens", "malformed",
                 "unauthorized", "length", "sampling_overridden", "exceptions", "timeouts", "no_requests", "too_long",
@@ -95,19 +95,21 @@ class AgentLoop:
         server.gap_s = self._gap_s
         samples = len(rows) * n
         sessions = {endpoint.open_session(): Session(self.tokenizer, self.end_ids, max_new_tokens,
-                                                     self.max_positions, self.cfg.tool_parser)
-                    for _ in range(samples)}
+                                                     self.max_positions, self.cfg.tool_parser, sample=k)
+                    for k in range(samples)}
         ids = list(sessions)
         state = _RunState(samples)
         refused_before = Counter(endpoint.refused)
         runs = asyncio.run_coroutine_threadsafe(self._all(rows, n, ids, state), endpoint.loop)
-        calls = 0
+        # a turn's seed: the job's, the step, the rank, the session's sample and its turn -- not the order the
+        # requests came in, so a resumed job draws alike (its agents' requests batch differently)
+        def seed_of(_k: int, session: Session, turn: Turn) -> int:
+            return sample_seed(seed[0], seed[1], seed[2], seed[3], turn.number, 1 << 16, samples) + session.sample
+
         while not runs.done() or not endpoint.requests.empty():
             batch = server.collect(state.running)
             if batch:
-                server.answer(batch, sessions.get, version,
-                              sample_seed(seed[0], seed[1], seed[2], seed[3], calls, 1 << 16, samples))
-                calls += 1
+                server.answer(batch, sessions.get, version, seed_of)
         runs.result()
         self._gap_s = server.gap_s
         self._stop_if_all_failed(state, samples, seed[2])

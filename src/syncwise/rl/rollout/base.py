@@ -55,12 +55,15 @@ class RolloutEngine(Protocol):
         """Load the policy's current weights, given one wrapping unit at a time, keyed as the plain Hugging Face
         model's (LoRA merged). Collective through the iterator: consume it all."""
 
-    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
+    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int | list[int]) -> Samples:
         """``n`` responses per prompt (consecutive), each with its drawn tokens' log-probs under the untruncated
         temperature-scaled distribution (``full_log_probs``) and, where the engine knows it, under the one it
         drew from (``log_probs``, else None). ``seed``: the first of ``len(prompts) * n`` consecutive seeds
         reserved for this call (:func:`sample_seed`), sample k of prompt i's ``seed + i * n + k`` (vLLM's; the
-        local copy seeds torch's generator with it for the call): what is drawn depends on nothing else."""
+        local copy seeds torch's generator with it for the call): what is drawn depends on nothing else. A list:
+        each sequence's own seed (prompt-major, :func:`sequence_seeds`), and each sequence's draws depend on its
+        seed alone -- not on the call's other sequences (the agent endpoint batches whichever requests arrived
+        together, so a resumed job draws alike only so)."""
 
     def release(self) -> None:
         """A rollout is over (every turn sampled): free what the engine need not hold through the update, until
@@ -161,6 +164,16 @@ in flight goes into a checkpoint as it is."""
 # vLLM seeds a torch.Generator per request: any value below 2**64 is taken as it is
 SEED_SPACE = 2**62
 SEED_SHIFT = 0x9E3779B1  # 2**32 / the golden ratio, odd
+
+
+def sequence_seeds(seed: int | list[int], prompts: int, n: int) -> list[int]:
+    """Each of a call's ``prompts * n`` sequences' seed (prompt-major): a call's first seed gives sample k of
+    prompt i ``seed + i * n + k``; a list is one per sequence already."""
+    if isinstance(seed, int):
+        return [seed + k for k in range(prompts * n)]
+    if len(seed) != prompts * n:
+        raise ValueError(f"{len(seed)} seeds for {prompts} prompts x {n} samples")
+    return list(seed)
 
 
 def sample_seed(seed: int, step: int, rank: int, world_size: int, turn: int, turns: int, sequences: int) -> int:

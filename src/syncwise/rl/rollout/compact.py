@@ -15,7 +15,9 @@ distribution (with truncation the first differs from it by log of the kept mass,
 TRL #6789). A sequence ends at any of its end tokens, or once its
 text contains a stop string (the string kept, as vLLM's ``include_stop_str_in_output``). The prefill keeps
 only each prompt's last position's logits (``logits_to_keep=1``, as ``generate`` does): the rest would be
-[prompts, prompt length, vocabulary] for nothing.
+[prompts, prompt length, vocabulary] for nothing. Given each sequence's own seed, a token is drawn by inverting
+its distribution's CDF at a uniform that is a hash of (the seed, the step) (:func:`seeded_uniforms`): what a
+sequence draws then depends on nothing else in the batch, where torch's generator serves the whole batch in turn.
 """
 
 from __future__ import annotations
@@ -32,6 +34,29 @@ from ...engine.step import positions_of
 from .base import Samples, StopStrings
 
 COMPACT_FRACTION = 8  # compact when at least 1/8 of the active sequences have ended
+MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser (Steele, Lea, Flood 2014): a well-mixed 64-bit hash of ``x``."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniforms(seeds: list[int], step: int, device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) per seed, a function of (seed, step) alone: 53 bits of a hash, in float64."""
+    values = [(_splitmix64(_splitmix64(seed & MASK64) ^ step) >> 11) * 2.0**-53 for seed in seeds]
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+def draw_by_cdf(log_p: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's token where its CDF (float64) first exceeds the row's uniform: a draw from exp(log_p) that
+    depends on the row alone (zero-probability tokens are never drawn)."""
+    cdf = log_p.double().exp().cumsum(dim=-1)
+    target = (uniforms * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=log_p.shape[-1] - 1)
 
 
 @dataclass(frozen=True)
@@ -88,9 +113,11 @@ def left_padded(prompts: list[torch.Tensor], pad_id: int, device: torch.device) 
 def sample(
     model: nn.Module, prompts: list[torch.Tensor], samples_per_prompt: int, max_new_tokens: int, temperature: float,
     end_ids: int | list[int], pad_id: int, cut: Truncation = Truncation(), stop: StopStrings | None = None,
+    seeds: list[int] | None = None,
 ) -> Samples:
     """``samples_per_prompt`` responses to each prompt (1-D token tensors), drawn from softmax(logits /
-    ``temperature``) truncated by ``cut``, with torch's global generator; a response ends at any of
+    ``temperature``) truncated by ``cut``, with torch's global generator -- or, given ``seeds`` (one per
+    sequence, prompt-major), each sequence by its own (:func:`seeded_uniforms`); a response ends at any of
     ``end_ids`` or once it contains a ``stop`` string."""
     device = next(model.parameters()).device
     input_ids, mask = left_padded(prompts, pad_id, device)
@@ -119,7 +146,10 @@ def sample(
     for step in range(max_new_tokens):
         full = (logits.float() / temperature).log_softmax(dim=-1)
         log_p = truncated_log_probs(full, cut)
-        drawn = torch.multinomial(log_p.exp(), 1).squeeze(1)
+        if seeds is None:
+            drawn = torch.multinomial(log_p.exp(), 1).squeeze(1)
+        else:
+            drawn = draw_by_cdf(log_p, seeded_uniforms([seeds[r] for r in rows.tolist()], step, device))
         live = running.nonzero().squeeze(1)
         drawn_rows.append(rows[live])
         drawn_tokens.append(drawn[live])

@@ -3,7 +3,9 @@
 model before each step, one wrapping unit at a time. Each call samples with torch's generator seeded by the seed
 the call was given (:func:`~syncwise.rl.rollout.base.sample_seed`: job seed, step, rank, turn), the job's own
 generator set aside meanwhile: what a rank draws depends on nothing else, so a resumed job, and a rollout rank
-drawing for a trainer (``dist.rollout_ranks``), sample alike."""
+drawing for a trainer (``dist.rollout_ranks``), sample alike. Given a seed per sequence (the agent endpoint's
+requests), each sequence draws by its own: the compact sampler from a hash of its seed, ``generate`` one call
+per sequence."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from ...engine.weights import load_by_unit
 from ...models import uninitialised_model
-from .base import RolloutSetup, Samples, StopStrings
+from .base import RolloutSetup, Samples, StopStrings, sequence_seeds
 from .compact import Truncation, left_padded, sample
 
 
@@ -44,7 +46,7 @@ class LocalCopy:
     def release(self) -> None:
         """The copy stays (it is refreshed in place)."""
 
-    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
+    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int | list[int]) -> Samples:
         raise NotImplementedError
 
     @contextmanager
@@ -63,10 +65,14 @@ class CompactRollout(LocalCopy):
 
     name = "the compact sampler"
 
-    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
+    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int | list[int]) -> Samples:
+        tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompts]
+        if not isinstance(seed, int):
+            return sample(self.model, tensors, n, max_new_tokens, self.cfg.temperature, self.end_ids,
+                          self.tokenizer.pad_token_id, self.cut, self.stop, sequence_seeds(seed, len(prompts), n))
         with self.seeded(seed):
-            return sample(self.model, [torch.tensor(ids, dtype=torch.long) for ids in prompts], n, max_new_tokens,
-                          self.cfg.temperature, self.end_ids, self.tokenizer.pad_token_id, self.cut, self.stop)
+            return sample(self.model, tensors, n, max_new_tokens, self.cfg.temperature, self.end_ids,
+                          self.tokenizer.pad_token_id, self.cut, self.stop)
 
 
 class GenerateRollout(LocalCopy):
@@ -75,10 +81,17 @@ class GenerateRollout(LocalCopy):
 
     name = "Hugging Face generate"
 
-    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
+    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int | list[int]) -> Samples:
         """Per sequence: the response up to its first end token or stop string, the log-prob of each token under
         the scores (after the temperature and truncation warpers: the distribution it was drawn from) and under
-        the raw logits over the temperature (untruncated), and whether it ended."""
+        the raw logits over the temperature (untruncated), and whether it ended. A seed per sequence: one call
+        each, seeded with it."""
+        if not isinstance(seed, int):
+            alone = [self.sample([prompts[k // n]], 1, max_new_tokens, own)
+                     for k, own in enumerate(sequence_seeds(seed, len(prompts), n))]
+            return Samples([t for s in alone for t in s.tokens], [t for s in alone for t in s.log_probs],
+                           sum(s.computed_rows for s in alone), [e for s in alone for e in s.ended],
+                           [t for s in alone for t in s.full_log_probs])
         tok, cut = self.tokenizer, self.cut
         input_ids, mask = left_padded([torch.tensor(ids, dtype=torch.long) for ids in prompts], tok.pad_token_id,
                                       self.device)

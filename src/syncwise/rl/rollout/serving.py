@@ -50,12 +50,13 @@ class TurnServer:
         return batch
 
     def answer(self, batch: list[Pending], session_of: Callable[[str], Session | None], version: int,
-               seed: int) -> None:
+               seed_of: Callable[[int, Session, Turn], int]) -> None:
         """Plan every request of ``batch``, sample the planned ones -- one engine call for each distinct number of
         new tokens they may have, so that no request is sampled past its own room (the model's positions) --
-        and answer each. ``seed``: the first of as many seeds as ``batch`` has requests."""
-        planned: dict[int, list[tuple[Pending, Session, Turn]]] = {}
-        for pending in batch:
+        and answer each. ``seed_of(k, session, turn)``: the sampling seed of the batch's k-th request; each
+        request draws by its own (the engine's per-sequence seeds), whatever else was batched beside it."""
+        planned: dict[int, list[tuple[Pending, Session, Turn, int]]] = {}
+        for k, pending in enumerate(batch):
             self.counts["requests"] += 1
             session = session_of(pending.session)
             if session is None or session.closed:
@@ -72,15 +73,18 @@ class TurnServer:
                 self.counts["length"] += 1
                 pending.answer(200, self._response(pending, session, turn, [], [], None, "length", ""))
                 continue
-            planned.setdefault(min(turn.room, _asked(pending.body) or turn.room), []).append((pending, session, turn))
+            planned.setdefault(min(turn.room, _asked(pending.body) or turn.room), []).append(
+                (pending, session, turn, seed_of(k, session, turn)))
         for room, group in planned.items():
             self.calls += 1
-            prompts, n, place = shared_prompts([turn.prompt for _, _, turn in group])
+            prompts, n, place = shared_prompts([turn.prompt for _, _, turn, _ in group])
+            seeds = [0] * len(group)
+            for k, (_, _, _, seed) in enumerate(group):
+                seeds[place[k]] = seed
             began = time.perf_counter()
-            samples = self.engine.sample(prompts, n, room, seed)
-            seed += len(prompts) * n
+            samples = self.engine.sample(prompts, n, room, seeds)
             self.gap_s = batch_gap(time.perf_counter() - began)
-            for k, (pending, session, turn) in enumerate(group):
+            for k, (pending, session, turn, _) in enumerate(group):
                 self._record(pending, session, turn, samples, place[k], version)
 
     def _plan(self, pending: Pending, session: Session) -> Turn:

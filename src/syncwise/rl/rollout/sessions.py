@@ -86,12 +86,14 @@ class Segment:
 
 @dataclass
 class Turn:
-    """What a sampling request asks the engine for: the tokens to continue, at most how many more, and the segment
-    its answer belongs to."""
+    """What a sampling request asks the engine for: the tokens to continue, at most how many more, the segment
+    its answer belongs to, and which of its session's requests it is (its sampling seed's: not the order the
+    batches came in)."""
 
     prompt: list[int]
     room: int
     segment: Segment
+    number: int = 0
 
 
 @dataclass
@@ -106,6 +108,8 @@ class Session:
     segments: list[Segment] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
     closed: bool = False
+    sample: int = 0  # which of the rank's step's samples this run is (its turns' seeds)
+    planned: int = 0  # the turns planned so far
 
     @property
     def current(self) -> Segment | None:
@@ -197,7 +201,8 @@ class Session:
         so_far = trajectory.prompt + trajectory.tokens
         room = min(self.max_new_tokens - len(trajectory.tokens), self.max_positions - len(so_far))
         segment.awaiting = True
-        return Turn(so_far, max(room, 0), segment)
+        self.planned += 1
+        return Turn(so_far, max(room, 0), segment, self.planned - 1)
 
     def _extends(self, segment: Segment, rendered: list[dict[str, Any]], tools) -> bool:
         known = segment.messages

@@ -16,7 +16,8 @@ group.
   request's discarded sample).
 - **Sampling**: one request per prompt with ``n = rl.samples_per_prompt`` and its own seed (from the job's
   seed, the step, the rank, the turn and the prompt's index; no two samples of a job share one, and a resumed
-  job samples the same responses); every end token as ``stop_token_ids``, ``rl.stop`` as stop strings kept in
+  job samples the same responses) -- an agent's requests, each with a seed of its own, one request a sequence
+  (:func:`vllm_requests`); every end token as ``stop_token_ids``, ``rl.stop`` as stop strings kept in
   the response. Log-probs: of the distribution sampled from (``processed_logprobs``: the temperature-scaled
   one, the trainer's); with top-k/p or min-p (at temperature 1, the config's check) of the untruncated one
   (``raw_logprobs``).
@@ -44,7 +45,7 @@ from ...config.rollout_engines import ROLLOUT_ENGINES
 from ...memory.accounting import format_bytes
 from ...memory.rollout import VLLM_BLOCK_TOKENS, footprint_of
 from ...models import uninitialised_model
-from .base import RolloutSetup, Samples
+from .base import RolloutSetup, Samples, sequence_seeds
 
 # environment variables vLLM sets in the calling process while it builds, restored after
 RESTORED_ENV = ("LOCAL_WORLD_SIZE", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")
@@ -122,10 +123,18 @@ def batched_tokens(device_type: str, sequences: int, longest: int) -> dict[str, 
     return {"max_num_batched_tokens": max(4096, sequences * longest)} if device_type == "cpu" else {}
 
 
-def request_seeds(seed: int, prompts: int, n: int) -> list[int]:
-    """Each prompt's request seed from the call's first (:func:`~syncwise.rl.rollout.base.sample_seed`): vLLM gives
-    a request's k-th of ``n`` samples its seed + k, so prompt i's samples draw with ``seed + i * n + k``."""
-    return [seed + i * n for i in range(prompts)]
+def vllm_requests(seed: int | list[int], prompts: int, n: int) -> list[tuple[int, int, int]]:
+    """The call's vLLM requests as (prompt index, samples, seed): vLLM gives a request's k-th sample its seed + k,
+    so a prompt whose sequences' seeds run on by one (a call's first seed: prompt i's ``seed + i * n + k``) is one
+    request of ``n``; one whose seeds do not (an agent's requests, each its own) a request per sequence."""
+    seeds, requests = sequence_seeds(seed, prompts, n), []
+    for i in range(prompts):
+        own = seeds[i * n:(i + 1) * n]
+        if own == list(range(own[0], own[0] + n)):
+            requests.append((i, n, own[0]))
+        else:
+            requests += [(i, 1, one) for one in own]
+    return requests
 
 
 class VllmRollout:
@@ -212,18 +221,20 @@ class VllmRollout:
                     yield "lm_head.weight", tensor  # vLLM's tied output layer reloads from its own name
             del unit
 
-    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int) -> Samples:
+    def sample(self, prompts: list[list[int]], n: int, max_new_tokens: int, seed: int | list[int]) -> Samples:
         from vllm import SamplingParams
 
         if self.asleep:  # a rollout runs on refreshed weights (level 2 dropped them)
             raise RuntimeError("the vLLM engine sleeps: refresh its weights before sampling")
         rl = self.rl
+        requests = vllm_requests(seed, len(prompts), n)
         params = [SamplingParams(
-            n=n, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p, min_p=rl.min_p,
+            n=samples, temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p, min_p=rl.min_p,
             max_tokens=max_new_tokens, stop_token_ids=self.end_ids, stop=rl.stop or None,
             include_stop_str_in_output=True, logprobs=0, seed=request_seed, detokenize=bool(rl.stop),
-        ) for request_seed in request_seeds(seed, len(prompts), n)]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        ) for _, samples, request_seed in requests]
+        outputs = self.llm.generate([{"prompt_token_ids": prompts[i]} for i, _, _ in requests], params,
+                                    use_tqdm=False)
         tokens, log_probs, ended = [], [], []
         for request in outputs:
             for completion in sorted(request.outputs, key=lambda c: c.index):
