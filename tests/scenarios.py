@@ -212,6 +212,36 @@ def recovery_case(info, strategy: str, mode: str) -> dict:
     return out
 
 
+def _described_once(info) -> dict:
+    """Issue 77 (left from earlier): how often an Engine's set-up (FSDP2, activation checkpointing, a train step
+    that calibrates auto's memory model) searches the model for its decoder layer classes and counts its FLOPs --
+    every module that asks, counted."""
+    from unittest import mock
+
+    import syncwise.engine.features as features
+    import syncwise.engine.wrap as wrap
+    import syncwise.models as models
+    import syncwise.models.flops as flops
+
+    calls = {"layer_classes": 0, "matmul_params": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    layer_classes = counted("layer_classes", models.decoder_layer_classes)
+    with mock.patch.object(models, "decoder_layer_classes", layer_classes), \
+            mock.patch.object(features, "decoder_layer_classes", layer_classes), \
+            mock.patch.object(wrap, "decoder_layer_classes", layer_classes), \
+            mock.patch.object(flops, "matmul_params", counted("matmul_params", flops.matmul_params)):
+        cfg = engine_config("fsdp2", "auto", "engine.activation_checkpointing=true")
+        engine = Engine(cfg, build_model(cfg.model), info)
+        engine.train_batch(make_batch(seed=70 + info.rank), sft_loss)
+    return {**calls, "flops": engine.flops.per_token}
+
+
 def engine_suite(info) -> dict:
     """train_batch metrics, recovery after an exception, forward-only passes, bad input, state dicts."""
     from syncwise.data.batching import BatchError
@@ -270,6 +300,8 @@ def engine_suite(info) -> dict:
     uneven = make_batch(seed=60, size=6 if info.rank == 0 else 2)
     out["uneven"] = engine.train_batch(uneven, sft_loss)  # rank 1 runs 3 micro-batches, one empty
     out["after_errors"] = engine.train_batch(good, sft_loss)
+
+    out["described"] = _described_once(info)
 
     # State dict round trip into a fresh engine.
     other = Engine(cfg, build_model(cfg.model), info)

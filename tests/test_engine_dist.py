@@ -92,3 +92,10 @@ def test_engine_trains_after_input_errors(results):
 def test_state_dict_round_trip(results):
     assert results["state_dict_equal"]
     assert results["state_dict_step"] == (2, 2)  # the step after the input errors and the uneven one
+
+
+def test_the_engine_describes_its_model_once(results):
+    """Issue 77 (left from earlier): the model's decoder layer classes are found once (the features), not again
+    by activation checkpointing, FSDP2's wrapping and auto's calibrating meter; its FLOPs counted once."""
+    assert results["described"]["layer_classes"] == 1 and results["described"]["matmul_params"] == 1, results
+    assert results["described"]["flops"] > 0

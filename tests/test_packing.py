@@ -415,11 +415,11 @@ def test_auto_shares_beside_the_per_sequence_loop_and_true_also_in_place_of_a_va
     model = _gpt2(0.0)
     cfg = load_config(None, ["engine.strategy=none"])
     model_features(model, cfg, torch.device("cpu"), say=False)  # packs: its attention becomes syncwise's
-    assert _sharing_works(model, "auto", "loop", say=True)
-    assert not _sharing_works(model, "auto", "varlen_attn", say=True)
+    assert _sharing_works(model, model.config, "auto", "loop", say=True)
+    assert not _sharing_works(model, model.config, "auto", "varlen_attn", say=True)
     assert "engine.share_prefixes: off (auto keeps the varlen_attn kernel" in capsys.readouterr().out
-    assert _sharing_works(model, True, "varlen_attn", say=True)
-    assert not _sharing_works(model, False, "loop", say=True)
+    assert _sharing_works(model, model.config, True, "varlen_attn", say=True)
+    assert not _sharing_works(model, model.config, False, "loop", say=True)
     with pytest.raises(ConfigError, match="engine.share_prefixes: expected true, false or auto"):
         load_config(None, ["engine.share_prefixes=sometimes"])
 

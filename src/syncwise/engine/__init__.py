@@ -33,7 +33,6 @@ from ..memory.meter import PeakMeter
 from ..memory.schedule import unit_traffic
 from ..memory.units import configured_choice, unit_names
 from ..models import build_model
-from ..models.flops import UsefulFlops
 from ..runtime.distributed import CollectiveTimeout, DistInfo, build_mesh, init_distributed
 from ..runtime.errors import clean_up_after
 from ..sync import fsdp_internals as fsdp
@@ -74,7 +73,9 @@ class Engine:
         self.info = info or init_distributed(config.dist.backend, config.dist.timeout_s)
         self.sync_mode = SyncMode(config.sync.mode)  # as configured; may be AUTO
         raw = model if model is not None else build_model(config.model, deferred=True)
-        # What this model supports (packing, its attention kernel, the fused head, LoRA), decided once.
+        if not trainable:
+            raw.requires_grad_(False)
+        # The model described once (what it supports, its layers, its FLOPs): nothing below asks it again.
         self.features = features or model_features(raw, config, self.info.device, self.info.is_main)
         # what rows reading a shared start keep beyond their tokens, for the memory the plan counts
         self._read_cost = shared_read_cost(self.features.hf_config) if self.features.share_prefixes else (0.0, 0.0)
@@ -82,12 +83,11 @@ class Engine:
         mesh = build_mesh(self.info, config.engine.hsdp_replicas) if sharded else None
         hsdp = mesh is not None and mesh.ndim == 2
         check_mode(self.sync_mode, config.engine.strategy, hsdp)
-        if not trainable:
-            raw.requires_grad_(False)
-        self.flops = UsefulFlops.of(raw, self.features.hf_config)  # before wrapping: FSDP1 flattens them
+        self.flops = self.features.flops
         role = ("the critic (value model)" if self.features.value_head else "the trained model") if trainable \
             else "a frozen model (the reference)"
-        self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh, role)
+        self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh, role,
+                                                self.features.layer_classes)
         self.model = self.wrapped.module
         self.trainable = trainable
         self.optimizer = build_optimizer(self.model.parameters(), config.optim) if trainable else None
@@ -111,7 +111,7 @@ class Engine:
             DTYPE_BY_NAME[config.model.param_dtype] if sharded else next(raw.parameters()).dtype,
             self.info.device, trainable, PeakMeter.supported(self.model, self.info.device), self.info.is_main)
         self.governor = MemoryGovernor(self.model, self.optimizer, self.info.device, self.memory_model, config.sync,
-                                       self.supported_modes, configured, tuning)
+                                       self.supported_modes, configured, tuning, self.features.layer_classes)
         # What the next step runs: a concrete mode (and, for partial, its units), the LM head's path, the cap.
         self.active_mode: SyncChoice = configured or SyncChoice(SyncMode.PER_MICROBATCH)
         self.fused_head, self.token_cap = self.features.fused_head, None  # None: the config's split

@@ -1,6 +1,7 @@
-"""What a model supports, decided once before it is wrapped (:func:`model_features`): packed rows and the
-attention kernel that runs them, the fused LM head, LoRA and how its adapters merge. The Engine receives
-the answer (:class:`ModelFeatures`) and asks nothing of the model again."""
+"""The one description of a model, made once before it is wrapped (:func:`model_features`): what it supports
+(packed rows and the attention kernel that runs them, the fused LM head, LoRA and how its adapters merge), its
+decoder layer classes (the FSDP units, activation checkpointing) and its useful FLOPs. The Engine receives the
+answer (:class:`ModelFeatures`) and passes it down; nothing asks the model again."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from torch import nn
 
 from ..config import SHARDED_STRATEGIES, Config
 from ..data import attention
+from ..models import decoder_layer_classes, hf_config_of
 from ..models import head as output_head
-from ..models import hf_config_of
 from ..models import lora as lora_adapters
+from ..models.flops import UsefulFlops
 from .wrap import DTYPE_BY_NAME
 
 
@@ -27,6 +29,8 @@ class ModelFeatures:
     lora_merge: lora_adapters.LoraMerge | None  # LoRA (peft): how the adapters merge; None without
     value_head: bool = False  # a value model (PPO's critic): one output per position, no log-probs
     share_prefixes: bool = False  # packed rows that begin alike compute their common start once
+    layer_classes: tuple[type[nn.Module], ...] = ()  # its decoder layers' (none found: a plain module)
+    flops: UsefulFlops = UsefulFlops(0, 0)  # as it trains (frozen weights: no weight gradient)
 
     @property
     def lora(self) -> bool:
@@ -41,9 +45,17 @@ class ModelFeatures:
 
 
 def model_features(model: nn.Module, config: Config, device, say: bool) -> ModelFeatures:
-    """Decide what ``model`` supports under ``config`` (installing the packed-attention kernel and the fused
-    head's output layer where they apply); ``say``: this rank prints the one-line reasons."""
-    packing = config.engine.packing and _packing_works(model, say)
+    """Describe ``model`` and decide what it supports under ``config`` (installing the packed-attention kernel
+    and the fused head's output layer where they apply); ``say``: this rank prints the one-line reasons. Its
+    parameters' ``requires_grad`` as they will train (the FLOPs count frozen weights apart)."""
+    base = lora_adapters.base_model_of(model)  # a peft model packs and shares as the model it adapts
+    hf_config = hf_config_of(base)
+    head = output_head.output_layer(model)
+    try:
+        classes = tuple(decoder_layer_classes(model))
+    except ValueError:  # said where a strategy needs them (wrap_model)
+        classes = ()
+    packing = config.engine.packing and _packing_works(base, hf_config, say)
     kernel = "none"
     if packing:  # computed in FSDP's mixed-precision dtype, else in the parameters'
         sharded = config.engine.strategy in SHARDED_STRATEGIES
@@ -51,14 +63,15 @@ def model_features(model: nn.Module, config: Config, device, say: bool) -> Model
         kernel, line = attention.choose_kernel(device, compute_dtype)
         if line and say:
             print(f"syncwise: {line}", flush=True)
-    fused = config.engine.fused_lm_head and _fused_head_works(model, config, say)
-    merge = lora_adapters.LoraMerge(model) if lora_adapters.peft_model_of(model) is not None else None
-    value_head = output_head.output_layer(model) is None and getattr(hf_config_of(model), "num_labels", 0) == 1
-    share = packing and _sharing_works(model, config.engine.share_prefixes, kernel, say)
-    return ModelFeatures(getattr(model, "config", None), packing, kernel, fused, merge, value_head, share)
+    fused = config.engine.fused_lm_head and _fused_head_works(model, head, config, say)
+    merge = lora_adapters.LoraMerge(model) if base is not model else None
+    value_head = head is None and getattr(hf_config, "num_labels", 0) == 1
+    share = packing and _sharing_works(base, hf_config, config.engine.share_prefixes, kernel, say)
+    return ModelFeatures(getattr(model, "config", None), packing, kernel, fused, merge, value_head, share, classes,
+                         UsefulFlops.of(model, hf_config))
 
 
-def _sharing_works(model: nn.Module, setting: bool | str, kernel: str, say: bool) -> bool:
+def _sharing_works(model: nn.Module, config, setting: bool | str, kernel: str, say: bool) -> bool:
     """Whether packed rows of ``model`` read a shared prefix from one row (:mod:`syncwise.data.prefixes`):
     ``engine.share_prefixes`` allows it (auto: where packed rows run the per-sequence loop, whose calls the
     prefix joins; a variable-length kernel would be given up for it), its attention is syncwise's packed
@@ -71,8 +84,6 @@ def _sharing_works(model: nn.Module, setting: bool | str, kernel: str, say: bool
             print(f"syncwise: engine.share_prefixes: off (auto keeps the {kernel} kernel; true shares with the "
                   "per-sequence loop instead)", flush=True)
         return False
-    model = lora_adapters.base_model_of(model)
-    config = hf_config_of(model)
     dropout = max([m.p for m in model.modules() if isinstance(m, nn.Dropout)]
                   + [float(getattr(config, "attention_dropout", 0.0) or 0.0)])
     if config._attn_implementation != attention.NAME:
@@ -86,14 +97,12 @@ def _sharing_works(model: nn.Module, setting: bool | str, kernel: str, say: bool
     return reason is None
 
 
-def _packing_works(model: nn.Module, say: bool) -> bool:
+def _packing_works(model: nn.Module, config, say: bool) -> bool:
     """Whether ``model`` keeps packed sequences apart (checked once per kind of model); if not, one message
     and the padded path. An sdpa model is switched to ``sdpa_varlen`` (:mod:`syncwise.data.attention`): a
     packed row's attention then costs what its sequences' would alone."""
     from ..data.packing import packs_correctly
 
-    model = lora_adapters.base_model_of(model)  # a peft model packs as the model it adapts
-    config = hf_config_of(model)
     if config is None:
         reason = f"{type(model).__name__} is not a Hugging Face model (packing needs position_ids support)"
     else:
@@ -106,7 +115,7 @@ def _packing_works(model: nn.Module, say: bool) -> bool:
     return reason is None
 
 
-def _fused_head_works(model: nn.Module, config: Config, say: bool) -> bool:
+def _fused_head_works(model: nn.Module, head: nn.Module | None, config: Config, say: bool) -> bool:
     """Whether ``model`` can run with the fused LM head (:mod:`syncwise.models.head`); if so its output layer
     is installed, if not one message (unless it has no output layer at all: a value head) and the logits are
     materialised."""
@@ -116,6 +125,6 @@ def _fused_head_works(model: nn.Module, config: Config, say: bool) -> bool:
         reason = "with engine.find_unused_parameters=true DDP would take the output layer for unused"
     if reason is None:
         output_head.install(model)
-    elif say and output_head.output_layer(model) is not None:
+    elif say and head is not None:
         warnings.warn(f"engine.fused_lm_head: {reason}; materialising the logits", RuntimeWarning, stacklevel=4)
     return reason is None

@@ -59,9 +59,10 @@ class MemoryGovernor:
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device,
         estimator: ShardedModel, cfg: SyncConfig, modes: tuple[SyncMode, ...], configured: SyncChoice,
-        tuning: Tuning | None = None,
+        tuning: Tuning | None = None, layer_classes: tuple[type[nn.Module], ...] = (),
     ):
         self.model, self.optimizer, self.device, self.estimator, self.cfg = model, optimizer, device, estimator, cfg
+        self.layer_classes = layer_classes  # the model's decoder layers' (ModelFeatures): the calibrated one's
         self.measurable = PeakMeter.supported(model, device)
         self.base_peak: int | None = None  # measured peak minus the mode's held extra (per_microbatch's)
         self._state_to_come = 0  # optimizer state not yet allocated when the metered step began
@@ -122,7 +123,8 @@ class MemoryGovernor:
             self._state_to_come = pending_optimizer_state_bytes(self.optimizer)
             if self.auto is not None and not self.auto.decided and self.tuning is not None \
                     and self.tuning.calibrates:
-                return CalibratingMeter(self.model, self.optimizer, self.device, decoder_layers(self.model)[0])
+                first = decoder_layers(self.model, self.layer_classes)[0]
+                return CalibratingMeter(self.model, self.optimizer, self.device, first)
             return PeakMeter(self.model, self.optimizer, self.device)
         return None
 

@@ -61,10 +61,12 @@ def wrap_model(
     device: torch.device,
     mesh: DeviceMesh | None,
     role: str = "the model",
+    layer_classes: tuple[type[nn.Module], ...] = (),
 ) -> WrappedModel:
     """Wrap ``model`` (fp32, on CPU, same weights on every rank; or built on the meta device by
     ``build_model(..., deferred=True)``: filled here, once sharded under FSDP2) according to
-    ``engine_cfg.strategy``; ``role``: which model it is, in the line rank 0 says when it fills one."""
+    ``engine_cfg.strategy``; ``role``: which model it is, in the line rank 0 says when it fills one;
+    ``layer_classes``: its decoder layers' (``ModelFeatures.layer_classes``; found here where not given)."""
     rank, world_size = rank_and_world()
     say = role if rank == 0 else None
     strategy = engine_cfg.strategy
@@ -72,8 +74,11 @@ def wrap_model(
         # FSDP's offload moves parameters and optimizer state from an accelerator to host memory; on a
         # CPU run they already live there (and FSDP2's offload path asks for an accelerator).
         raise ValueError("engine.cpu_offload=true needs a CUDA device: on CPU, parameters are already in host memory")
+    needs_layers = engine_cfg.activation_checkpointing or strategy in ("fsdp2", "fsdp1")
+    if needs_layers and not layer_classes:
+        layer_classes = tuple(decoder_layer_classes(model))  # a model that names none: its error here
     if engine_cfg.activation_checkpointing:
-        checkpoint_decoder_layers(model)
+        checkpoint_decoder_layers(model, layer_classes)
     if strategy != "fsdp2":  # a model built on the meta device, filled whole before wrapping (FSDP2: once sharded)
         materialize(model, device if strategy != "fsdp1" else torch.device("cpu"), say=say)
     if strategy == "none":
@@ -86,10 +91,10 @@ def wrap_model(
     if not dist.is_initialized():
         raise ValueError(f"engine.strategy={strategy!r} needs a process group (run under the launcher)")
     if strategy == "fsdp2":
-        module = _wrap_fsdp2(model, engine_cfg, model_cfg, device, mesh, say)
+        module = _wrap_fsdp2(model, engine_cfg, model_cfg, device, mesh, layer_classes, say)
         units = [m for m in fsdp.fsdp2_units(module) if fsdp.has_params(m)]
     elif strategy == "fsdp1":
-        module = _wrap_fsdp1(model, engine_cfg, model_cfg, device, mesh)
+        module = _wrap_fsdp1(model, engine_cfg, model_cfg, device, mesh, layer_classes)
         units = list(FSDP1.fsdp_modules(module))
     elif strategy == "ddp":
         module = _wrap_ddp(model, engine_cfg, device)
@@ -99,7 +104,7 @@ def wrap_model(
     return WrappedModel(module, strategy, num_units=len(units), dp_size=world_size, mesh=mesh, units=units)
 
 
-def checkpoint_decoder_layers(model: nn.Module) -> None:
+def checkpoint_decoder_layers(model: nn.Module, classes: tuple[type[nn.Module], ...] = ()) -> None:
     """Wrap each decoder layer in torch's activation-checkpoint wrapper (non-reentrant), in place, before any
     FSDP wrapping: its activations are recomputed in backward instead of kept. Parameter names keep their
     meaning: torch's state-dict utilities (DCP, the export) drop the wrapper's prefix."""
@@ -109,7 +114,7 @@ def checkpoint_decoder_layers(model: nn.Module) -> None:
         checkpoint_wrapper,
     )
 
-    classes = tuple(decoder_layer_classes(model))
+    classes = classes or tuple(decoder_layer_classes(model))
     apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
@@ -119,7 +124,7 @@ def checkpoint_decoder_layers(model: nn.Module) -> None:
 
 def _wrap_fsdp2(
     model: nn.Module, engine_cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device,
-    mesh: DeviceMesh | None, say: str | None = None,
+    mesh: DeviceMesh | None, layer_classes: tuple[type[nn.Module], ...], say: str | None = None,
 ) -> nn.Module:
     fsdp.require_supported_torch()
     param_dtype = DTYPE_BY_NAME[model_cfg.param_dtype]
@@ -134,7 +139,7 @@ def _wrap_fsdp2(
         kwargs["offload_policy"] = CPUOffloadPolicy()
     elif not deferred:
         model.to(device)
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model, layer_classes):
         fully_shard(layer, **kwargs)
     # The root's parameters are needed again at the start of backward (LM head): FSDP2's default for the
     # root keeps them unsharded after forward instead of gathering them twice, so only pass False.
@@ -150,7 +155,7 @@ def _wrap_fsdp2(
 
 def _wrap_fsdp1(
     model: nn.Module, engine_cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device,
-    mesh: DeviceMesh | None,
+    mesh: DeviceMesh | None, layer_classes: tuple[type[nn.Module], ...],
 ) -> nn.Module:
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -182,7 +187,7 @@ def _wrap_fsdp1(
         warnings.filterwarnings("ignore", message=".*has both parameters with requires_grad=True and False.*")
         return FSDP1(
             model,
-            auto_wrap_policy=ModuleWrapPolicy(decoder_layer_classes(model)),
+            auto_wrap_policy=ModuleWrapPolicy(set(layer_classes)),
             sharding_strategy=strategy,
             device_mesh=mesh if hsdp else None,
             mixed_precision=mixed,

@@ -245,12 +245,13 @@ def decoder_layer_classes(model: nn.Module) -> set[type[nn.Module]]:
     return classes
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers, or the activation-checkpoint wrappers around them where they are wrapped (the
-    module FSDP must shard, so that recomputation finds its parameters gathered)."""
+def decoder_layers(model: nn.Module, classes: tuple[type[nn.Module], ...] = ()) -> list[nn.Module]:
+    """The decoder layers (of ``classes``, found where not given), or the activation-checkpoint wrappers around
+    them where they are wrapped (the module FSDP must shard, so that recomputation finds its parameters
+    gathered)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    classes = tuple(decoder_layer_classes(model))
+    classes = tuple(classes) or tuple(decoder_layer_classes(model))
     wrapped = [
         m for m in model.modules()
         if isinstance(m, CheckpointWrapper) and any(isinstance(child, classes) for child in m.children())
