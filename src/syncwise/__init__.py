@@ -13,6 +13,13 @@ from typing import TYPE_CHECKING, Any
 _PUBLIC = {
     "CollectiveCounter": "syncwise.sync.counting",
     "Config": "syncwise.config",
+    "DPOConfig": "syncwise.jobs.trainers",
+    "DPOTrainer": "syncwise.jobs.trainers",
+    "GRPOConfig": "syncwise.jobs.trainers",
+    "GRPOTrainer": "syncwise.jobs.trainers",
+    "JobFailed": "syncwise.jobs.trainers",
+    "SFTConfig": "syncwise.jobs.trainers",
+    "SFTTrainer": "syncwise.jobs.trainers",
     "ConfigError": "syncwise.config",
     "Engine": "syncwise.engine",
     "ForwardBackwardResult": "syncwise.engine",
@@ -27,8 +34,9 @@ _PUBLIC = {
 }
 
 __all__ = [
-    "CollectiveCounter", "Config", "ConfigError", "Engine", "ForwardBackwardResult", "LossOutput", "Normalizer",
-    "SyncMode", "count_collectives", "expected_collectives", "gradient_sync", "load_config", "sft_loss",
+    "CollectiveCounter", "Config", "ConfigError", "DPOConfig", "DPOTrainer", "Engine", "ForwardBackwardResult",
+    "GRPOConfig", "GRPOTrainer", "JobFailed", "LossOutput", "Normalizer", "SFTConfig", "SFTTrainer", "SyncMode",
+    "count_collectives", "expected_collectives", "gradient_sync", "load_config", "sft_loss",
 ]
 
 __version__ = "0.1.0"
@@ -49,6 +57,15 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as if imported here
     from .config import Config, ConfigError, load_config
     from .engine import Engine, ForwardBackwardResult
+    from .jobs.trainers import (
+        DPOConfig,
+        DPOTrainer,
+        GRPOConfig,
+        GRPOTrainer,
+        JobFailed,
+        SFTConfig,
+        SFTTrainer,
+    )
     from .losses import LossOutput, Normalizer, sft_loss
     from .memory.schedule import expected_collectives
     from .sync.counting import CollectiveCounter, count_collectives

@@ -36,3 +36,22 @@ def resolve_model_folder(value: str | None, key: str) -> str | None:
                "HF_HUB_OFFLINE") if offline else f"the hub did not give it ({type(exc).__name__})"
         raise HubModelMissing(f"{key}: {value} is no folder here, nor a model in the Hugging Face cache; {how}") \
             from None
+
+
+def resolve_hub_ids(config, job: str, say: bool) -> None:
+    """The model folders a job reads, where given as hub ids (``model.path=Qwen/Qwen2.5-0.5B-Instruct``), replaced
+    by their snapshot folders in the Hugging Face cache before any rank starts (each said in a line where
+    ``say``); a ConfigError naming the key where one is neither a folder nor in the cache."""
+    keys = [("model", "path"), (job if job in ("sft", "dpo") else "rl", "tokenizer")]
+    if job == "dpo":
+        keys.append(("dpo.ref_model", "path"))
+    for section, name in keys:
+        owner = config
+        for part in section.split("."):
+            owner = getattr(owner, part)
+        given = getattr(owner, name)
+        folder = resolve_model_folder(given, f"{section}.{name}")
+        if folder != given:
+            setattr(owner, name, folder)
+            if say:
+                print(f"syncwise {job}: {section}.{name}={given}: the Hugging Face cache's {folder}", flush=True)

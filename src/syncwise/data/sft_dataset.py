@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..runtime import script_objects
 from .batching import karmarkar_karp
 from .chat import FORMATS, TRUNCATION, RowError, assistant_mask_source, detect_format, tokenize_row, truncated
 
@@ -59,11 +60,15 @@ class SFTData:
 
 def read_rows(path: str, key: str):
     """The ``datasets.Dataset`` at ``path`` (``.jsonl`` / ``.json``, ``.parquet``, or a ``save_to_disk``
-    folder); a :class:`DatasetError` naming ``key``, the file and, for JSONL, the line, if it cannot be read."""
+    folder), or the one a Python script gave its trainer (``<script>:name``: a ``datasets.Dataset``, its
+``DatasetDict``'s train split, or a list of dicts); a :class:`DatasetError` naming ``key``, the file and, for
+JSONL, the line, if it cannot be read."""
     import datasets
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
+    if script_objects.is_reference(path):
+        return _script_rows(path, key)
     file = Path(path)
     if not file.exists():
         raise DatasetError(f"{key}: {path} does not exist")
@@ -84,6 +89,31 @@ def read_rows(path: str, key: str):
     except Exception as exc:  # the reader's own error: find the line it means, where we can
         where = _jsonl_problem(file) if file.suffix in (".jsonl", ".json") else None
         raise DatasetError(f"{key}: {path}: {where or _first_line(exc)}") from exc
+
+
+def _script_rows(reference: str, key: str):
+    """The rows a script gave (see :func:`read_rows`) as a ``datasets.Dataset``."""
+    import datasets
+
+    try:
+        given = script_objects.lookup(reference, key)
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from exc
+    if isinstance(given, datasets.DatasetDict):
+        if "train" not in given:
+            raise DatasetError(f"{key}: the DatasetDict given holds splits {sorted(given)}, none called 'train'")
+        given = given["train"]
+    if isinstance(given, datasets.IterableDataset):
+        raise DatasetError(f"{key}: an IterableDataset is read as it streams; give a datasets.Dataset or a list "
+                           "of dicts (dataset.take(n) then Dataset.from_list, or the files themselves)")
+    if isinstance(given, datasets.Dataset):
+        return given
+    if isinstance(given, list) and all(isinstance(row, dict) for row in given):
+        try:
+            return datasets.Dataset.from_list(given)
+        except Exception as exc:  # arrow cannot type the column
+            raise DatasetError(f"{key}: the list of rows given cannot be made a datasets.Dataset: {exc}") from exc
+    raise DatasetError(f"{key}: expected a datasets.Dataset or a list of dicts, got {type(given).__name__}")
 
 
 def load_sft_data(path: str, tokenizer, max_length: int, truncation: str, on_bad_row: str,

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from ..config import ROLLOUT_ENGINES, ConfigError, config_to_dict, load_job_config
-from ..config.hub import resolve_model_folder
+from ..config.hub import resolve_hub_ids, resolve_model_folder
 from ..config.reference import sections
 from ..runtime.launcher import DEBUG_ENV, launch
 from ..runtime.rank_server import Gate, Worker
@@ -41,7 +41,7 @@ def _run_job(worker_path: str, args: argparse.Namespace, job: str) -> int:
         config, differences = load_job_config(job, path, overrides)
         if os.environ.get("RANK", "0") == "0" and differences:
             print(f"syncwise {job}: beside the defaults: {'; '.join(differences)}", flush=True)
-        _resolve_hub_ids(config, job)
+        resolve_hub_ids(config, job, say=os.environ.get("RANK", "0") == "0")
         payload = config_to_dict(config)
         section = job if job in ("sft", "dpo") else "train"
         key, folder = f"{section}.out_dir", getattr(config, section).out_dir
@@ -54,25 +54,6 @@ def _run_job(worker_path: str, args: argparse.Namespace, job: str) -> int:
             kind = "config error" if isinstance(exc, ConfigError) else "error"
             print(f"syncwise: {kind}: {exc}", file=sys.stderr)
         return 2
-
-
-def _resolve_hub_ids(config, job: str) -> None:
-    """The model folders a job reads, where given as hub ids (``model.path=Qwen/Qwen2.5-0.5B-Instruct``), replaced
-    by their snapshot folders in the Hugging Face cache before any rank starts (each said in a line); a
-    ConfigError naming the key where one is neither a folder nor in the cache."""
-    keys = [("model", "path"), (job if job in ("sft", "dpo") else "rl", "tokenizer")]
-    if job == "dpo":
-        keys.append(("dpo.ref_model", "path"))
-    for section, name in keys:
-        owner = config
-        for part in section.split("."):
-            owner = getattr(owner, part)
-        given = getattr(owner, name)
-        folder = resolve_model_folder(given, f"{section}.{name}")
-        if folder != given:
-            setattr(owner, name, folder)
-            if os.environ.get("RANK", "0") == "0":
-                print(f"syncwise {job}: {section}.{name}={given}: the Hugging Face cache's {folder}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from ..metrics import open_job_log, set_aside
+from .callbacks import script_callbacks
 from .completions import FOLDER, write_table
 from .trackers import Tracker, open_trackers
 
@@ -54,6 +55,7 @@ class JobLogs:
         if resumed_at is None:  # an earlier run's tables set aside, as its metrics.jsonl is
             set_aside(out_dir / FOLDER)
         self.trackers = open_trackers(settings.loggers, out_dir, config, runs if resumed_at is not None else None)
+        self.trackers += script_callbacks(settings.steps, resumed_at)
         note = f"; its config in {out_dir / 'config.yaml'}{note}"
         if self.trackers:
             note += "; logging to " + ", ".join(t.name for t in self.trackers)

@@ -1,6 +1,7 @@
 """A user's code by the name a config gives it: ``package.module:function`` (imported as ``python -m`` would,
-with the job's folder first on the path) or ``path/to/file.py:function`` -- one loader for reward functions,
-tools and environment classes."""
+with the job's folder first on the path), ``path/to/file.py:function`` or an object a Python script gave its
+trainer (``<script>:name``, :mod:`syncwise.runtime.script_objects`) -- one loader for reward functions, tools and
+environment classes."""
 
 from __future__ import annotations
 
@@ -12,10 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ...runtime import script_objects
+
 
 def load_function(path: str, key: str) -> Callable[..., Any]:
     """The callable ``path`` names (``package.module:function`` or ``file.py:function``); a ValueError naming
     ``key`` (``rl.reward_fn``, ``rl.tools``) if it cannot be had."""
+    if script_objects.is_reference(path):
+        fn = script_objects.lookup(path, key)
+        if not callable(fn):
+            raise ValueError(f"{key}: {path} is not callable")
+        return fn
     target, sep, attr = path.rpartition(":")
     if not sep or not target or not attr:
         raise ValueError(f"{key}: {path!r} must look like 'package.module:function' or 'file.py:function'")

@@ -25,6 +25,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerFast
 
 from ...config import Config, RLConfig, reward_paths
+from ...runtime import script_objects
 from .classes import EnvironmentClass
 from .prompts import EncodedPrompts, encode_prompts
 from .scoring import RewardFunction, reward_functions
@@ -158,9 +159,9 @@ def load_dataset(path: str) -> tuple[list[dict[str, Any]], list[str]]:
     ``{"role", "content"}`` messages (TRL's two prompt formats); every other column reaches the rewards. Errors
     name the file and the line (JSONL) or row (Parquet, a folder)."""
     file = Path(path)
-    if not file.exists():
+    if not script_objects.is_reference(path) and not file.exists():
         raise ValueError(f"rl.dataset: file not found: {path}")
-    if file.is_dir():
+    if script_objects.is_reference(path) or file.is_dir():
         from ...data.sft_dataset import read_rows
 
         numbered = [(f"row {i}", row) for i, row in enumerate(read_rows(path, "rl.dataset").to_list(), start=1)]
