@@ -177,16 +177,13 @@ class Trainer:
         say = not rank and os.environ.get("RANK", "0") == "0"
         if say and self.differences:
             print(f"syncwise {self.job}: beside the defaults: {'; '.join(self.differences)}", flush=True)
-        resolve_hub_ids(self.config, self.job, say=say)
-        payload = config_to_dict(self.config)
         if rank:  # a rank the launcher started: its job, then the rest of the script is the launcher's
-            Worker(self.worker).load()(payload)
+            Worker(self.worker).load()(self._checked(save=False, say=False, check=False))
             raise _RankDone
         if under_torchrun:  # every process a rank; rank 0 holds the run folder, as syncwise <job> does there
             lock = RunFolderLock(str(self.out_dir), f"{self.section}.out_dir") if say else contextlib.nullcontext()
             with lock:
-                self._check(save=False)
-                if rank_main(Worker(self.worker).load(), payload):
+                if rank_main(Worker(self.worker).load(), self._checked(save=False, say=say)):
                     raise JobFailed(f"syncwise {self.job}: the job failed on rank {os.environ.get('RANK', '0')}")
             return self._outcome()
         script = getattr(sys.modules["__main__"], "__file__", None)
@@ -194,7 +191,7 @@ class Trainer:
             raise ConfigError("a trainer starts its ranks by running the script that made it again; here there is no "
                               "script (a notebook or the REPL): put the code in a .py file and run it with python")
         with RunFolderLock(str(self.out_dir), f"{self.section}.out_dir"):
-            self._check(save=True)
+            self._checked(save=True, say=True)
             try:
                 with _main_not_imported():
                     result = launch_local(Worker(f"{__name__}:script_rank"), self.config.dist.nproc,
@@ -206,17 +203,21 @@ class Trainer:
                             f"{result.exit_code}")
         return self._outcome()
 
-    def _check(self, save: bool) -> None:
-        """The model / tokenizer the script gave saved, then the job's checks (what ``syncwise <job>`` checks
-        before any rank starts): a ConfigError, one line, for a mistake."""
+    def _checked(self, save: bool, say: bool, check: bool = True) -> dict[str, Any]:
+        """The job's config as its ranks receive it: the model / tokenizer objects the script gave saved (the
+        launcher), hub ids resolved, then (``check``) what ``syncwise <job>`` checks before any rank starts -- a
+        ConfigError, one line, for a mistake."""
         from .preflight import PreflightError, preflight
 
         if save:
             self._save_given()
-        try:
-            preflight(self.config, self.job)
-        except PreflightError as exc:
-            raise ConfigError(str(exc)) from None
+        resolve_hub_ids(self.config, self.job, say=say)
+        if check:
+            try:
+                preflight(self.config, self.job)
+            except PreflightError as exc:
+                raise ConfigError(str(exc)) from None
+        return config_to_dict(self.config)
 
     def _outcome(self) -> Any:
         from transformers.trainer_utils import TrainOutput
