@@ -47,6 +47,20 @@ TRL_KEYS: dict[str, str] = {
     "output_dir": "train.out_dir, sft.out_dir or dpo.out_dir",
     "resume_from_checkpoint": "train.resume, sft.resume or dpo.resume (auto | a path)",
     "seed": "train.seed, sft.seed or dpo.seed",
+    "temperature": "rl.temperature",
+    "top_p": "rl.top_p",
+    "top_k": "rl.top_k",
+    "min_p": "rl.min_p",
+    "entropy_coef": "rl.loss.entropy_coef",
+    "log_completions": "train.log_completions_every (1 or 0)",
+    "vllm_mode": "colocate only (rollout ranks of their own: dist.rollout_ranks)",
+    "steps_per_generation": "with per_device_train_batch_size: rl.prompts_per_rank",
+    "generation_batch_size": "rl.prompts_per_rank x rl.samples_per_prompt (completions a rank)",
+    "packing": "engine.packing (sequences kept apart in packed rows)",
+    "label_smoothing": "dpo.label_smoothing",
+    "loss_weights": "dpo.loss_weights",
+    "simpo_gamma": "dpo.simpo_gamma",
+    "precompute_ref_log_probs": "dpo.precompute_ref_log_probs",
 }
 
 # verl's key (as its Hydra config spells it) -> syncwise's key(s)
