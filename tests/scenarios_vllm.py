@@ -70,6 +70,7 @@ def vllm_refresh_suite(info, model_dir: str, kv_cache_bytes: int) -> dict:
     engine = Engine(config, build_model(config.model), info, total_steps=1)
     gc.collect()
     baseline = _resident()  # vLLM not imported yet: its imports are its memory too
+    parts0 = {f: _resident(f) for f in ("RssAnon", "RssFile", "RssShmem")}
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # the peak resident size starts again from here
     rollout = Rollout.beside(config, engine, tokenizer, source, end_token_ids(model_dir))
@@ -83,6 +84,9 @@ def vllm_refresh_suite(info, model_dir: str, kv_cache_bytes: int) -> dict:
     rollout.generate(source.rows[:1], source.prompt_ids[:1], 0)  # a prompt of the task's
     # what building the engine, its first refresh and its first rollout took, at the peak, against its word
     out = {"measured_bytes": _resident("VmHWM") - baseline, "held_bytes": rollout.held_bytes, **out_seeds}
+    out.update({f"d_{f}": _resident(f) - v for f, v in parts0.items()})
+    out["rss_now"] = _resident() - baseline
+    print("MEMDEBUG", {k: round(v / 2**20, 1) for k, v in out.items() if k.startswith("d_") or k in ("measured_bytes", "held_bytes", "rss_now")}, flush=True)
     out["fresh"] = _max_diff(rollout, engine, source, rows, prompt_ids, 0)
     _scale_policy(engine, 1.5)  # a policy update the sampler has not seen
     out["refresh_skipped"] = _max_diff(rollout, engine, source, rows, prompt_ids, 1)

@@ -26,6 +26,7 @@ def _syncwise(tmp: Path, *args: str) -> subprocess.CompletedProcess:
            "WANDB_CONFIG_DIR": str(tmp / "wandb-config"), "WANDB_CACHE_DIR": str(tmp / "wandb-cache"),
            "TRACKIO_DIR": str(tmp / "trackio"), "MLFLOW_TRACKING_URI": ""}
     env.pop("PYTHONPATH", None)
+    env.pop("MLFLOW_ALLOW_FILE_STORE", None)  # the job's own MLflow store is one MLflow 3 opens as it is
     proc = subprocess.run([sys.executable, "-m", "syncwise", *args], cwd=tmp, capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, failed(proc.stderr, 3000)
@@ -74,11 +75,13 @@ def _check_runs(tmp: Path, out: Path, key: str, steps: int, checkpoint: Path) ->
     for folder in folders:
         history.update(_wandb_history(folder / f"run-{runs['wandb']}.wandb"))
     assert {s: h[key] for s, h in history.items() if key in h} == pytest.approx(logged, rel=1e-6)
-    # MLflow: the file store in <out_dir>/mlruns, one run, continued
+    # MLflow: the job's SQLite store <out_dir>/mlflow.db (read with no MLFLOW_ALLOW_FILE_STORE: issue 80), its
+    # artifacts in <out_dir>/mlartifacts, one run, continued
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    client = MlflowClient(tracking_uri=f"sqlite:///{(out / 'mlflow.db').resolve()}")
     (experiment,) = [e for e in client.search_experiments() if e.name == "syncwise"]
+    assert experiment.artifact_location == (out / "mlartifacts").resolve().as_uri()
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.run_id == runs["mlflow"]
     assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)} == pytest.approx(logged, rel=1e-6)
@@ -94,9 +97,6 @@ def _check_runs(tmp: Path, out: Path, key: str, steps: int, checkpoint: Path) ->
     return run, client, history, rows
 
 
-@pytest.fixture(autouse=True)
-def _mlflow_file_store(monkeypatch):
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store only when told to
 
 
 def test_grpo_metrics_config_and_completions_go_to_wandb_mlflow_trackio_and_a_resume_continues_them(tmp_path):

@@ -99,7 +99,7 @@ class TrainConfig:
     out_dir: str = "runs/grpo"  # metrics.jsonl, curves.png, phases.png, checkpoints/, export/
     # also: tensorboard, wandb, mlflow, trackio (rank 0; a resumed job continues their runs) -- a list, e.g.
     # [jsonl,wandb]; wandb and trackio read WANDB_* / TRACKIO_* (WANDB_MODE=offline), mlflow MLFLOW_TRACKING_URI
-    # (unset: a file store in <out_dir>/mlruns)
+    # (unset: a SQLite store <out_dir>/mlflow.db)
     logger: str | list[str] = "jsonl"
     progress: bool | str = "auto"  # a progress bar on rank 0: true | false | auto (on a terminal only)
     log_every: int = 1  # with the bar off: a line every N steps (its reward, loss, collectives, phases)

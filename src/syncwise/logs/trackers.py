@@ -4,12 +4,13 @@ step's numbers, the evaluations' rows, the completions table (:mod:`syncwise.log
 a resumed job continues the same run, whose id its checkpoint keeps (:meth:`Tracker.run_id`).
 
 Where each writes is its package's own setting: wandb's ``WANDB_PROJECT`` / ``WANDB_MODE`` (``offline``: a run
-folder under ``<out_dir>/wandb`` for ``wandb sync``), MLflow's ``MLFLOW_TRACKING_URI`` (unset: a file store in
-``<out_dir>/mlruns``) and ``MLFLOW_EXPERIMENT_NAME``, Trackio's ``TRACKIO_DIR`` and ``TRACKIO_PROJECT``; the
+folder under ``<out_dir>/wandb`` for ``wandb sync``), MLflow's ``MLFLOW_TRACKING_URI`` (unset: a SQLite store
+``<out_dir>/mlflow.db``) and ``MLFLOW_EXPERIMENT_NAME``, Trackio's ``TRACKIO_DIR`` and ``TRACKIO_PROJECT``; the
 project or experiment is ``syncwise`` unless set, the run named after the output folder."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -100,17 +101,24 @@ class WandbTracker(Tracker):
         self._run.finish()
 
 
+MLFLOW_DB, MLFLOW_ARTIFACTS = "mlflow.db", "mlartifacts"  # <out_dir>/...: the job's own MLflow store
+
+
 class MlflowTracker(Tracker):
     """An MLflow run: the config as parameters (and ``config.yaml``), the metrics by step, each completions table
-    as a JSON artifact (``completions/completions_<step>.json``, what ``mlflow.load_table`` reads)."""
+    as a JSON artifact (``completions/completions_<step>.json``, what ``mlflow.load_table`` reads). Where
+    ``MLFLOW_TRACKING_URI`` is unset, a SQLite store ``<out_dir>/mlflow.db`` with its artifacts in
+    ``<out_dir>/mlartifacts``."""
 
     name = "mlflow"
 
     def __init__(self, out_dir: Path, config: dict[str, Any], resumed: str | None, fresh: bool):
         uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for it: we chose a file store
-            os.environ["MLFLOW_TRACKING_URI"] = (out_dir / "mlruns").resolve().as_uri()
+        own = not uri  # the job's own store: SQLite in the run folder, which MLflow 3 opens as it is
+        if own:
+            os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{(out_dir / MLFLOW_DB).resolve()}"
+            for name in ("mlflow.store.db.utils", "alembic"):  # its tables' creation, said at INFO
+                logging.getLogger(name).setLevel(logging.WARNING)
         elif _file_store(uri) and "MLFLOW_ALLOW_FILE_STORE" not in os.environ:
             # the user's own file store: MLflow 3 refuses to write one unless told, which would end the job
             os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
@@ -119,7 +127,10 @@ class MlflowTracker(Tracker):
         import mlflow
 
         self._mlflow = mlflow
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT))
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
+        if own and mlflow.get_experiment_by_name(experiment) is None:  # its artifacts beside it, not in the cwd
+            mlflow.create_experiment(experiment, artifact_location=(out_dir / MLFLOW_ARTIFACTS).resolve().as_uri())
+        mlflow.set_experiment(experiment)
         self._run = mlflow.start_run(run_id=resumed) if resumed else mlflow.start_run(run_name=out_dir.name)
         if not resumed:
             mlflow.log_params({_key(k): str(v)[:6000] for k, v in flat_keys(config).items()})
