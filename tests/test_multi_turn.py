@@ -511,10 +511,12 @@ def test_an_environment_opens_the_episode_holds_its_state_and_scores_it():
     CountingEpisode.closed = []
     loop = TurnLoop(cfg, tokenizer, None, CountingEpisode, ["calculator"])
     trajectories, _, episodes = loop.run(engine, [row], [prompt_ids], [schemas], 2, 600, seeds=[0] * cfg.max_turns)
-    # what start said is appended to the last user message (as TRL does with reset's text): each episode's
-    # prompt is its own, so the first turn is asked per conversation
+    # what start said is appended to the last user message (as TRL does with reset's text; issue 80: apart from it
+    # by a blank line where neither has whitespace at the seam): each episode's prompt is its own, so the first
+    # turn is asked per conversation
     with_opening = encode_prompt(opened(PROMPT, " You have 3 tries."), cfg, tokenizer, schemas)
-    assert opened(PROMPT, "!")[-1]["content"] == PROMPT[-1]["content"] + "!" and with_opening != prompt_ids
+    assert opened(PROMPT, "Go!")[-1]["content"] == PROMPT[-1]["content"] + "\n\nGo!" and with_opening != prompt_ids
+    assert opened(PROMPT, " You have 3 tries.")[-1]["content"] == PROMPT[-1]["content"] + " You have 3 tries."
     assert engine.calls[0] == ([with_opening, with_opening], 1, 600)
     for t in trajectories:
         assert t.prompt == with_opening and t.opening == " You have 3 tries."

@@ -233,7 +233,8 @@ class TurnLoop:
 
 def opened(prompt: Any, opening: str | None) -> list[dict[str, Any]]:
     """The prompt's messages, ``opening`` (what an episode's ``start`` said) appended to its last user message,
-    as TRL does with what ``reset`` returns."""
+    as TRL does with what ``reset`` returns -- apart from it by a blank line where neither has whitespace at the
+    seam (TRL joins them as they are: "What is 3 + 4?You have 3 tries.")."""
     messages = prompt_messages(prompt)
     if opening is None:
         return messages
@@ -241,8 +242,9 @@ def opened(prompt: Any, opening: str | None) -> list[dict[str, Any]]:
     if not users:
         return [*messages, {"role": "user", "content": opening}]
     last = users[-1]
-    return [*messages[:last], {**messages[last], "content": messages[last]["content"] + opening},
-            *messages[last + 1:]]
+    content = messages[last]["content"]
+    seam = "" if not content or not opening or content[-1].isspace() or opening[0].isspace() else "\n\n"
+    return [*messages[:last], {**messages[last], "content": content + seam + opening}, *messages[last + 1:]]
 
 
 def _count(trajectory: Trajectory, result: ToolResult) -> None:
