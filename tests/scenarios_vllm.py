@@ -7,6 +7,7 @@ glibc returning what is freed: ``MALLOC_MMAP_THRESHOLD_`` set by the test) again
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import torch
@@ -43,6 +44,17 @@ def _resident(field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def _memory_parts() -> dict[str, int]:
+    """The resident memory's parts (anonymous, file pages, transparent huge pages) and the process's threads."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    rollup = dict(line.split(":", 1) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]
+                  if ":" in line)
+    parts = {key: int(status[key].split()[0]) * 1024 for key in ("RssAnon", "RssFile")}
+    parts["AnonHugePages"] = int(rollup.get("AnonHugePages", "0 kB").split()[0]) * 1024
+    parts["Threads"] = int(status["Threads"])
+    return parts
+
+
 def _same_prompt_on_both_ranks(rollout: Rollout, info, prompt: list[int], n: int = 6) -> dict:
     """Every rank samples ``n`` responses to the same prompt with its own step-0 seed: how many of this rank's
     equal one of another rank's (the seeds of vLLM's samples once overlapped across ranks: most did)."""
@@ -70,7 +82,7 @@ def vllm_refresh_suite(info, model_dir: str, kv_cache_bytes: int) -> dict:
     engine = Engine(config, build_model(config.model), info, total_steps=1)
     gc.collect()
     baseline = _resident()  # vLLM not imported yet: its imports are its memory too
-    parts0 = {f: _resident(f) for f in ("RssAnon", "RssFile", "RssShmem")}
+    parts = _memory_parts()
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # the peak resident size starts again from here
     rollout = Rollout.beside(config, engine, tokenizer, source, end_token_ids(model_dir))
@@ -84,9 +96,9 @@ def vllm_refresh_suite(info, model_dir: str, kv_cache_bytes: int) -> dict:
     rollout.generate(source.rows[:1], source.prompt_ids[:1], 0)  # a prompt of the task's
     # what building the engine, its first refresh and its first rollout took, at the peak, against its word
     out = {"measured_bytes": _resident("VmHWM") - baseline, "held_bytes": rollout.held_bytes, **out_seeds}
-    out.update({f"d_{f}": _resident(f) - v for f, v in parts0.items()})
-    out["rss_now"] = _resident() - baseline
-    print("MEMDEBUG", {k: round(v / 2**20, 1) for k, v in out.items() if k.startswith("d_") or k in ("measured_bytes", "held_bytes", "rss_now")}, flush=True)
+    # where the peak went, for the record the test leaves (what differs between runs: issue 77)
+    out["parts"] = {key: value - parts[key] for key, value in _memory_parts().items()}
+    out["parts"].update(omp=os.environ.get("OMP_NUM_THREADS"), torch_threads=torch.get_num_threads())
     out["fresh"] = _max_diff(rollout, engine, source, rows, prompt_ids, 0)
     _scale_policy(engine, 1.5)  # a policy update the sampler has not seen
     out["refresh_skipped"] = _max_diff(rollout, engine, source, rows, prompt_ids, 1)

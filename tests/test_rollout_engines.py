@@ -372,6 +372,8 @@ def test_vllm_refresh_reaches_the_sampler_and_resets_its_prefix_cache(tmp_path, 
         outs = run_distributed(vllm_refresh_suite, 2, str(model), 256 * 2**20, timeout_s=300)
     finally:
         end_rank_server()
+    (tmp_path / "memory.json").write_text(json.dumps([{k: out[k] for k in ("measured_bytes", "held_bytes", "parts")}
+                                                       for out in outs]))  # left with the test's folder
     for out in outs:
         # a 256 MiB KV cache, the weights, the logits and vLLM's imports and runtime (measured 265-274 MiB on two
         # other shapes); from before vLLM's import through the engine's first refresh and rollout
