@@ -147,10 +147,11 @@ def test_trl_fields_map_to_syncwise_keys():
     assert fields_set(TRLShaped(output_dir="o", num_generations=4)) == {"output_dir": "o", "num_generations": 4}
 
 
-def test_a_trl_grpo_script_runs_with_one_import_changed_under_python_and_torchrun(folder):
+def test_a_trl_grpo_script_runs_with_one_import_changed_under_python_torchrun_and_in_a_notebook(folder):
     """The quickstart as a script: ``python grpo.py`` (the launcher starts 2 ranks that run the script again up to
-    train(); the rest runs once) and ``torchrun --nproc-per-node 2 grpo.py`` (every process a rank) train alike;
-    the script's reward function is in the completions table; save_model's folder loads."""
+    train(); the rest runs once), ``torchrun --nproc-per-node 2 grpo.py`` (every process a rank) and the code with
+    no script file (a notebook: ranks forked from it) train alike; the script's reward function is in the
+    completions table; save_model's folder loads."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -161,10 +162,17 @@ def test_a_trl_grpo_script_runs_with_one_import_changed_under_python_and_torchru
     torchrun = _run(folder, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", "grpo_torchrun")
     assert torchrun.returncode == 0, failed(torchrun.stderr, 3000)
     assert torchrun.stdout.count("TRAINED 2") == 2  # every process goes on with the script, as TRL's do
-    rows = {out: read_jsonl(folder / out / "metrics.jsonl") for out in ("grpo_python", "grpo_torchrun")}
+    # a notebook (here: the code on stdin, no script to run again): the ranks are forks of the process
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    notebook = subprocess.run([sys.executable, "-", "grpo_notebook"], input=GRPO_SCRIPT, cwd=folder,
+                              capture_output=True, text=True, env=env, timeout=600)
+    assert notebook.returncode == 0, failed(notebook.stderr, 3000)
+    runs = ("grpo_python", "grpo_torchrun", "grpo_notebook")
+    rows = {out: read_jsonl(folder / out / "metrics.jsonl") for out in runs}
     assert [r["train/step"] for r in rows["grpo_python"]] == [1, 2]
-    for a, b in zip(rows["grpo_python"], rows["grpo_torchrun"], strict=True):
-        assert a["reward/mean"] == pytest.approx(b["reward/mean"], rel=1e-6), (a, b)
+    for a, b, c in zip(*rows.values(), strict=True):
+        assert a["reward/mean"] == pytest.approx(b["reward/mean"], rel=1e-6) == c["reward/mean"], (a, b, c)
         assert a["reward/reward_len"] == pytest.approx(a["reward/mean"], rel=1e-9)
     table = completions_table(folder, "grpo_python", 2)
     assert "reward/reward_len" in table.columns and len(table) == 2 * 8

@@ -10,6 +10,8 @@ callbacks -- as script objects (:mod:`syncwise.runtime.script_objects`). ``train
   :class:`~syncwise.config.ConfigError`, for a mistake: nothing started), and starts ``dist.nproc`` local ranks,
   each of which runs the script again (as ``torchrun`` does) up to its ``train()``, which there is the rank's job;
   the rest of the script runs here alone, once the job has ended (a failed job: :class:`JobFailed`, its lines);
+- in a notebook (or the REPL: no script to run again): the same, the ranks forked from this process (as
+  accelerate's ``notebook_launcher`` does), so what it holds is theirs;
 - under ``torchrun``: every process is a rank, runs the checks and the job, and goes on with the script.
 
 So what a script defines reaches every rank by being defined there too, as under ``accelerate launch``: the script
@@ -187,15 +189,17 @@ class Trainer:
                     raise JobFailed(f"syncwise {self.job}: the job failed on rank {os.environ.get('RANK', '0')}")
             return self._outcome()
         script = getattr(sys.modules["__main__"], "__file__", None)
-        if script is None:
-            raise ConfigError("a trainer starts its ranks by running the script that made it again; here there is no "
-                              "script (a notebook or the REPL): put the code in a .py file and run it with python")
+        script = script if script is not None and Path(script).is_file() else None  # `python -`: "<stdin>"
         with RunFolderLock(str(self.out_dir), f"{self.section}.out_dir"):
-            self._checked(save=True, say=True)
+            payload = self._checked(save=True, say=True)
             try:
-                with _main_not_imported():
-                    result = launch_local(Worker(f"{__name__}:script_rank"), self.config.dist.nproc,
-                                          {"script": str(Path(script).resolve()), "argv": list(sys.argv)})
+                if script is None:  # a notebook or the REPL: no script to run again; the ranks are its forks
+                    result = launch_local(Worker(self.worker), self.config.dist.nproc, payload,
+                                          forked_from_here=True)
+                else:
+                    with _main_not_imported():
+                        result = launch_local(Worker(f"{__name__}:script_rank"), self.config.dist.nproc,
+                                              {"script": str(Path(script).resolve()), "argv": list(sys.argv)})
             finally:
                 end_rank_server()
         if result.exit_code:

@@ -293,9 +293,11 @@ class _Supervisor:
                 self.kill_all()
 
 
-def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any, gate: Gate | None = None) -> JobResult:
+def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any, gate: Gate | None = None,
+                 forked_from_here: bool = False) -> JobResult:
     """Run ``fn(*args)`` on ``nproc`` local ranks (processes forked from :mod:`.rank_server`'s server, with
-    torchrun's environment) and wait.
+    torchrun's environment) and wait. ``forked_from_here``: the ranks are forks of this process instead (a
+    notebook's trainer: what it holds in memory is theirs too, as accelerate's notebook launcher does).
 
     Prints the root cause of a failure (at most three lines) to stderr and returns how the job ended.
     ``fn`` must be picklable (a module-level function, or a :class:`Worker`). ``gate``: the job's checks, run in
@@ -308,7 +310,8 @@ def launch_local(fn: Callable[..., Any] | Worker, nproc: int, *args: Any, gate: 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     folder = Path(tempfile.mkdtemp(prefix="syncwise-reports-"))
     os.environ[REPORT_DIR_ENV] = str(folder)
-    context = rank_context(fn.module if isinstance(fn, Worker) else fn.__module__)
+    context = (multiprocessing.get_context("fork") if forked_from_here
+               else rank_context(fn.module if isinstance(fn, Worker) else fn.__module__))
     environment = dict(os.environ)
     environment.setdefault(SECRET_ENV, new_secret())  # what the ranks sign their messages in the store with
     environment[RUN_ID_ENV] = new_secret()  # never inherited: a message recorded from an earlier run fails here
