@@ -107,6 +107,21 @@ def test_a_bad_prompt_is_one_line_and_exit_2(gpt2, tmp_path, rows, overrides, me
     assert not (tmp_path / "out").exists()
 
 
+def test_a_prompt_and_response_past_the_model_s_positions_is_one_line_and_exit_2(gpt2, tmp_path):
+    """GPT-2's 64 learned positions: a 60-token prompt and 8 new tokens failed at the first step's batch check
+    (found by a script's trainer with the tools' template); now one line before any rank."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "target 3 : " * 20, "answer": "3"}) + "\n")
+    proc = run_cli(["train", *QUICK, f"model.path={gpt2}", f"rl.dataset={data}", "rl.max_new_tokens=8",
+                    "rl.reward_fn=syncwise.rewards:final_number", f"train.out_dir={tmp_path / 'out'}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "syncwise: error: rl.max_new_tokens: the longest prompt (60 tokens; rl.max_prompt_length=512) and 8 new "
+        "tokens need 68 positions; the model has 64 (max_position_embeddings): lower rl.max_prompt_length or "
+        "rl.max_new_tokens"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_prompt_the_chat_template_refuses_is_one_line_and_exit_2(tmp_path):
     """Issue 38 (10): a Gemma-style template's refusal (a system message) names the file and line, exit 2."""
     from syncwise.sft.tasks import arith_chat_rows, chat_tokenizer

@@ -149,6 +149,7 @@ def check_rl(config: Config) -> None:
     except ValueError as exc:
         raise PreflightError(str(exc)) from exc
     check_sandbox(config, source.all_tools)
+    check_positions(config, source.prompt_ids, rl.max_new_tokens or source.max_new_tokens)
     check_rollout_engine(config, rl.max_new_tokens or source.max_new_tokens)
     try:
         checkpoint = CheckpointManager(Path(config.train.out_dir) / "checkpoints").resolve(config.train.resume)
@@ -156,6 +157,19 @@ def check_rl(config: Config) -> None:
             CheckpointManager.check_holds(checkpoint, ["critic"])
     except CheckpointError as exc:
         raise PreflightError(str(exc)) from exc
+
+
+def check_positions(config: Config, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
+    """The longest prompt (as encoded: the template, the tools' schemas, ``rl.max_prompt_length``) and the
+    responses' tokens fit the model's positions; else one line, not a batch error at the first step."""
+    positions = getattr(_hf_config(config), "max_position_embeddings", None)
+    longest = max((len(ids) for ids in prompt_ids or []), default=0)
+    if positions and longest + max_new_tokens > positions:
+        raise PreflightError(
+            f"rl.max_new_tokens: the longest prompt ({longest} tokens; rl.max_prompt_length="
+            f"{config.rl.max_prompt_length}) and {max_new_tokens} new tokens need {longest + max_new_tokens} "
+            f"positions; the model has {positions} (max_position_embeddings): lower rl.max_prompt_length or "
+            "rl.max_new_tokens")
 
 
 def check_sandbox(config: Config, tools: dict) -> None:

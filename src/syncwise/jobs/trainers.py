@@ -104,7 +104,7 @@ class Trainer:
         world = int(fields.get("dist.nproc") or os.environ.get("WORLD_SIZE") or DistConfig().nproc)
         keys = trl_overrides(self.job, fields, world)
         self._model = model
-        keys["model.path"] = self._model_path(model, keys, fields)
+        keys["model.path"] = self._model_path(model, keys)
         tokenizer_key = ("rl" if self.job == "train" else self.job) + ".tokenizer"
         if processing_class is not None:
             keys[tokenizer_key] = self._tokenizer_path(processing_class, keys)
@@ -115,7 +115,6 @@ class Trainer:
         keys.update(self._job_keys(fields, keys, world, train_dataset, **script))
         script_objects.register(CALLBACKS, list(callbacks or []))
         script_objects.register(ARGS, args)
-        self.keys = keys
         self.config, self.differences = load_job_config(self.job, None, [f"{k}={_yaml(v)}" for k, v in keys.items()])
         self.out_dir = Path(getattr(self.config, self.section).out_dir)
         self._processing_class = processing_class
@@ -133,7 +132,7 @@ class Trainer:
         out_dir = keys.get(f"{self.section}.out_dir") or _default_out_dir(self.job)
         return str(Path(out_dir) / name)
 
-    def _model_path(self, model: Any, keys: dict[str, Any], fields: dict[str, Any]) -> str:
+    def _model_path(self, model: Any, keys: dict[str, Any]) -> str:
         """A folder or hub id as it is; a model object is saved (by the launcher, at ``train()``) to
         ``<out_dir>/given_model``, which every rank loads."""
         if isinstance(model, (str, os.PathLike)):
