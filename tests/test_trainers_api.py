@@ -45,11 +45,11 @@ print("TRAINED", out.global_step, flush=True)
 trainer.save_model(sys.argv[1] + "_model")
 '''
 
-SFT_SCRIPT = '''
+SFT_DPO_SCRIPT = '''
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from syncwise import SFTConfig, SFTTrainer
+from syncwise import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
                       {"role": "assistant", "content": f"{i + 1}"}]} for i in range(32)]
@@ -68,16 +68,13 @@ trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained("qwen2"),
 out = trainer.train()
 print("TRAINED", out.global_step, f"{out.training_loss:.6f}", flush=True)
 trainer.save_model("sft_model")
-'''
 
-DPO_SCRIPT = '''
-from syncwise import DPOConfig, DPOTrainer
-
+# then DPO from the SFT model, in the same script: the ranks of this second job run the script up to here
 pairs = [{"prompt": [{"role": "user", "content": f"Is {i} even?"}],
           "chosen": [{"role": "assistant", "content": "yes" if i % 2 == 0 else "no"}],
           "rejected": [{"role": "assistant", "content": "no" if i % 2 == 0 else "yes"}]} for i in range(16)]
-trainer = DPOTrainer(model="qwen2", args=DPOConfig(output_dir="dpo_run", beta=0.1, max_steps=1, report_to="none",
-                                                   per_device_train_batch_size=2),
+trainer = DPOTrainer(model="sft_model", args=DPOConfig(output_dir="dpo_run", beta=0.1, max_steps=1, report_to="none",
+                                                       per_device_train_batch_size=2),
                      train_dataset=pairs, eval_dataset=pairs[:4])
 trainer.train()
 print("EVALUATED", sorted(trainer.evaluate()), flush=True)
@@ -104,8 +101,7 @@ def folder(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("trainers_api")
     save_model_dir(root, "qwen2")
-    for name, text in (("grpo.py", GRPO_SCRIPT), ("sft.py", SFT_SCRIPT), ("dpo.py", DPO_SCRIPT),
-                       ("failing.py", FAILING_SCRIPT)):
+    for name, text in (("grpo.py", GRPO_SCRIPT), ("sft_dpo.py", SFT_DPO_SCRIPT), ("failing.py", FAILING_SCRIPT)):
         (root / name).write_text(text)
     return root
 
@@ -182,29 +178,30 @@ def test_a_trl_grpo_script_runs_with_one_import_changed_under_python_torchrun_an
         assert torch.equal(a, b), name
 
 
-def test_an_sft_script_s_model_tokenizer_and_callback_objects_reach_the_job(folder):
-    """A model and tokenizer object (saved once by the launcher for the ranks) and a TrainerCallback (called on rank
-    0 with transformers' args/state/control, each step's logs); the training loss TrainOutput reports."""
+def test_an_sft_then_dpo_script_s_objects_reach_each_job(folder):
+    """SFT with a model and tokenizer object (saved once by the launcher for the ranks) and a TrainerCallback
+    (called on rank 0 with transformers' args/state/control, each step's logs), the training loss TrainOutput
+    reports; then, in the same script, DPO from the SFT model on pairs made in memory (the second train(): its
+    ranks run the script up to it, the first returning what its job wrote), evaluated on held-out pairs."""
     from transformers import AutoModelForCausalLM
 
-    proc = _run(folder, "sft.py")
+    proc = _run(folder, "sft_dpo.py")
     assert proc.returncode == 0, failed(proc.stderr, 3000)
     calls = [line.split() for line in proc.stdout.splitlines() if line.startswith("CALLBACK")]
     rows = read_jsonl(folder / "sft_run" / "metrics.jsonl")
     assert [(int(c[1]), c[2], float(c[3])) for c in calls] == [
         (r["train/step"], "sft_run", pytest.approx(r["loss"], abs=1e-6)) for r in rows]
-    assert len(calls) == 3
-    trained = next(line for line in proc.stdout.splitlines() if line.startswith("TRAINED")).split()
-    assert int(trained[1]) == 3 and float(trained[2]) == pytest.approx(sum(r["loss"] for r in rows) / 3, rel=1e-5)
+    assert len(calls) == 3  # once a step: rank 0 of the SFT job alone
+    trained = [line.split() for line in proc.stdout.splitlines() if line.startswith("TRAINED")]
+    assert len(trained) == 1 + 2  # the launcher; then the DPO job's ranks, passing the SFT job's train()
+    assert int(trained[0][1]) == 3 and float(trained[0][2]) == pytest.approx(sum(r["loss"] for r in rows) / 3,
+                                                                             rel=1e-5)
     assert (folder / "sft_run" / "given_model" / "config.json").exists()
     assert (folder / "sft_run" / "given_tokenizer" / "tokenizer_config.json").exists()
     assert type(AutoModelForCausalLM.from_pretrained(folder / "sft_model")).__name__ == "Qwen2ForCausalLM"
-
-
-def test_a_dpo_script_trains_on_its_pairs_and_evaluates_the_held_out_ones(folder):
-    proc = _run(folder, "dpo.py")
-    assert proc.returncode == 0, failed(proc.stderr, 3000)
-    assert "EVALUATED ['eval/logps/chosen', 'eval/logps/rejected', 'eval/loss'" in proc.stdout
+    assert "syncwise dpo: beside the defaults: dpo.batch_size=4" in proc.stdout
+    assert "model.path=sft_model" in proc.stdout
+    assert proc.stdout.count("EVALUATED ['eval/logps/chosen', 'eval/logps/rejected', 'eval/loss'") == 1
     assert read_jsonl(folder / "dpo_run" / "metrics.jsonl")[0]["train/step"] == 1
 
 

@@ -21,6 +21,7 @@ must build its trainer alike in every process (its top level runs in each rank u
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import runpy
 import shutil
@@ -41,7 +42,7 @@ from ..runtime.launcher import launch_local, rank_main
 from ..runtime.rank_server import Worker, end_rank_server
 from ..runtime.run_folder import RunFolderLock
 
-SCRIPT_RANK_ENV = "SYNCWISE_SCRIPT_RANK"  # set in the ranks a script's trainer started
+SCRIPT_RANK_ENV = "SYNCWISE_SCRIPT_RANK"  # in the ranks a script's trainer started: which train() call is theirs
 GIVEN_MODEL = "given_model"  # <out_dir>/given_model: a model object the script gave, saved for the ranks
 GIVEN_TOKENIZER = "given_tokenizer"  # and its tokenizer object
 
@@ -93,13 +94,20 @@ class _RankDone(BaseException):  # noqa: N818 -- not an error: ends a rank's run
 
 
 class Trainer:
-    """What the three trainers share (see the module's docstring); ``job``: ``train`` | ``sft`` | ``dpo``."""
+    """What the three trainers share (see the module's docstring); ``job``: ``train`` | ``sft`` | ``dpo``.
+
+    A script may make several trainers and train them in turn: each trainer's objects are kept under names of its
+    own (the n-th trainer the process made: alike in every process), and the ranks of the n-th ``train()`` call
+    run the script up to that call -- the calls before it return what their jobs wrote, as they did here."""
 
     job, worker, data_key = "", "", ""
+    _made = itertools.count()  # trainers made in this process
+    _trained = itertools.count()  # train() calls in this process
 
     def __init__(self, model: Any, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, callbacks: list[Any] | None = None, **script: Any):
         fields = fields_set(args) if args is not None else {}
+        self.tag = f"trainer{next(Trainer._made)}"  # what its script objects are named under
         self.section = "train" if self.job == "train" else self.job
         world = int(fields.get("dist.nproc") or os.environ.get("WORLD_SIZE") or DistConfig().nproc)
         keys = trl_overrides(self.job, fields, world)
@@ -109,12 +117,11 @@ class Trainer:
         if processing_class is not None:
             keys[tokenizer_key] = self._tokenizer_path(processing_class, keys)
         if train_dataset is not None:
-            keys[self.data_key + "dataset"] = script_objects.register("train_dataset", train_dataset)
+            keys[self.data_key + "dataset"] = script_objects.register(f"{self.tag}/train_dataset", train_dataset)
         if eval_dataset is not None:
-            keys[self.data_key + "eval_dataset"] = script_objects.register("eval_dataset", eval_dataset)
+            keys[self.data_key + "eval_dataset"] = script_objects.register(f"{self.tag}/eval_dataset", eval_dataset)
         keys.update(self._job_keys(fields, keys, world, train_dataset, **script))
-        script_objects.register(CALLBACKS, list(callbacks or []))
-        script_objects.register(ARGS, args)
+        self._callbacks, self._args = list(callbacks or []), args
         self.config, self.differences = load_job_config(self.job, None, [f"{k}={_yaml(v)}" for k, v in keys.items()])
         self.out_dir = Path(getattr(self.config, self.section).out_dir)
         self._processing_class = processing_class
@@ -173,12 +180,17 @@ class Trainer:
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             getattr(self.config, self.section).resume = ("auto" if resume_from_checkpoint is True
                                                          else str(resume_from_checkpoint))
+        call = next(Trainer._trained)
         rank = os.environ.get(SCRIPT_RANK_ENV) is not None
         under_torchrun = not rank and _under_torchrun()
         say = not rank and os.environ.get("RANK", "0") == "0"
         if say and self.differences:
             print(f"syncwise {self.job}: beside the defaults: {'; '.join(self.differences)}", flush=True)
-        if rank:  # a rank the launcher started: its job, then the rest of the script is the launcher's
+        script_objects.register(CALLBACKS, self._callbacks)  # the logs' (rank 0) for this job
+        script_objects.register(ARGS, self._args)
+        if rank:  # a rank the launcher started for its call-th train(): that job, then the rest is the launcher's
+            if call < int(os.environ[SCRIPT_RANK_ENV]):
+                return self._outcome()  # an earlier job of the script, run already
             Worker(self.worker).load()(self._checked(save=False, say=False, check=False))
             raise _RankDone
         if under_torchrun:  # every process a rank; rank 0 holds the run folder, as syncwise <job> does there
@@ -198,7 +210,8 @@ class Trainer:
                 else:
                     with _main_not_imported():
                         result = launch_local(Worker(f"{__name__}:script_rank"), self.config.dist.nproc,
-                                              {"script": str(Path(script).resolve()), "argv": list(sys.argv)})
+                                              {"script": str(Path(script).resolve()), "argv": list(sys.argv),
+                                               "call": call})
             finally:
                 end_rank_server()
         if result.exit_code:
@@ -247,8 +260,9 @@ class Trainer:
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The trained model (and its tokenizer), as the job exported it, into ``output_dir`` (default: the
-        config's output_dir): a folder ``from_pretrained`` loads. Rank 0 only under torchrun."""
-        if os.environ.get("RANK", "0") != "0" and _under_torchrun():
+        config's output_dir): a folder ``from_pretrained`` loads. Rank 0 only under torchrun; in the ranks of a
+        script's later job (running the script again up to their train() call) not at all: its launcher saved it."""
+        if os.environ.get(SCRIPT_RANK_ENV) is not None or (os.environ.get("RANK", "0") != "0" and _under_torchrun()):
             return
         export = self.out_dir / "export"
         if not (export / "config.json").exists():
@@ -290,15 +304,16 @@ def _yaml(value: Any) -> str:
 
 def script_rank(payload: dict[str, Any]) -> None:
     """A rank of a script's job (the local launcher's entry): the script run again as ``__main__`` with its
-    arguments, up to its trainer's ``train()``, which runs this rank's share of the job."""
-    os.environ[SCRIPT_RANK_ENV] = "1"
+    arguments, up to its ``payload["call"]``-th ``train()`` call, which runs this rank's share of the job."""
+    os.environ[SCRIPT_RANK_ENV] = str(payload["call"])
     sys.argv = list(payload["argv"])
     try:
         runpy.run_path(payload["script"], run_name="__main__")
     except _RankDone:
         return
-    raise RuntimeError(f"{payload['script']} ended without calling its trainer's train() in this rank: build and "
-                       "train the trainer alike in every process (not under a condition that differs per process)")
+    raise RuntimeError(f"{payload['script']} ended before its train() call number {payload['call'] + 1} in this "
+                       "rank: build and train the trainers alike in every process (not under a condition that differs "
+                       "per process)")
 
 
 class GRPOTrainer(Trainer):
@@ -326,11 +341,11 @@ class GRPOTrainer(Trainer):
             name = getattr(fn, "__name__", type(fn).__name__)
             name = name if name not in names else f"{name}_{len(names)}"
             names.append(name)
-            out.setdefault("rl.reward_fn", []).append(script_objects.register(f"reward:{name}", fn))
+            out.setdefault("rl.reward_fn", []).append(script_objects.register(f"{self.tag}/reward:{name}", fn))
         if environment_factory is not None:
-            out["rl.environment"] = script_objects.register("environment", environment_factory)
+            out["rl.environment"] = script_objects.register(f"{self.tag}/environment", environment_factory)
         if tools:
-            out["rl.tools"] = [script_objects.register(f"tool:{getattr(t, '__name__', i)}", t)
+            out["rl.tools"] = [script_objects.register(f"{self.tag}/tool:{getattr(t, '__name__', i)}", t)
                                for i, t in enumerate(tools)]
         if "max_steps" not in fields and "train.steps" not in keys and train_dataset is not None:
             # TRL trains num_train_epochs (3 by default) passes where max_steps is not given
