@@ -134,13 +134,23 @@ def test_trl_fields_map_to_syncwise_keys():
         trl_overrides("train", {"loss_type": "cispo"}, 2)
 
     @dataclasses.dataclass
-    class TRLShaped:  # a TRL config object: a dataclass whose set fields are those that differ from its defaults
+    class TRLShaped:  # shaped as TRL 1.16's configs (read there too): __post_init__ derives fields from others and
+        # refuses a CPU machine without use_cpu, so a default instance is made with the object's use_cpu
         output_dir: str | None = None
         learning_rate: float = 1e-6
         num_generations: int = 8
         bf16: bool = True
+        use_cpu: bool = False
+        logging_dir: str | None = None
 
-    assert fields_set(TRLShaped(output_dir="o", num_generations=4)) == {"output_dir": "o", "num_generations": 4}
+        def __post_init__(self):
+            if not self.use_cpu:
+                raise ValueError("Your setup doesn't support bf16/gpu.")
+            self.logging_dir = f"{self.output_dir}/runs"
+
+    given = fields_set(TRLShaped(output_dir="o", num_generations=4, use_cpu=True))
+    assert given == {"output_dir": "o", "num_generations": 4, "logging_dir": "o/runs"}
+    assert trl_overrides("train", given, 2) == {"train.out_dir": "o", "rl.samples_per_prompt": 4}
 
 
 def test_a_trl_grpo_script_runs_with_one_import_changed_under_python_torchrun_and_in_a_notebook(folder):

@@ -22,6 +22,13 @@ TRL_BATCH_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_s
 
 Mapping = Callable[[Any], dict[str, Any]]
 
+# TRL / transformers fields that steer only transformers' own machinery (devices, data loaders, its logging
+# folder): nothing to map, and a script written for TRL on CPU must set use_cpu -- read and left alone
+TOLERATED = frozenset({"use_cpu", "no_cuda", "dataloader_pin_memory", "dataloader_num_workers",
+                       "dataloader_persistent_workers", "accelerator_config", "debug", "logging_dir",
+                       "logging_strategy", "save_strategy", "eval_strategy", "do_train", "do_eval", "run_name",
+                       "log_level", "remove_unused_columns", "overwrite_output_dir"})
+
 
 def _to(key: str) -> Mapping:
     return lambda value: {key: value}
@@ -61,6 +68,7 @@ COMMON: dict[str, Mapping] = {
     "warmup_steps": _to("optim.warmup_steps"),
     "lr_scheduler_type": _schedule,
     "gradient_checkpointing": _to("engine.activation_checkpointing"),
+    "activation_checkpointing": _to("engine.activation_checkpointing"),  # transformers 5's name for it
     "bf16": _bf16,
 }
 
@@ -74,6 +82,7 @@ def _section_fields(section: str) -> dict[str, Mapping]:
         "seed": _to(f"{section}.seed"),
         "report_to": _report_to(section),
         "resume_from_checkpoint": _resume(section),
+        "disable_tqdm": lambda v: {f"{section}.progress": not v},
     }
 
 
@@ -157,34 +166,38 @@ BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "s
 
 def fields_set(args: Any) -> dict[str, Any]:
     """The fields ``args`` sets: a dict as it is; a syncwise trainer config's given fields; a TRL config object's
-    (a dataclass) fields that differ from its class's defaults."""
+    (a dataclass) fields that differ from a default instance of its class (made as it was, on CPU where it was:
+    ``__post_init__`` derives fields -- ``logging_dir``, ``generation_batch_size`` -- alike in both), or, where one
+    cannot be made, from its fields' defaults."""
     if isinstance(args, dict):
         return dict(args)
     given = getattr(args, "given", None)
     if isinstance(given, dict):
         return dict(given)
     if dataclasses.is_dataclass(args):
-        out = {}
-        for f in dataclasses.fields(args):
-            if f.name.startswith("_") or not f.init:
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
-            value = getattr(args, f.name, default)
-            if value != default and not (f.name == "output_dir" and value in ("trainer_output", None)):
-                out[f.name] = value
-        return out
+        try:
+            reference = type(args)(**{k: getattr(args, k) for k in ("use_cpu",) if hasattr(args, k)})
+            defaults = {f.name: getattr(reference, f.name, None) for f in dataclasses.fields(args)}
+        except Exception:  # noqa: BLE001 -- a class that validates its defaults against this machine
+            defaults = {f.name: f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+                for f in dataclasses.fields(args)}
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
+                if f.init and not f.name.startswith("_") and getattr(args, f.name, None) != defaults.get(f.name)}
     raise ConfigError(f"args: expected a GRPOConfig / SFTConfig / DPOConfig (syncwise's or TRL's) or a dict, got "
                       f"{type(args).__name__}")
 
 
 def trl_overrides(job: str, fields: dict[str, Any], world_size: int) -> dict[str, Any]:
     """The syncwise keys (dotted, to values) ``fields`` set for ``job`` (train | sft | dpo); syncwise keys given by
-    their dotted names pass through. One ConfigError naming every field with no counterpart."""
+    their dotted names pass through, fields that steer only transformers' own machinery (:data:`TOLERATED`) are
+    left alone. One ConfigError naming every other field with no counterpart."""
     table, out, unknown = FIELDS[job], {}, []
     for name, value in fields.items():
         if "." in name:
             out[name] = value
+        elif name in TOLERATED:
+            continue
         elif name in table:
             out.update(table[name](value))
         elif name not in BATCH_FIELDS and not (job == "train" and name == "num_train_epochs"):
