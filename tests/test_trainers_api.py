@@ -164,7 +164,7 @@ def test_a_trl_grpo_script_runs_with_one_import_changed_under_python_torchrun_an
     local = _run(folder, "grpo.py", "grpo_python")
     assert local.returncode == 0, failed(local.stderr, 3000)
     assert local.stdout.count("TRAINED 2") == 1  # the launcher's rest of the script, not the ranks'
-    assert "rl.reward_fn=['<script>:reward:reward_len']" in local.stdout
+    assert "rl.reward_fn=['<script>:trainer0/reward:reward_len']" in local.stdout
     torchrun = _run(folder, "-m", "torch.distributed.run", "--nproc-per-node", "2", "grpo.py", "grpo_torchrun")
     assert torchrun.returncode == 0, failed(torchrun.stderr, 3000)
     assert torchrun.stdout.count("TRAINED 2") == 2  # every process goes on with the script, as TRL's do
