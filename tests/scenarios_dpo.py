@@ -12,13 +12,29 @@ import torch
 from scenarios import full_grads
 from syncwise.config import load_config
 from syncwise.dpo.trainer import DPOTrainer
-from syncwise.losses.preference import coefficient_loss
 
 LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
-# each layout in another sync mode; 3 rows a micro-batch: a pair split across two (the coefficients make it exact)
-LAYOUTS = {"shared": ["engine.packing=true", "engine.share_prefixes=true", "sync.mode=deferred"],
-           "packed": ["engine.packing=true", "engine.share_prefixes=false", "sync.mode=per_microbatch"],
-           "padded": ["engine.packing=false", "sync.mode=deferred_unsharded"]}
+# each layout in another sync mode; at most 3 rows a micro-batch: one pair in each, its loss in the update's forward;
+# "split": a fixed token cap that holds the longest row but no pair, so pairs are split across micro-batches and
+# trained through their coefficients from a scoring pass
+FIXED_ROWS = ["engine.micro_batch_size=3", "engine.max_tokens_per_micro_batch=0"]
+LAYOUTS = {"shared": ["engine.packing=true", "engine.share_prefixes=true", "sync.mode=deferred", *FIXED_ROWS],
+           "packed": ["engine.packing=true", "engine.share_prefixes=false", "sync.mode=per_microbatch", *FIXED_ROWS],
+           "padded": ["engine.packing=false", "sync.mode=deferred_unsharded", *FIXED_ROWS],
+           "split": ["engine.packing=true", "engine.share_prefixes=true", "sync.mode=deferred",
+                     "engine.micro_batch_size=0", "engine.max_tokens_per_micro_batch={longest_row}"]}
+
+
+def longest_row(folder: Path) -> int:
+    """The longest chosen or rejected sequence of the pairs, as TRL tokenises them (prompt + completion whole)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "llama")
+    rows = [json.loads(line) for line in (folder / "pairs.jsonl").read_text().splitlines()]
+    return max(len(tokenizer.apply_chat_template(row["prompt"] + row[side], return_dict=True)["input_ids"])
+               for row in rows for side in ("chosen", "rejected"))
 
 
 def dpo_config(folder: Path, loss: str, layout: str, *extra: str):
@@ -27,17 +43,18 @@ def dpo_config(folder: Path, loss: str, layout: str, *extra: str):
     return load_config(None, [
         f"model.path={folder / 'llama'}", f"dpo.dataset={folder / 'pairs.jsonl'}", f"dpo.loss_type={loss}",
         "dpo.batch_size=6", "dpo.beta=0.5", f"dpo.out_dir={folder / 'runs' / loss / layout}", "dpo.progress=false",
-        "dpo.export=false", "engine.micro_batch_size=3", "engine.max_tokens_per_micro_batch=0",
-        "engine.fused_lm_head=false", "optim.name=sgd", "optim.lr=0", "optim.grad_clip=0",
-        *reference, *smoothing, *LAYOUTS[layout], *extra])
+        "dpo.export=false", "engine.fused_lm_head=false", "optim.name=sgd", "optim.lr=0", "optim.grad_clip=0",
+        *reference, *smoothing, *(key.format(longest_row=longest_row(folder)) for key in LAYOUTS[layout]), *extra])
 
 
 def _first_step(trainer: DPOTrainer) -> dict:
-    """The step's pairs, the reduced scores and the full gradient of the coefficient loss (the gradient zeroed after:
-    the trainer serves the next loss)."""
-    pairs, batch, scores, _ = trainer.prepare()
-    trainer.engine.forward_backward_batch(batch, coefficient_loss)
-    out = {"pairs": pairs, "scores": trainer.reduce(scores, len(pairs)), "grads": full_grads(trainer.engine)}
+    """The step's pairs, the reduced scores, the full gradient of its loss and whether it trained in one pass (the
+    gradient zeroed after: the trainer serves the next loss)."""
+    prepared = trainer.prepare()
+    result = trainer.engine.forward_backward_batch(prepared.batch, prepared.loss_fn)
+    scores = prepared.scores(result.outputs)
+    out = {"pairs": prepared.pairs, "scores": trainer.reduce(scores, len(prepared.pairs)),
+           "grads": full_grads(trainer.engine), "one_pass": prepared.scored is None}
     trainer.engine.optimizer.zero_grad(set_to_none=True)
     return out
 

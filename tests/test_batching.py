@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from syncwise.data.batching import (
+    ROW_GROUP,
     BatchError,
     capped_bins,
     imbalance,
@@ -128,6 +129,37 @@ def test_every_microbatch_keeps_within_the_budget_on_long_tails(packed):
             assert len(micro) == k
             assert sorted(i for mb in micro for i in mb.indices.tolist()) == list(range(len(lengths)))
             assert all(token_cost(group, packed) <= budget for group in _lengths_of(batch, micro)), (seed, k)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_rows_of_one_group_share_a_micro_batch_in_every_split(packed):
+    """Preference pairs (``row_group``): under a cap (any agreed count), balanced alone, and consecutive by a
+    fixed size, every pair's rows land in one micro-batch, every row exactly once, within the cap."""
+    for seed in range(30):
+        lengths = _long_tail(n=2 * (2 + seed % 9), seed=seed).clamp(max=300)
+        batch = _padded(lengths)
+        batch[ROW_GROUP] = torch.arange(len(lengths) // 2).repeat_interleave(2).flip(0)  # any group ids
+        pairs = [sorted(lengths[[2 * p, 2 * p + 1]].tolist()) for p in range(len(lengths) // 2)]
+        budget = max(token_cost(pair, packed) for pair in pairs) + 53 * (seed % 4)
+        needed = microbatches_needed(batch, 1, max_tokens=budget, packed=packed)
+        splits = [(k, {"max_tokens": budget}) for k in (needed, needed + 2)]
+        splits += [(3, {"balance": True}), (microbatches_needed(batch, 3), {})]
+        for k, how in splits:
+            micro = split_batch(batch, k, packed=packed, **how)
+            assert len(micro) == k
+            assert sorted(i for mb in micro for i in mb.indices.tolist()) == list(range(len(lengths)))
+            for mb in micro:
+                rows = mb.indices.tolist()
+                assert all(row ^ 1 in rows for row in rows), (seed, how, rows)  # its pair beside it
+                if "max_tokens" in how and rows:
+                    assert token_cost(lengths[rows].tolist(), packed) <= budget, (seed, k)
+    # a fixed size of 3 rows holds one pair; a pair over a fixed cap is one line naming the rows
+    pairs = _padded(torch.tensor([10, 12, 8, 9]))
+    pairs[ROW_GROUP] = torch.tensor([0, 0, 1, 1])
+    assert microbatches_needed(pairs, 3) == 2 and microbatches_needed(pairs, 4) == 1
+    with pytest.raises(BatchError, match=r"rows \[0, 1\] \(one batch\['row_group'\] value: kept in one micro-batch\) "
+                                         r"need 22 tokens, more than engine.max_tokens_per_micro_batch=20"):
+        microbatches_needed(pairs, 1, max_tokens=20)
 
 
 def test_capped_bins_is_the_fewest_for_equal_lengths():

@@ -143,6 +143,7 @@ def test_the_first_step_equals_trl_s_formulas_and_its_gradient_trl_s_loss(ranks,
         got = ranks[0][loss, layout]
         expected, grads = reference_of(loss, got["pairs"])
         assert all(r[loss, layout]["scores"] == got["scores"] for r in ranks), "the ranks agree on the scores"
+        assert got["one_pass"] == (layout != "split"), layout  # split pairs: the coefficients' scoring pass
         # fp32 at 1e-5 of the magnitude the values are differences of (the summed log-probs, ~100): a margin of
         # 0.01 is the difference of two such sums' differences, its own relative error far larger
         scale = max(abs(expected["logps/chosen"]), abs(expected["logps/rejected"]), 1.0)

@@ -13,6 +13,7 @@ from .packing import Packing
 from .prefixes import shared_units
 
 Batch = dict[str, torch.Tensor]
+ROW_GROUP = "row_group"  # [B] ints: rows with one value are kept in one micro-batch (a preference pair)
 
 
 class BatchError(ValueError):
@@ -84,6 +85,29 @@ def sequence_lengths(batch: Batch) -> torch.Tensor:
     return mask.sum(dim=1).long()
 
 
+def row_units(batch: Batch) -> list[list[int]] | None:
+    """The rows that must share a micro-batch (one ``batch['row_group']`` value each), in order of first
+    appearance; None where the batch has no such key (every row placed on its own)."""
+    groups = batch.get(ROW_GROUP)
+    if groups is None:
+        return None
+    units: dict[int, list[int]] = {}
+    for row, group in enumerate(groups.tolist()):
+        units.setdefault(group, []).append(row)
+    return list(units.values())
+
+
+def split_lengths(batch: Batch, packed: bool) -> torch.Tensor:
+    """What a split places, as token counts: each sequence's tokens, or where rows are kept together
+    (``row_group``) each unit's :func:`token_cost` -- what a micro-batch cap must hold at least."""
+    lengths = sequence_lengths(batch)
+    units = row_units(batch)
+    if units is None:
+        return lengths
+    sizes = lengths.tolist()
+    return torch.tensor([token_cost([sizes[r] for r in unit], packed) for unit in units], dtype=torch.long)
+
+
 def workloads(lengths: torch.Tensor, linear_coef: float = 24576.0) -> list[float]:
     """Compute estimate per sequence: ``a·L + L²`` (the linear layers, then attention), as verl does."""
     return [linear_coef * float(n) + float(n) ** 2 for n in lengths.tolist()]
@@ -135,11 +159,75 @@ def microbatches_needed(batch: Batch, micro_batch_size: int, max_tokens: int = 0
     """This rank's own count: ``ceil(B / size)``, or with a token budget the fewest micro-batches that
     keep within it (:func:`capped_bins`; real tokens when ``packed``, rows × longest otherwise)."""
     size = batch_size_of(batch)
+    units = row_units(batch)
     if max_tokens > 0:
         lengths = sequence_lengths(batch).tolist()
+        if units is not None:
+            return len(_unit_bins(lengths, units, max_tokens, packed))
         _check_budget(lengths, max_tokens)
         return len(capped_bins(lengths, max_tokens, packed))
+    if units is not None:  # as many whole units as fit the size's rows, at least one
+        return math.ceil(len(units) / max(1, micro_batch_size // max(len(unit) for unit in units)))
     return math.ceil(size / micro_batch_size)
+
+
+def _unit_bins(lengths: list[int], units: list[list[int]], budget: int, packed: bool) -> list[list[int]]:
+    """:func:`capped_bins` over units of rows kept together: the fewest groups of units (their indices) whose
+    rows' :func:`token_cost` stays within ``budget``, first-fit decreasing."""
+    def cost(rows: list[int]) -> int:
+        return token_cost([lengths[r] for r in rows], packed)
+
+    for unit in units:
+        if cost(unit) > budget:
+            raise BatchError(
+                f"batch: rows {unit} (one batch['{ROW_GROUP}'] value: kept in one micro-batch) need {cost(unit)} "
+                f"tokens, more than engine.max_tokens_per_micro_batch={budget}: raise the budget")
+    bins: list[list[int]] = []
+    rows: list[list[int]] = []
+    for i in sorted(range(len(units)), key=lambda i: (-cost(units[i]), i)):
+        for b in range(len(bins)):
+            if cost(rows[b] + units[i]) <= budget:
+                bins[b].append(i)
+                rows[b] += units[i]
+                break
+        else:
+            bins.append([i])
+            rows.append(list(units[i]))
+    return bins
+
+
+def _unit_parts(batch: Batch, units: list[list[int]], k: int, balance: bool, max_tokens: int, packed: bool,
+                linear_coef: float) -> list[list[int]]:
+    """``k`` micro-batches' rows, every unit of rows kept together whole in one: balanced by the workload
+    estimate within ``max_tokens`` (Karmarkar-Karp, else greedy, else the fewest bins and empty ones), or
+    balanced alone, or consecutive units in near-equal chunks."""
+    lengths = sequence_lengths(batch)
+    row_weights = workloads(lengths, linear_coef)
+    weights = [sum(row_weights[r] for r in unit) for unit in units]
+    if max_tokens > 0:
+        sizes = lengths.tolist()
+
+        def fits(group: list[int]) -> bool:
+            return token_cost([sizes[r] for i in group for r in units[i]], packed) <= max_tokens
+
+        chosen = karmarkar_karp(weights, k)
+        if not all(fits(g) for g in chosen):
+            chosen = [[] for _ in range(k)]
+            loads = [0.0] * k
+            for i in sorted(range(len(units)), key=lambda i: (-weights[i], i)):
+                room = [g for g in range(k) if fits(chosen[g] + [i])]
+                if not room:
+                    bins = _unit_bins(sizes, units, max_tokens, packed)
+                    chosen = bins + [[] for _ in range(k - len(bins))]
+                    break
+                g = min(room, key=lambda g: (loads[g], g))
+                chosen[g].append(i)
+                loads[g] += weights[i]
+    elif balance:
+        chosen = karmarkar_karp(weights, k)
+    else:
+        chosen = [chunk.tolist() for chunk in torch.arange(len(units)).tensor_split(k)]
+    return [sorted(row for i in group for row in units[i]) for group in chosen]
 
 
 def capped_partition(
@@ -239,7 +327,8 @@ def split_batch(
 
     ``max_tokens`` > 0: every micro-batch within that many tokens (real tokens when ``packed``, rows ×
     longest otherwise; :func:`capped_partition`), balanced by the workload estimate. ``balance`` alone:
-    Karmarkar–Karp on the workload estimate. Otherwise consecutive, near-equal chunks. ``share_prefixes``
+    Karmarkar–Karp on the workload estimate. Otherwise consecutive, near-equal chunks. Rows with one
+    ``batch['row_group']`` value are kept in one micro-batch, placed as a unit the same ways. ``share_prefixes``
     (packed): the balanced splits move rows that share a prefix as one unit, costed at the tokens it computes
     shared (:func:`_shared_parts`), where that fits the count and the cap; the consecutive chunks are cut
     with such rows side by side. A rank with fewer
@@ -247,7 +336,11 @@ def split_batch(
     gradient, so every rank issues the same collectives.
     """
     size = batch_size_of(batch)
-    if max_tokens > 0 or balance:
+    units = row_units(batch)
+    if units is not None:  # rows kept together: placed as units (a pair's common prompt is shared within it)
+        parts = _unit_parts(batch, units, num_microbatches, balance, max_tokens, packed, linear_coef)
+        parts.sort(key=lambda p: (not p, p[:1]))
+    elif max_tokens > 0 or balance:
         lengths = sequence_lengths(batch)
         parts = _shared_parts(batch, num_microbatches, max_tokens, linear_coef) if share_prefixes else None
         if parts is None:

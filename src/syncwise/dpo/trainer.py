@@ -3,19 +3,21 @@ reference (the initial policy, ``dpo.ref_model.path``, the base with LoRA's adap
 training), checkpoints that resume at the exact next pair, evaluation, and a Hugging Face export.
 
 One step: the next ``dpo.batch_size`` pairs of the order, split over the ranks by length (a pair whole on one rank),
-each pair's chosen and rejected rows side by side (packed together; their common prompt computed once where the
-model allows, ``engine.share_prefixes``). The pairs are scored by a forward-only pass of the policy (and the
-reference's log-probs), and each sequence's gradient coefficient trains through the engine's
-:data:`~syncwise.losses.preference.coefficient_loss` -- the loss's own gradient, however the micro-batches split
-the pairs (see :mod:`syncwise.losses.preference`). Logged as TRL names them: ``loss``, ``rewards/chosen``,
-``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``."""
+each pair's chosen and rejected rows side by side in one micro-batch (packed together; their common prompt computed
+once where the model allows, ``engine.share_prefixes``). The reference scores them (forward-only), and the update's
+own forward computes the pairs' loss (:func:`~syncwise.losses.preference.pair_loss`), as TRL does. Where a fixed
+``engine.max_tokens_per_micro_batch`` is below a pair, the pairs are scored first by a forward-only pass of the
+policy and each sequence's gradient coefficient trains through
+:data:`~syncwise.losses.preference.coefficient_loss` -- the loss's own gradient, however the micro-batches split the
+pairs. Logged as TRL names them: ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
+``rewards/margins``, ``logps/chosen``, ``logps/rejected``; ``dpo/one_pass`` says which way the step trained."""
 
 from __future__ import annotations
 
 import random
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,15 +27,19 @@ import torch.distributed as dist
 
 from ..checkpoint import CheckpointManager
 from ..config import Config, config_to_dict
+from ..data.batching import ROW_GROUP, split_lengths
 from ..data.preference import PreferenceData, preference_batch
 from ..data.sft_dataset import SampleOrder, rank_share
 from ..engine import Engine
 from ..export import export_hf
 from ..logs import JobLogs, LogSettings
 from ..losses.preference import (
+    PAIR_SIDE,
+    REF_LOG_PROB,
     PairScores,
     PreferenceSettings,
     coefficient_loss,
+    pair_loss,
     pair_losses,
     sequence_coefficients,
     sequence_log_probs,
@@ -51,6 +57,29 @@ CURVES = (("loss", "eval/loss"), ("rewards/accuracies", "eval/rewards/accuracies
           ("rewards/margins", "eval/rewards/margins"))
 SCORES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
           "logps/rejected")
+
+
+@dataclass
+class PreparedStep:
+    """A step's pairs (all ranks'), this rank's batch and the loss that trains it, and the pairs' scores: already
+    ``scored`` (the coefficient path), else from the update's outputs (:meth:`scores`)."""
+
+    pairs: list[int]
+    batch: dict[str, torch.Tensor]
+    loss_fn: Callable[..., Any]
+    scored: PairScores | None
+    data_s: float
+    score_s: float  # the reference's pass, and the policy's scoring pass where the pairs may be split
+    trainer: DPOTrainer
+
+    def scores(self, outputs: dict[str, torch.Tensor]) -> PairScores:
+        """This rank's pairs' scores; ``outputs``: the update's (its per-target ``log_probs``)."""
+        if self.scored is not None:
+            return self.scored
+        policy, tokens = sequence_log_probs(outputs["log_probs"].cpu(), self.batch)
+        score, chosen, rejected = self.trainer._pair_scores(policy, tokens, self.batch.get(REF_LOG_PROB))
+        with torch.no_grad():
+            return score(chosen, rejected)
 
 
 class DPOTrainer:
@@ -153,41 +182,75 @@ class DPOTrainer:
             dist.all_reduce(scored)  # each pair scored on one rank, zeros elsewhere
         return scored
 
-    def _scores(self, data: PreferenceData, pairs: list[int], batch: dict[str, torch.Tensor],
-                which: str) -> tuple[Callable[..., PairScores], torch.Tensor, torch.Tensor]:
-        """Collective: the policy's summed log-probs of ``batch``'s rows (chosen [P], rejected [P]) and the pairs'
-        score as a function of them, the reference's and the token counts fixed."""
-        policy, tokens = sequence_log_probs(self.engine.forward_batch(batch).outputs["log_probs"], batch)
-        ref = None
-        if not self.config.dpo.reference_free:
-            ref = (self.precomputed[which][pairs].reshape(-1) if self.precomputed
-                   else self._reference_log_probs(batch).cpu())
+    def _reference_sums(self, pairs: list[int], batch: dict[str, torch.Tensor], which: str) -> torch.Tensor | None:
+        """Collective (unless precomputed): the reference's summed log-probs of ``batch``'s rows; None for SimPO."""
+        if self.config.dpo.reference_free:
+            return None
+        if self.precomputed:
+            return self.precomputed[which][pairs].reshape(-1)
+        return self._reference_log_probs(batch).cpu()
+
+    def _pair_scores(self, policy: torch.Tensor, tokens: torch.Tensor, ref: torch.Tensor | None
+                     ) -> tuple[Callable[..., PairScores], torch.Tensor, torch.Tensor]:
+        """The policy's summed log-probs of the chosen [P] and rejected [P] rows, and the pairs' score as a function
+        of them (the reference's and the token counts fixed)."""
         chosen, rejected = policy[0::2].cpu(), policy[1::2].cpu()
         ref_chosen, ref_rejected = (ref[0::2], ref[1::2]) if ref is not None else (None, None)
-        score = partial(_score, ref_chosen=ref_chosen, ref_rejected=ref_rejected, chosen_tokens=tokens[0::2].cpu(),
-                        rejected_tokens=tokens[1::2].cpu(), settings=self.settings)
+        tokens = tokens.cpu()
+        score = partial(_score, ref_chosen=ref_chosen, ref_rejected=ref_rejected, chosen_tokens=tokens[0::2],
+                        rejected_tokens=tokens[1::2], settings=self.settings)
         return score, chosen, rejected
 
-    def prepare(self) -> tuple[list[int], dict[str, torch.Tensor], PairScores, float]:
-        """Collective: the next step's pairs (all ranks'), this rank's batch of them with each sequence's
-        ``sequence_coefficient``, their scores (this rank's pairs), and the seconds the data took."""
+    def _scores(self, pairs: list[int], batch: dict[str, torch.Tensor],
+                which: str) -> tuple[Callable[..., PairScores], torch.Tensor, torch.Tensor]:
+        """Collective: :meth:`_pair_scores` of the policy's forward-only pass over ``batch``."""
+        policy, tokens = sequence_log_probs(self.engine.forward_batch(batch).outputs["log_probs"], batch)
+        return self._pair_scores(policy, tokens, self._reference_sums(pairs, batch, which))
+
+    def _fits_one_pass(self, batch: dict[str, torch.Tensor]) -> bool:
+        """Collective where a fixed token cap is set: whether every rank's pairs fit a micro-batch each (auto's cap
+        grows to the longest pair; without a cap, a micro-batch holds at least one pair)."""
+        cap = self.config.engine.fixed_split[1]
+        if self.engine.token_cap or cap <= 0:
+            return True
+        fits = torch.tensor([float(int(split_lengths(batch, self.engine.features.packing).max()) <= cap)])
+        if self.info.world_size > 1:
+            dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        return bool(fits.item())
+
+    def prepare(self) -> PreparedStep:
+        """Collective: the next step's pairs (all ranks'), this rank's batch of them and the loss that trains it --
+        in the update's own forward where each pair fits one micro-batch, else with each sequence's coefficient from
+        a scoring pass (see :mod:`syncwise.losses.preference`)."""
         dpo = self.config.dpo
         started = time.perf_counter()
         pairs, self._next_position = self.order.step(self.position, dpo.batch_size, 0, self.info.world_size)
         mine = rank_share(pairs, self.data.lengths, self.info.rank, self.info.world_size)
         batch = preference_batch(self.data, mine, self.pad_id)
+        batch[ROW_GROUP] = torch.arange(len(mine)).repeat_interleave(2)  # a pair's rows in one micro-batch
+        batch[PAIR_SIDE] = torch.tensor([0, 1]).repeat(len(mine))
         data_s = time.perf_counter() - started
-        score, chosen, rejected = self._scores(self.data, mine, batch, "train")
+        if self._fits_one_pass(batch):
+            ref = self._reference_sums(mine, batch, "train")
+            if ref is not None:
+                batch[REF_LOG_PROB] = ref
+            return PreparedStep(pairs, batch, pair_loss(self.settings), None, data_s,
+                                time.perf_counter() - started - data_s, self)
+        del batch[ROW_GROUP]  # the pairs may be split: each sequence's coefficient makes that exact
+        score, chosen, rejected = self._scores(mine, batch, "train")
         batch["sequence_coefficient"] = sequence_coefficients(chosen, rejected, score, len(pairs))
         with torch.no_grad():
-            return pairs, batch, score(chosen, rejected), data_s
+            scores = score(chosen, rejected)
+        return PreparedStep(pairs, batch, coefficient_loss, scores, data_s, time.perf_counter() - started - data_s,
+                            self)
 
     def step(self, step: int) -> dict[str, Any]:
         """One optimizer step on the next pairs of the order; returns its metrics (same on every rank)."""
         started = time.perf_counter()
-        pairs, batch, scores, data_s = self.prepare()
-        scored_s = time.perf_counter() - started - data_s
-        metrics = self.engine.train_batch(batch, coefficient_loss)
+        prepared = self.prepare()
+        metrics = self.engine.train_batch(prepared.batch, prepared.loss_fn)
+        scores = prepared.scores(self.engine.step_outputs)
+        pairs = prepared.pairs
         self.position = self._next_position
         metrics.update(self.reduce(scores, len(pairs)))
         metrics.update({
@@ -197,8 +260,9 @@ class DPOTrainer:
             "data/truncated_fraction": sum(self.data.truncated[i] for i in pairs) / len(pairs),
             "data/dropped": self.data.dropped,
             "data/skipped": self.data.skipped,
-            "time/data_s": data_s,
-            "time/score_s": scored_s,
+            "dpo/one_pass": float(prepared.scored is None),
+            "time/data_s": prepared.data_s,
+            "time/score_s": prepared.score_s,
             "time/step_s": time.perf_counter() - started,
         })
         return metrics
@@ -220,7 +284,7 @@ class DPOTrainer:
         for chunk in torch.arange(len(data)).tensor_split(max(1, -(-len(data) // EVAL_CHUNK))):
             pairs = chunk.tolist()
             mine = rank_share(pairs, data.lengths, self.info.rank, self.info.world_size)
-            score, chosen, rejected = self._scores(data, mine, preference_batch(data, mine, self.pad_id), "eval")
+            score, chosen, rejected = self._scores(mine, preference_batch(data, mine, self.pad_id), "eval")
             with torch.no_grad():
                 for name, value in self.reduce(score(chosen, rejected), len(data)).items():
                     totals[name] += value

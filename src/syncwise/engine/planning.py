@@ -21,6 +21,7 @@ from ..data.batching import (
     microbatches_needed,
     sequence_lengths,
     split_batch,
+    split_lengths,
     token_cost,
     workloads,
 )
@@ -97,7 +98,7 @@ def plan_batch(
     error: BatchError | None = None
     sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]
     try:
-        if stretch_cap and max_tokens > 0 and (lengths := sequence_lengths(batch)).numel():
+        if stretch_cap and max_tokens > 0 and (lengths := split_lengths(batch, packing)).numel():
             floor = FIRST_CAP_FLOOR if max_tokens == LONGEST else max_tokens  # auto's first step: the longest
             max_tokens = max(floor, int(lengths.max()))
         needed = microbatches_needed(batch, size, max_tokens, packing)

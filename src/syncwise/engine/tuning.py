@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..data.batching import Batch, capped_bins, capped_partition, sequence_lengths, token_cost, workloads
+from ..data.batching import Batch, capped_bins, capped_partition, split_lengths, token_cost, workloads
 from ..memory.activations import estimate_activations, working_bytes
 from ..memory.autosync import CAPS, LONGEST, StepShape, step_shape
 from ..memory.calibrate import best_matmul_seconds, fit, sweep
@@ -113,7 +113,7 @@ class Tuning:
         what one decoder layer saved on this rank's largest micro-batch (bytes, tokens); the activation model
         is scaled to the largest ratio over the ranks, from here on."""
         caps = CAPS if self.auto_cap else ()
-        lengths = sequence_lengths(batch)
+        lengths = split_lengths(batch, self.packing)  # rows kept together count as one
         longest = int(lengths.max()) if lengths.numel() else 0
         own = [float(x) for cap in caps for x in self._split_at(lengths, max(cap, longest))]
         nominal = nominal_machine(self.device.type)
