@@ -12,7 +12,7 @@ import pytest
 
 from cli_harness import run_cli
 from job_output import failed
-from syncwise.memory.plan import PlanInput, load_hf_config, make_plan
+from syncwise.memory.plan import PlanInput, format_plan, load_hf_config, make_plan
 from syncwise.models import preset_config
 
 P, ROOT = 427_136, 131_200
@@ -90,6 +90,15 @@ def test_builtin_shapes_have_their_published_sizes():
     for name, params in sizes.items():
         model = sharded_model_for(load_hf_config(name), 8, "bfloat16", "float32")
         assert model.num_params == pytest.approx(params, rel=2e-3), name
+
+
+def test_a_mixture_of_experts_plan_counts_every_expert_held_and_the_active_ones_apart():
+    """Qwen3-30B-A3B (its model card: 30.5B parameters, 3.3B activated): every expert is held, trained and
+    sharded; a token uses 8 of each layer's 128."""
+    plan = make_plan(PlanInput("qwen3-30b-a3b", world_size=8, microbatches=4))
+    assert plan.num_params == 30_532_122_624 and plan.trainable_params == plan.num_params
+    assert plan.active_params == plan.num_params - 48 * 120 * 3 * 768 * 2048  # 120 of 128 experts idle a token
+    assert "30.532B parameters (3.353B active a token: a mixture of experts)" in format_plan(plan)
 
 
 def test_plan_command(tmp_path):

@@ -22,6 +22,7 @@ from transformers import AutoConfig
 from ..config import LoraConfig
 from ..data.batching import capped_bins, token_cost
 from ..models import meta_model_units
+from ..models.moe import active_parameters
 from ..sync.modes import SyncChoice, SyncMode, spec, supported_modes
 from .accounting import DTYPE_BYTES, ShardedModel, format_bytes, sharded_model_of
 from .activations import estimate_activations, working_bytes
@@ -52,6 +53,7 @@ class Plan:
     input: PlanInput
     num_params: int
     trainable_params: int
+    active_params: int  # a token's share: all of a dense model's, a MoE's experts at k of E (models/moe.py)
     num_units: int
     base_bytes: int
     budget_bytes: int
@@ -219,7 +221,8 @@ def _model_plan(inp: PlanInput, hf_config, links: Links, sharded: ShardedModel, 
         + held_outside  # PPO: the other model's parameters and optimizer state (and the copy, for the critic)
     )
     trainable = sum(sharded.unit_trainable_numels)
-    plan = Plan(inp, sharded.num_params, trainable, len(sharded.unit_shapes), base, budget,
+    active = active_parameters((shape for unit in sharded.unit_shapes for shape in unit), hf_config)
+    plan = Plan(inp, sharded.num_params, trainable, active, len(sharded.unit_shapes), base, budget,
                 activation_bytes=activation_bytes, rollout=rollout, held_outside_bytes=held_outside,
                 links_measured=links.measured, latency_us=links.latency_s * 1e6, bandwidth_gbps=links.bandwidth / 1e9)
     units = unit_traffic(sharded, hsdp)
@@ -278,8 +281,11 @@ def format_plan(plan: Plan) -> str:
     links = "measured" if plan.links_measured else "assumed"
     lora = (f" (LoRA rank {inp.lora_rank}: {plan.trainable_params / 1e6:.2f}M trainable, "
             f"{plan.trainable_params / plan.num_params:.2%})" if inp.lora_rank else "")
+    active = (f" ({plan.active_params / 1e9:.3f}B active a token: a mixture of experts)"
+              if plan.active_params < plan.num_params else "")
     lines = [
-        f"{inp.model}: {plan.num_params / 1e9:.3f}B parameters{lora} in {plan.num_units} FSDP units; ranks {mesh}; "
+        f"{inp.model}: {plan.num_params / 1e9:.3f}B parameters{lora}{active} in {plan.num_units} FSDP units; "
+        f"ranks {mesh}; "
         f"{inp.microbatches} micro-batches/step; params {inp.param_dtype}, reduce {inp.reduce_dtype}",
         f"budget {format_bytes(plan.budget_bytes)} per rank ({inp.budget_fraction:.0%} of {inp.device_memory_gib:g} "
         f"GiB); links {plan.bandwidth_gbps:.3g} GB/s, {plan.latency_us:.3g} us ({links})",

@@ -34,6 +34,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
     ),
+    # a mixture of experts: 128 experts a layer, 8 a token (Qwen/Qwen3-30B-A3B's config.json)
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, router_aux_loss_coef=0.001,
+    ),
 }
 
 

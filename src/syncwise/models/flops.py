@@ -4,9 +4,10 @@ For a sequence of L tokens, every matmul weight of P elements costs 2·P·L in f
 4·P·L in backward (the input's gradient and the weight's; a frozen weight -- LoRA's base -- only the input's,
 2·P·L); causal attention costs 2·L²·D per layer forward (QKᵀ and AV over the L²/2 unmasked pairs, D = heads ×
 head dim) and twice that backward. The LM head is a matmul like the others (tied or not); embeddings are
-lookups. Padding, the fused head's second pass, recomputed checkpointed layers, the optimizer and the
-framework are not useful work: a step's useful FLOPs over its time, against the machine's matmul rate, say
-how much of it they take (``syncwise bench``'s roofline figure, docs/perf_tuning.md).
+lookups. A mixture of experts' token uses k of each MoE layer's E experts (and its router), so the experts count
+at k / E (:mod:`syncwise.models.moe`). Padding, the fused head's second pass, recomputed checkpointed layers, the
+optimizer and the framework are not useful work: a step's useful FLOPs over its time, against the machine's
+matmul rate, say how much of it they take (``syncwise bench``'s roofline figure, docs/perf_tuning.md).
 """
 
 from __future__ import annotations
@@ -16,20 +17,29 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .moe import experts_per_token, is_fused_experts, is_router
 
-def matmul_params(model: nn.Module) -> tuple[int, int]:
-    """(trainable, frozen) elements of the weights ``model`` multiplies activations by: every ``nn.Linear``
-    and transformers ``Conv1D`` (GPT-2), the LM head and a value head included; embeddings excluded. Sharded
-    (DTensor) weights count their global size."""
+
+def matmul_params(model: nn.Module, hf_config=None) -> tuple[int, int]:
+    """(trainable, frozen) elements of the weights ``model`` multiplies each token by: every ``nn.Linear``
+    and transformers ``Conv1D`` (GPT-2), the LM head and a value head included, a MoE router's weight, and a
+    MoE layer's fused experts at the share a token uses (k of E, :mod:`syncwise.models.moe`; ``hf_config``,
+    default the model's own, says k); embeddings excluded. Sharded (DTensor) weights count their global size."""
+    routed = experts_per_token(hf_config if hf_config is not None else getattr(model, "config", None))
     trainable = frozen = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if weight is None or not (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"):
-            continue
-        if weight.requires_grad:
-            trainable += weight.numel()
+        if routed is not None and is_fused_experts(module):
+            top_k, experts = routed
+            weights = [(p.numel() // experts * top_k, p.requires_grad) for p in module.parameters(recurse=False)]
+        elif isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D" or is_router(module):
+            weights = [(module.weight.numel(), module.weight.requires_grad)] if module.weight is not None else []
         else:
-            frozen += weight.numel()
+            continue
+        for count, trains in weights:
+            if trains:
+                trainable += count
+            else:
+                frozen += count
     return trainable, frozen
 
 
@@ -53,7 +63,7 @@ class UsefulFlops:
         ``hf_config`` is not a decoder's (a model that is not a Hugging Face one)."""
         if hf_config is None or not hasattr(hf_config, "num_attention_heads"):
             return cls(0, 0)
-        trainable, frozen = matmul_params(model)
+        trainable, frozen = matmul_params(model, hf_config)
         layers, width = attention_width(hf_config)
         return cls(6 * trainable + 4 * frozen, 6 * layers * width)
 
