@@ -129,7 +129,8 @@ def qwen25_tokenizer(special_tags: bool = False):
 def save_model_dir(root: str | Path, arch: str, tokenizer=None, **sizes) -> Path:
     """``root/arch``: a ``save_pretrained`` model with its tokenizer (default: the built-in ChatML one; Qwen2.5's
     template for ``qwen2``). ``arch``: ``gpt2`` (dropout 0.1 kept in its config), ``llama`` (untied), ``qwen2``
-    (tied, q/k/v biases), ``gemma2`` (tied to the embedding, soft-capping) or ``mistral``. ``sizes``: hidden,
+    (tied, q/k/v biases), ``gemma2`` (tied to the embedding, soft-capping), ``mistral`` or ``qwen3_moe`` (8
+    experts, top-2). ``sizes``: hidden,
     layers, heads, inter, positions."""
     import torch
     from transformers import (
@@ -177,6 +178,14 @@ def save_model_dir(root: str | Path, arch: str, tokenizer=None, **sizes) -> Path
             vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), max_position_embeddings=positions,
             sliding_window=positions // 2, **ends))
+    elif arch == "qwen3_moe":  # a mixture of experts: 8 fused experts a layer, 2 a token, its router's aux loss
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter, moe_intermediate_size=inter // 4,
+            num_experts=8, num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=max(heads // 2, 1), head_dim=hidden // heads, max_position_embeddings=positions,
+            tie_word_embeddings=False, router_aux_loss_coef=0.01, norm_topk_prob=True, **ends))
     else:
         raise ValueError(arch)
     path = Path(root) / arch

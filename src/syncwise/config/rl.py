@@ -161,6 +161,10 @@ class RLConfig:
     # The rollout copy's dtype (bfloat16: half the copy and its KV cache; the sampler then differs from the
     # fp32 trainer -- rollout/log_prob_diff says by how much, rl.loss.rollout_is corrects for it)
     rollout_dtype: str = "float32"
+    # A mixture of experts (Qwen3-MoE, Mixtral): the training passes route each sampled token through the experts
+    # the sampler chose, the weights from the live router (syncwise.rl.rollout.routes). auto: where the model is
+    # one and its rollouts can (the compact sampler, one turn, synchronous); true: refused where not; false: off
+    router_replay: bool | str = "auto"
     advantage: str = "grpo"  # grpo | drgrpo | rloo
     mini_batches: int = 1  # optimizer steps per pass over a rollout batch (each rank's samples split alike)
     epochs: int = 1  # passes over each rollout batch
@@ -275,6 +279,8 @@ class RLConfig:
             if spec.check_keys is not None:
                 spec.check_keys(self)
         choice("rl.rollout_dtype", self.rollout_dtype, DTYPES)
+        if isinstance(self.router_replay, str) and self.router_replay != "auto":
+            raise ConfigError(f"rl.router_replay: expected true, false or auto, got {self.router_replay!r}")
         non_negative("rl.max_new_tokens", self.max_new_tokens, "0: the task's")
         positive("rl.temperature", self.temperature)
         non_negative("rl.top_k", self.top_k, "0: off")

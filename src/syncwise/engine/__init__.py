@@ -267,6 +267,8 @@ class Engine:
         })
         if self.audit is not None:
             metrics.update(self.audit.check(counter.totals.counts, mode, result.num_microbatches))
+        if metrics.get("moe/route_choices"):  # replayed routes (a mixture of experts): the live routers' agreement
+            metrics["moe/route_agreement"] = metrics["moe/route_matches"] / metrics["moe/route_choices"]
         return metrics
 
     def expected_collectives(

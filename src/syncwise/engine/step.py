@@ -25,6 +25,7 @@ from ..memory.accounting import grad_bytes, unsharded_param_bytes
 from ..memory.meter import PeakMeter
 from ..models import hf_config_of
 from ..models.head import hidden_states_out
+from ..models.moe import ROUTES, route_replay
 from ..runtime.distributed import collective_timeout
 from ..runtime.errors import clean_up_after
 from ..sync import fsdp_internals as fsdp
@@ -69,6 +70,7 @@ def forward_microbatch(
     data = mb.data
     fused = fused_head and takes_fused_head(loss_fn)
     if data is None:
+        route_replay(model, None)
         ids = torch.zeros((1, 2), dtype=torch.long, device=device)
         model_out = _forward(model, fused, input_ids=ids, use_cache=False)
         # through the log-prob path, so that every parameter the real micro-batches use gets a gradient
@@ -79,8 +81,12 @@ def forward_microbatch(
         inputs = {"attention_mask": data.get("attention_mask")}
         if inputs["attention_mask"] is not None and hf_config_of(model) is not None:  # takes position_ids
             inputs["position_ids"] = positions_of(inputs["attention_mask"])
+    replay = route_replay(model, data.get(ROUTES))  # a mixture of experts routed as its sampler did
     model_out = _forward(model, fused, input_ids=data["input_ids"], use_cache=False, **inputs)
     result = loss_fn(model_out, data, norm) if loss_fn is not None else LossOutput(torch.zeros((), device=device))
+    if replay is not None:  # how many of the replayed choices the live routers made too (moe/route_agreement)
+        result.metrics["moe/route_matches"] = torch.tensor(float(replay.matches))
+        result.metrics["moe/route_choices"] = torch.tensor(float(replay.choices))
     if with_log_probs:
         result.outputs.setdefault("log_probs", token_log_probs(model_out.logits, data["input_ids"], temperature))
     return result

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..config import Config
+from ..config import Config, ConfigError
 
 WEIGHT_FILES = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
@@ -151,6 +151,7 @@ def check_rl(config: Config) -> None:
     check_sandbox(config, source.all_tools)
     check_positions(config, source.prompt_ids, rl.max_new_tokens or source.max_new_tokens)
     check_rollout_engine(config, rl.max_new_tokens or source.max_new_tokens)
+    check_router_replay(config)
     try:
         checkpoint = CheckpointManager(Path(config.train.out_dir) / "checkpoints").resolve(config.train.resume)
         if checkpoint is not None and rl.algorithm == "ppo":
@@ -184,6 +185,17 @@ def check_sandbox(config: Config, tools: dict) -> None:
         return
     if any(tool.fn is BUILTIN_TOOLS["python"] for tool in tools.values()):
         raise PreflightError(f"rl.tools: python: {REFUSAL}")
+
+
+def check_router_replay(config: Config) -> None:
+    """``rl.router_replay=true`` on a model that is not a mixture of experts, or with rollouts that cannot record
+    the experts they chose: one line (``auto`` replays where it can and says so in the job's first lines)."""
+    from ..rl.rollout.routes import replays_routes
+
+    try:
+        replays_routes(config, _hf_config(config))
+    except ConfigError as exc:
+        raise PreflightError(str(exc)) from exc
 
 
 def check_rollout_engine(config: Config, max_new_tokens: int) -> None:

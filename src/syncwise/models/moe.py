@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from weakref import WeakKeyDictionary
 
+import torch
 from torch import nn
 
 
@@ -46,3 +48,103 @@ def active_parameters(shapes: Iterable[tuple[int, ...]], hf_config) -> int:
     top_k, experts = routed
     held = sum(math.prod(shape) for shape in shapes if len(shape) == 3 and shape[0] == experts)
     return total - held + held // experts * top_k
+
+
+# Routers whose choice is the top k of softmax(router logits), its weights those probabilities (renormalised over
+# the k where the router does): what replay recomputes from the live logits.
+SOFTMAX_TOP_K_ROUTERS = ("Qwen3MoeTopKRouter", "MixtralTopKRouter")
+ROUTES = "routed_experts"  # a batch's [B, T, layers, k] expert ids each token went through when sampled; -1: none
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE routers in layer order (empty for a dense model)."""
+    return [module for module in model.modules() if is_router(module)]
+
+
+def replay_refusal(model: nn.Module) -> str | None:
+    """Why the model's routing cannot be replayed (a router replay does not know), or None."""
+    other = sorted({type(r).__name__ for r in routers(model)} - set(SOFTMAX_TOP_K_ROUTERS))
+    if other:
+        return (f"its routers ({', '.join(other)}) are not ones replay knows ({', '.join(SOFTMAX_TOP_K_ROUTERS)}: "
+                "softmax over the experts, top k)")
+    return None
+
+
+class RouteRecorder:
+    """Records each forward's routing: every router's chosen experts (its ``router_indices`` output) of the tokens
+    it was given, for the sampler to file per sequence. ``take()`` returns the last forward's [tokens, layers, k]."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = routers(model)
+        self.top_k = int(self.layers[0].top_k) if self.layers else 0
+        self._calls: dict[int, torch.Tensor] = {}
+        self._hooks = [router.register_forward_hook(self._hook(i)) for i, router in enumerate(self.layers)]
+
+    def _hook(self, layer: int):
+        def record(module, inputs, output) -> None:
+            self._calls[layer] = output[2].detach()
+        return record
+
+    def take(self) -> torch.Tensor:
+        calls = [self._calls.pop(layer) for layer in range(len(self.layers))]
+        return torch.stack(calls, dim=1).to(torch.int16)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+class RouteReplay:
+    """Routes each token of a forward through the experts given for it (``routes`` [tokens, layers, k], a row of
+    -1s: the router's own choice), with the weights from the live router's probabilities at those experts, so the
+    router still learns (R3, arXiv 2510.11370). Counts how many of the replayed choices the live router made too:
+    ``matches`` of ``choices``."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = routers(model)
+        self.routes: torch.Tensor | None = None
+        self.matches = self.choices = 0
+        self._hooks = [router.register_forward_hook(self._hook(i)) for i, router in enumerate(self.layers)]
+
+    def _hook(self, layer: int):
+        def replay(module, inputs, output):
+            if self.routes is None:
+                return None
+            logits, scores, live = output
+            given = self.routes[:, layer].to(device=live.device, dtype=live.dtype)
+            if given.shape != live.shape:
+                raise RuntimeError(f"router replay: {tuple(given.shape)} routes for a router of {tuple(live.shape)}")
+            known = (given >= 0).all(dim=1, keepdim=True)
+            chosen = torch.where(known, given, live)
+            weights = torch.softmax(logits.float(), dim=-1).gather(1, chosen)
+            if getattr(module, "norm_topk_prob", True):
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            with torch.no_grad():
+                same = (chosen.unsqueeze(2) == live.unsqueeze(1)).any(dim=2) & known
+                self.matches += int(same.sum())
+                self.choices += int(known.sum()) * chosen.shape[1]
+            return logits, weights.to(scores.dtype), chosen
+        return replay
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+_REPLAYS: WeakKeyDictionary[nn.Module, RouteReplay] = WeakKeyDictionary()
+
+
+def route_replay(model: nn.Module, routes: torch.Tensor | None) -> RouteReplay | None:
+    """Route the model's next forwards -- and their recomputation in backward (activation checkpointing) -- by
+    ``routes`` ([..., layers, k] over a forward's tokens, flattened in their order), counting afresh; None: as the
+    routers choose. Returns the replay (None without routes)."""
+    replay = _REPLAYS.get(model)
+    if routes is None:
+        if replay is not None:
+            replay.routes = None
+        return None
+    if replay is None:
+        replay = _REPLAYS[model] = RouteReplay(model)
+    replay.routes = routes.reshape(-1, *routes.shape[-2:])
+    replay.matches = replay.choices = 0
+    return replay

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ...config import RLConfig
 from ...data.batching import Batch, sequence_lengths
+from ...models.moe import ROUTES
 from ...runtime.distributed import DistInfo, agree, collective_timeout
 from .advantages import uniform_groups
 
@@ -132,8 +133,9 @@ def _merged(pieces: list[tuple[torch.Tensor, Batch]], like: Batch, pad_id: int) 
     pieces = [(index, rows) for index, rows in pieces if len(index)]
     width = max(rows["input_ids"].shape[1] for _, rows in pieces)
     order = torch.cat([index for index, _ in pieces]).argsort()
-    return {key: torch.cat([_pad_columns(rows[key], width - rows["input_ids"].shape[1],
-                                         pad_id if key == "input_ids" else 0) for _, rows in pieces])[order]
+    fill = {"input_ids": pad_id, ROUTES: -1}  # a padding token's routes: none (a mixture of experts' replay)
+    return {key: torch.cat([_pad_columns(rows[key], width - rows["input_ids"].shape[1], fill.get(key, 0))
+                            for _, rows in pieces])[order]
             for key in like}
 
 

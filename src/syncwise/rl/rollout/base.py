@@ -26,6 +26,8 @@ class Samples:
     computed_rows: int  # sequence-steps computed (the padded loop's would be sequences x longest response)
     ended: list[bool] = None  # ended by an end token or a stop string (False: cut by max_new_tokens)
     full_log_probs: list[torch.Tensor] = None
+    # a mixture of experts' routes (rl.router_replay): per token of prompt + response, each layer's k experts
+    routes: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -42,6 +44,7 @@ class RolloutSetup:
     seed: int  # the job's (train.seed)
     memory_budget: int  # this rank's budget in bytes (sync.memory_budget resolved)
     training_bytes: int = 0  # what this rank's training needs at the least beside the engine
+    record_routes: bool = False  # a mixture of experts' chosen experts per token (rl.router_replay)
 
 
 class RolloutEngine(Protocol):
@@ -121,6 +124,7 @@ in flight goes into a checkpoint as it is."""
     counts: Counter = field(default_factory=Counter)  # turns, tool calls, answer kinds, each error kind
     versions: list[int] = field(default_factory=list)  # per token: the policy version that drew it (RL steps taken)
     turn_start: int = 0  # where in ``tokens`` the assistant turn under way began (a partial rollout's rounds)
+    routes: Any = None  # a mixture of experts' sampled routes (one turn's, rl.router_replay): [tokens, layers, k]
 
     def add(self, tokens: list[int], sampled: bool, full: list[float] | None = None,
             drawn: list[float] | None = None, version: int = 0) -> None:
@@ -141,6 +145,8 @@ in flight goes into a checkpoint as it is."""
         room = max_new_tokens - len(self.tokens)
         ended = bool(samples.ended[k]) and len(tokens) <= room
         tokens = tokens[:room]
+        if samples.routes is not None and not self.tokens:  # one turn: the prompt's routes, then the response's
+            self.routes = samples.routes[k][: len(self.prompt) + len(tokens)]
         drawn = samples.log_probs[k][: len(tokens)].float().tolist() if samples.log_probs is not None else None
         self.add(tokens, sampled=True, full=samples.full_log_probs[k][: len(tokens)].float().tolist(), drawn=drawn,
                  version=version)

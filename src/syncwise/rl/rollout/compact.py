@@ -31,6 +31,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from ...engine.step import positions_of
+from ...models.moe import RouteRecorder
 from .base import Samples, StopStrings
 
 COMPACT_FRACTION = 8  # compact when at least 1/8 of the active sequences have ended
@@ -113,12 +114,26 @@ def left_padded(prompts: list[torch.Tensor], pad_id: int, device: torch.device) 
 def sample(
     model: nn.Module, prompts: list[torch.Tensor], samples_per_prompt: int, max_new_tokens: int, temperature: float,
     end_ids: int | list[int], pad_id: int, cut: Truncation = Truncation(), stop: StopStrings | None = None,
-    seeds: list[int] | None = None,
+    seeds: list[int] | None = None, record_routes: bool = False,
 ) -> Samples:
     """``samples_per_prompt`` responses to each prompt (1-D token tensors), drawn from softmax(logits /
     ``temperature``) truncated by ``cut``, with torch's global generator -- or, given ``seeds`` (one per
     sequence, prompt-major), each sequence by its own (:func:`seeded_uniforms`); a response ends at any of
-    ``end_ids`` or once it contains a ``stop`` string."""
+    ``end_ids`` or once it contains a ``stop`` string. ``record_routes`` (a mixture of experts): each sequence's
+    experts per token and layer as its forwards chose them (``Samples.routes``; the last token, never fed: -1)."""
+    recorder = RouteRecorder(model) if record_routes else None
+    try:
+        samples = _sample(model, prompts, samples_per_prompt, max_new_tokens, temperature, end_ids, pad_id, cut, stop,
+                          seeds, recorder)
+    finally:
+        if recorder is not None:
+            recorder.close()
+    return samples
+
+
+def _sample(model: nn.Module, prompts: list[torch.Tensor], samples_per_prompt: int, max_new_tokens: int,
+            temperature: float, end_ids: int | list[int], pad_id: int, cut: Truncation, stop: StopStrings | None,
+            seeds: list[int] | None, recorder: RouteRecorder | None) -> Samples:
     device = next(model.parameters()).device
     input_ids, mask = left_padded(prompts, pad_id, device)
     positions = positions_of(mask)
@@ -130,6 +145,8 @@ def sample(
     last_only = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                    **{cache_arg: cache}, **last_only).logits[:, -1]
+    prompt_routes = recorder.take().view(*input_ids.shape, -1, recorder.top_k) if recorder is not None else None
+    step_routes: list[tuple[torch.Tensor, torch.Tensor]] = []  # per decode forward: (sequences, their routes)
     # Each prompt's samples share its prefill.
     n = samples_per_prompt
     cache.batch_repeat_interleave(n)
@@ -175,6 +192,8 @@ def sample(
         computed += len(rows)
         logits = model(input_ids=drawn[:, None], attention_mask=mask, position_ids=next_position[:, None],
                        use_cache=True, **{cache_arg: cache}).logits[:, -1]
+        if recorder is not None:  # the routes of the tokens drawn at this step
+            step_routes.append((rows.clone(), recorder.take()))
         next_position = next_position + 1
     # Each sequence's tokens in step order: a stable sort by sequence keeps the steps' order.
     sequence = torch.cat(drawn_rows)
@@ -182,5 +201,14 @@ def sample(
     counts = torch.bincount(sequence, minlength=total).tolist()
     log_probs = list(torch.cat(drawn_log_probs)[order].split(counts))
     full_log_probs = list(torch.cat(drawn_full)[order].split(counts)) if cut.active else log_probs
-    return Samples(list(torch.cat(drawn_tokens)[order].split(counts)), log_probs, computed, stopped.tolist(),
-                   full_log_probs)
+    tokens = list(torch.cat(drawn_tokens)[order].split(counts))
+    routes = None
+    if prompt_routes is not None:
+        drawn_routes = torch.full((total, max(counts), *prompt_routes.shape[2:]), -1, dtype=prompt_routes.dtype,
+                                  device=device)
+        for step, (sequences, chosen) in enumerate(step_routes):
+            drawn_routes[sequences, step] = chosen
+        lengths = [len(p) for p in prompts]
+        routes = [torch.cat([prompt_routes[k // n, -lengths[k // n]:], drawn_routes[k, :counts[k]]]).cpu()
+                  for k in range(total)]
+    return Samples(tokens, log_probs, computed, stopped.tolist(), full_log_probs, routes)

@@ -31,6 +31,7 @@ from ...config import Config
 from ...config.rollout_engines import ROLLOUT_ENGINES
 from ...engine import Engine
 from ...memory.accounting import resolve_budget
+from ...models.moe import ROUTES
 from ...runtime.distributed import DistInfo, local_tensor
 from ..env.base import Environment, FunctionTools, close_all
 from ..env.classes import ClassEpisode
@@ -38,6 +39,7 @@ from ..env.tasks import PromptSource
 from .agent_loop import AgentLoop, AgentRun
 from .base import RolloutEngine, RolloutSetup, Trajectory, sample_seed
 from .partial import Group, PartialPool
+from .routes import replays_routes
 from .turns import TurnLoop, counts_tensor
 
 TRUNCATION_NOTE = (
@@ -136,10 +138,11 @@ class Rollout:
         if self.cfg.truncates and info.is_main:
             warnings.warn(TRUNCATION_NOTE, stacklevel=2)
         device = info.device
+        self.replays_routes, self.replay_obstacle = replays_routes(config, hf_config)
         self.sampler = make_rollout_engine(RolloutSetup(
             hf_config, device, self.cfg, tokenizer, self.end_ids, self.max_new_tokens, config.train.seed,
             resolve_budget(config.sync.memory_budget, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
-            training_bytes))
+            training_bytes, record_routes=self.replays_routes))
         self.turns = TurnLoop(self.cfg, tokenizer, self.end_ids, episodes_of(source), list(source.all_tools),
                               source.environment.name if source.environment else None)
         self.agents = (AgentLoop(self.cfg, tokenizer, self.end_ids, model_name(config),
@@ -164,7 +167,10 @@ class Rollout:
 
     def describe(self) -> str:
         loop = self.agents.describe() if self.agents is not None else self.turns.describe()
-        return self.sampler.describe() + (f", {loop}" if loop else "")
+        replay = ("; a mixture of experts, trained through the experts its sampler chose (rl.router_replay)"
+                  if self.replays_routes else f"; router replay off: {self.replay_obstacle}"
+                  if self.replay_obstacle else "")
+        return self.sampler.describe() + (f", {loop}" if loop else "") + replay
 
     def close(self) -> None:
         """The job is over: what the rollout holds open beside the engine (the agents' endpoint) let go."""
@@ -267,8 +273,21 @@ class Rollout:
         kept_mass = ((full - torch.tensor([x for t in trajectories for x in t.drawn_log_probs], dtype=torch.float32)
                       ).exp()[sampled.bool()] if drawn_known else torch.zeros(0))
         result.batch = {"input_ids": ids, "attention_mask": real.long(), "loss_mask": loss_mask}
+        if getattr(trajectories[0], "routes", None) is not None:  # the experts each token went through, to replay
+            routes = torch.full((*ids.shape, *trajectories[0].routes.shape[1:]), -1, dtype=torch.int16)
+            routes[real] = torch.cat([_routes_of(t) for t in trajectories])
+            result.batch[ROUTES] = routes
         result.log_probs = log_probs
         result.kept_mass = kept_mass.double()
+
+
+def _routes_of(trajectory: Trajectory) -> torch.Tensor:
+    """A trajectory's sampled routes, one row per token of its prompt and after (-1 where none were recorded:
+    a token the template added after the sampled ones)."""
+    routes, length = trajectory.routes, len(trajectory.prompt) + len(trajectory.tokens)
+    if len(routes) < length:
+        routes = torch.cat([routes, routes.new_full((length - len(routes), *routes.shape[1:]), -1)])
+    return routes[:length]
 
 
 def _without_firsts(lengths: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ class LocalCopy:
 
     def __init__(self, setup: RolloutSetup):
         self.cfg, self.tokenizer, self.end_ids, self.device = setup.rl, setup.tokenizer, setup.end_ids, setup.device
+        self.record_routes = setup.record_routes
         self.cut = Truncation(self.cfg.top_k, self.cfg.top_p, self.cfg.min_p)
         self.stop = StopStrings(self.cfg.stop, self.tokenizer)
         # Built uninitialised: the first refresh writes every parameter (load_by_unit checks it).
@@ -69,10 +70,11 @@ class CompactRollout(LocalCopy):
         tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompts]
         if not isinstance(seed, int):
             return sample(self.model, tensors, n, max_new_tokens, self.cfg.temperature, self.end_ids,
-                          self.tokenizer.pad_token_id, self.cut, self.stop, sequence_seeds(seed, len(prompts), n))
+                          self.tokenizer.pad_token_id, self.cut, self.stop, sequence_seeds(seed, len(prompts), n),
+                          record_routes=self.record_routes)
         with self.seeded(seed):
             return sample(self.model, tensors, n, max_new_tokens, self.cfg.temperature, self.end_ids,
-                          self.tokenizer.pad_token_id, self.cut, self.stop)
+                          self.tokenizer.pad_token_id, self.cut, self.stop, record_routes=self.record_routes)
 
 
 class GenerateRollout(LocalCopy):
