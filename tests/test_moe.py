@@ -7,6 +7,7 @@ the experts its forwards chose; a GRPO job with a bfloat16 sampler beside fp32 t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -47,9 +48,10 @@ def _router_grads(model) -> list[torch.Tensor]:
     return [layer.mlp.gate.weight.grad.clone() for layer in model.model.layers]
 
 
-def _replayed_by_hand(model, ids: torch.Tensor, routes: torch.Tensor) -> list[torch.Tensor]:
-    """The reference: each router's forward written out with the given experts (its probabilities' softmax over
-    the live logits, renormalised over the chosen k where the config's norm_topk_prob says)."""
+@contextlib.contextmanager
+def _by_hand(model, routes: torch.Tensor):
+    """Within it, each router's forward written out with the given experts ([tokens, layers, k]): its
+    probabilities' softmax over the live logits, renormalised over the chosen k where norm_topk_prob says."""
     gates = [layer.mlp.gate for layer in model.model.layers]
     originals = [gate.forward for gate in gates]
 
@@ -66,11 +68,17 @@ def _replayed_by_hand(model, ids: torch.Tensor, routes: torch.Tensor) -> list[to
     for layer, gate in enumerate(gates):
         gate.forward = by_hand(layer)
     try:
-        model.zero_grad()
-        model(input_ids=ids).logits.float().square().mean().backward()
+        yield
     finally:
         for gate, forward in zip(gates, originals, strict=True):
             gate.forward = forward
+
+
+def _replayed_by_hand(model, ids: torch.Tensor, routes: torch.Tensor) -> list[torch.Tensor]:
+    """The routers' gradients under :func:`_by_hand`'s routes."""
+    model.zero_grad()
+    with _by_hand(model, routes):
+        model(input_ids=ids).logits.float().square().mean().backward()
     return _router_grads(model)
 
 
@@ -90,7 +98,7 @@ def test_replayed_routes_give_the_live_forward_where_they_are_its_own_and_the_ro
     replayed = model(input_ids=ids).logits
     assert (replay.matches, replay.choices) == (22 * 2 * 2, 22 * 2 * 2)  # every choice the live router's own
     replayed.float().square().mean().backward()
-    assert_close(replayed, live, 1e-6, "replaying the router's own routes")
+    assert_close(replayed.detach(), live.detach(), 1e-6, "replaying the router's own routes")
     for got, expected in zip(_router_grads(model), live_grads, strict=True):
         assert_close(got, expected, 1e-5, "the router's gradient under its own routes")
 
@@ -130,6 +138,53 @@ def test_the_compact_sampler_records_the_experts_each_token_went_through():
         agree += int((whole.sort(-1).values == routes[:-1].sort(-1).values).sum())
         total += whole.numel()
     assert agree / total > 0.99, agree / total  # incremental and whole forwards: fp32 near-ties may part
+
+
+def test_the_engine_trains_through_replayed_routes_in_every_mode_as_a_replay_by_hand_does(tmp_path):
+    """2 gloo ranks, FSDP2: per_microbatch, deferred packed and padded, deferred_unsharded with activation
+    checkpointing (the recompute routes as the forward did) -- each parameter's gradient, the routers' and the
+    experts' included, equals one process's over the whole batch with every router replaced by a replay written
+    out by hand; padding tokens (-1) route live and count in no agreement."""
+    from transformers import AutoModelForCausalLM
+
+    from dist_harness import run_distributed
+    from scenarios_moe import REPLAY_CASES, replay_suite
+    from user_models import save_model_dir
+
+    path = save_model_dir(tmp_path, "qwen3_moe", hidden=32, heads=4, inter=64)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(2)
+    lengths = [9, 14, 5, 12, 7, 11]
+    width = max(lengths)
+    ids = torch.randint(3, model.config.vocab_size, (6, width), generator=generator)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    ids = ids * mask
+    own = [_routes_of(model, ids[i, :n][None]) for i, n in enumerate(lengths)]
+    other = [(r.long() + 1 + (i % 3)) % 8 for i, r in enumerate(own)]  # not the routers' choice: another expert
+    routes = torch.full((6, width, 2, 2), -1, dtype=torch.int16)
+    for i, n in enumerate(lengths):
+        routes[i, :n] = other[i]
+    batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, ROUTES: routes}
+
+    # the reference: one process, each sequence alone, the token-mean over the whole batch's targets
+    model.zero_grad()
+    targets = sum(n - 1 for n in lengths)
+    for i, n in enumerate(lengths):
+        with _by_hand(model, other[i]):
+            logits = model(input_ids=ids[i, :n][None]).logits[0, :-1].float()
+        loss = -torch.log_softmax(logits, -1).gather(1, ids[i, 1:n, None]).sum() / targets
+        loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    outs = run_distributed(replay_suite, 2, str(path), batch)
+    for name in REPLAY_CASES:
+        got = outs[0][name]["grads"]
+        for param, grad in expected.items():
+            assert_close(got[param], grad, 1e-4, f"{name}: {param}")
+        assert all(out[name]["grads"].keys() == got.keys() for out in outs)
+        choices = sum(out[name]["choices"] for out in outs)
+        assert choices in (2 * 2 * sum(lengths), 2 * 2 * 2 * sum(lengths)), (name, choices)  # real tokens only
+        assert sum(out[name]["matches"] for out in outs) < choices
 
 
 def _job(folder, replay: str) -> subprocess.CompletedProcess:

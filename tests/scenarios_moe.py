@@ -1,0 +1,35 @@
+"""Run on 2 gloo ranks by test_moe.py: a Qwen3-MoE's gradients under replayed routes through the engine -- FSDP2,
+every sync mode, packed and padded micro-batches, activation checkpointing's recompute -- for the test process to
+compare with a single-process reference that replays by hand."""
+
+from __future__ import annotations
+
+from scenarios import full_grads
+from syncwise.config import load_config
+from syncwise.engine import Engine
+from syncwise.losses import make_sft_loss
+from syncwise.models import build_model
+
+# (sync mode, extra keys): each a case the engine's split, packing or recompute could get the routes wrong in
+REPLAY_CASES = {
+    "per_microbatch": ("per_microbatch", ()),
+    "deferred packed": ("deferred", ("engine.packing=true",)),
+    "deferred padded": ("deferred", ("engine.packing=false",)),
+    "deferred_unsharded checkpointed": ("deferred_unsharded", ("engine.activation_checkpointing=true",)),
+}
+
+
+def replay_suite(info, model_dir: str, batch: dict) -> dict:
+    """Each case's full gradient of the token-mean SFT loss on this rank's rows of ``batch`` (with its
+    ``routed_experts``), and how many replayed choices the live routers shared."""
+    mine = {key: value[info.rank::info.world_size] for key, value in batch.items()}
+    out = {}
+    for name, (mode, extra) in REPLAY_CASES.items():
+        config = load_config(None, [f"model.path={model_dir}", "engine.strategy=fsdp2", f"sync.mode={mode}",
+                                    "engine.micro_batch_size=1", "engine.max_tokens_per_micro_batch=0",
+                                    "engine.fused_lm_head=false", "optim.name=sgd", "optim.lr=0", *extra])
+        engine = Engine(config, build_model(config.model), info)
+        result = engine.forward_backward_batch(mine, make_sft_loss("token-mean"))
+        out[name] = {"grads": full_grads(engine), "matches": result.metrics["moe/route_matches"],
+                     "choices": result.metrics["moe/route_choices"]}
+    return out
