@@ -9,6 +9,7 @@ from syncwise.config import load_config
 from syncwise.engine import Engine
 from syncwise.losses import make_sft_loss
 from syncwise.models import build_model
+from syncwise.models.moe import LOAD
 
 # (sync mode, extra keys): each a case the engine's split, packing or recompute could get the routes wrong in
 REPLAY_CASES = {
@@ -31,5 +32,6 @@ def replay_suite(info, model_dir: str, batch: dict) -> dict:
         engine = Engine(config, build_model(config.model), info)
         result = engine.forward_backward_batch(mine, make_sft_loss("token-mean"))
         out[name] = {"grads": full_grads(engine), "matches": result.metrics["moe/route_matches"],
-                     "choices": result.metrics["moe/route_choices"]}
+                     "choices": result.metrics["moe/route_choices"],
+                     "load": {k: v for k, v in result.metrics.items() if k.startswith(LOAD)}}
     return out

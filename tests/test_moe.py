@@ -19,7 +19,7 @@ import torch
 from cli_harness import run_cli
 from job_output import failed
 from numerics import assert_close
-from syncwise.models.moe import ROUTES, RouteRecorder, route_replay
+from syncwise.models.moe import LOAD, ROUTES, RouteRecorder, route_replay
 
 
 def _moe(seed: int = 0, experts_implementation: str = "eager"):
@@ -183,8 +183,13 @@ def test_the_engine_trains_through_replayed_routes_in_every_mode_as_a_replay_by_
             assert_close(got[param], grad, 1e-4, f"{name}: {param}")
         assert all(out[name]["grads"].keys() == got.keys() for out in outs)
         choices = sum(out[name]["choices"] for out in outs)
-        assert choices in (2 * 2 * sum(lengths), 2 * 2 * 2 * sum(lengths)), (name, choices)  # real tokens only
+        assert choices == 2 * 2 * sum(lengths), (name, choices)  # real tokens only, the recompute not again
         assert sum(out[name]["matches"] for out in outs) < choices
+        # each layer's expert load: the replayed experts of the real tokens
+        for layer in range(2):
+            expected_load = torch.bincount(torch.cat([r[:, layer].reshape(-1) for r in other]), minlength=8)
+            load = [sum(out[name]["load"][f"{LOAD}{layer}/{e}"] for out in outs) for e in range(8)]
+            assert load == expected_load.tolist(), (name, layer, load)
 
 
 def _job(folder, replay: str) -> subprocess.CompletedProcess:
@@ -223,6 +228,8 @@ def test_a_grpo_job_trains_through_its_samplers_routes_and_its_log_prob_gap_drop
     for step in runs["true"]:
         assert 0.5 < step["moe/route_agreement"] < 1.0, step["moe/route_agreement"]
     assert all("moe/route_agreement" not in step for step in runs["false"])
+    for step in runs["true"] + runs["false"]:  # the busiest expert's load over the mean, in the worst layer
+        assert 1.0 <= step["moe/load_max_over_mean"] <= 8.0 and not any(k.startswith(LOAD) for k in step)
     # a token routed elsewhere by the sampler than by the trainer is the largest gap: measured 0.004 with replay,
     # 0.04-0.06 without; the mean over tokens 0.001 against 0.0013-0.0018
     gap = {replay: [sum(step[f"rollout/log_prob_diff{kind}"] for step in steps) for kind in ("_max", "")]

@@ -33,6 +33,7 @@ from ..memory.meter import PeakMeter
 from ..memory.schedule import unit_traffic
 from ..memory.units import configured_choice, unit_names
 from ..models import build_model
+from ..models.moe import summarise as summarise_routes
 from ..runtime.distributed import CollectiveTimeout, DistInfo, build_mesh, init_distributed
 from ..runtime.errors import clean_up_after
 from ..sync import fsdp_internals as fsdp
@@ -267,8 +268,7 @@ class Engine:
         })
         if self.audit is not None:
             metrics.update(self.audit.check(counter.totals.counts, mode, result.num_microbatches))
-        if metrics.get("moe/route_choices"):  # replayed routes (a mixture of experts): the live routers' agreement
-            metrics["moe/route_agreement"] = metrics["moe/route_matches"] / metrics["moe/route_choices"]
+        summarise_routes(metrics)  # a mixture of experts: its experts' load, replayed routes' agreement
         return metrics
 
     def expected_collectives(
@@ -291,6 +291,7 @@ class Engine:
         """Forward-only pass with its loss metrics reduced over ranks. Never touches gradients or sync state."""
         result = self.forward_batch(batch, loss_fn)
         result.metrics = reduce_step(result.metrics, None, 0, (), self.info.device, self.config.dist.timeout_s)[0]
+        summarise_routes(result.metrics)
         return result
 
     def state_dict(self) -> dict[str, Any]:

@@ -70,8 +70,8 @@ def forward_microbatch(
     data = mb.data
     fused = fused_head and takes_fused_head(loss_fn)
     if data is None:
-        route_replay(model, None)
         ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+        route_replay(model, None, torch.zeros_like(ids))  # its token counts in no expert's load
         model_out = _forward(model, fused, input_ids=ids, use_cache=False)
         # through the log-prob path, so that every parameter the real micro-batches use gets a gradient
         return LossOutput(loss=token_log_probs(model_out.logits, ids).sum() * 0.0)
@@ -81,12 +81,12 @@ def forward_microbatch(
         inputs = {"attention_mask": data.get("attention_mask")}
         if inputs["attention_mask"] is not None and hf_config_of(model) is not None:  # takes position_ids
             inputs["position_ids"] = positions_of(inputs["attention_mask"])
-    replay = route_replay(model, data.get(ROUTES))  # a mixture of experts routed as its sampler did
+    # a mixture of experts: routed as its sampler did where the batch says, its experts' load counted
+    replay = route_replay(model, data.get(ROUTES), data.get("attention_mask"))
     model_out = _forward(model, fused, input_ids=data["input_ids"], use_cache=False, **inputs)
     result = loss_fn(model_out, data, norm) if loss_fn is not None else LossOutput(torch.zeros((), device=device))
-    if replay is not None:  # how many of the replayed choices the live routers made too (moe/route_agreement)
-        result.metrics["moe/route_matches"] = torch.tensor(float(replay.matches))
-        result.metrics["moe/route_choices"] = torch.tensor(float(replay.choices))
+    if replay is not None:
+        result.metrics.update(replay.metrics())
     if with_log_probs:
         result.outputs.setdefault("log_probs", token_log_probs(model_out.logits, data["input_ids"], temperature))
     return result

@@ -95,56 +95,95 @@ class RouteRecorder:
 
 
 class RouteReplay:
-    """Routes each token of a forward through the experts given for it (``routes`` [tokens, layers, k], a row of
-    -1s: the router's own choice), with the weights from the live router's probabilities at those experts, so the
-    router still learns (R3, arXiv 2510.11370). Counts how many of the replayed choices the live router made too:
-    ``matches`` of ``choices``."""
+    """Watches (and where given, replays) a MoE model's routing, one forward's tokens at a time. ``routes``
+    [tokens, layers, k] (a row of -1s: the router's own choice) routes each token through the experts given for
+    it, with the weights from the live router's probabilities at those experts, so the router still learns (R3,
+    arXiv 2510.11370); it counts how many of the replayed choices the live router made too (``matches`` of
+    ``choices``) and every layer's tokens per expert among the ``real`` ones (``load``)."""
 
     def __init__(self, model: nn.Module):
         self.layers = routers(model)
+        self.experts = int(self.layers[0].num_experts)
         self.routes: torch.Tensor | None = None
-        self.matches = self.choices = 0
+        self.real: torch.Tensor | None = None
+        self.reset()
         self._hooks = [router.register_forward_hook(self._hook(i)) for i, router in enumerate(self.layers)]
+
+    def reset(self) -> None:
+        self.matches = self.choices = 0
+        self.load = torch.zeros(len(self.layers), self.experts, dtype=torch.float64)
 
     def _hook(self, layer: int):
         def replay(module, inputs, output):
-            if self.routes is None:
-                return None
             logits, scores, live = output
-            given = self.routes[:, layer].to(device=live.device, dtype=live.dtype)
-            if given.shape != live.shape:
-                raise RuntimeError(f"router replay: {tuple(given.shape)} routes for a router of {tuple(live.shape)}")
-            known = (given >= 0).all(dim=1, keepdim=True)
-            chosen = torch.where(known, given, live)
-            weights = torch.softmax(logits.float(), dim=-1).gather(1, chosen)
-            if getattr(module, "norm_topk_prob", True):
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            chosen, replaced = live, None
+            if self.routes is not None:
+                given = self.routes[:, layer].to(device=live.device, dtype=live.dtype)
+                if given.shape != live.shape:
+                    raise RuntimeError(f"router replay: {tuple(given.shape)} routes for a router of "
+                                       f"{tuple(live.shape)}")
+                known = (given >= 0).all(dim=1, keepdim=True)
+                chosen = torch.where(known, given, live)
+                weights = torch.softmax(logits.float(), dim=-1).gather(1, chosen)
+                if getattr(module, "norm_topk_prob", True):
+                    weights = weights / weights.sum(dim=-1, keepdim=True)
+                with torch.no_grad():
+                    same = (chosen.unsqueeze(2) == live.unsqueeze(1)).any(dim=2) & known
+                    self.matches += int(same.sum())
+                    self.choices += int(known.sum()) * chosen.shape[1]
+                replaced = logits, weights.to(scores.dtype), chosen
             with torch.no_grad():
-                same = (chosen.unsqueeze(2) == live.unsqueeze(1)).any(dim=2) & known
-                self.matches += int(same.sum())
-                self.choices += int(known.sum()) * chosen.shape[1]
-            return logits, weights.to(scores.dtype), chosen
+                real = chosen if self.real is None else chosen[self.real.to(chosen.device).reshape(-1)]
+                self.load[layer] += torch.bincount(real.reshape(-1), minlength=self.experts).double().cpu()
+            return replaced
         return replay
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """This forward's counts as loss metrics (summed over micro-batches and ranks; see :func:`summarise`)."""
+        load = self.load.clone()  # as it is now: a checkpointed layer's recompute counts into self.load again
+        out = {f"{LOAD}{layer}/{expert}": load[layer, expert]
+               for layer in range(len(self.layers)) for expert in range(self.experts)}
+        if self.routes is not None:
+            out["moe/route_matches"] = torch.tensor(float(self.matches))
+            out["moe/route_choices"] = torch.tensor(float(self.choices))
+        return out
 
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
 
 
+LOAD = "moe/expert_tokens/"  # per layer and expert, the step's tokens routed there (summarised, not logged)
 _REPLAYS: WeakKeyDictionary[nn.Module, RouteReplay] = WeakKeyDictionary()
 
 
-def route_replay(model: nn.Module, routes: torch.Tensor | None) -> RouteReplay | None:
-    """Route the model's next forwards -- and their recomputation in backward (activation checkpointing) -- by
-    ``routes`` ([..., layers, k] over a forward's tokens, flattened in their order), counting afresh; None: as the
-    routers choose. Returns the replay (None without routes)."""
+def route_replay(model: nn.Module, routes: torch.Tensor | None, real: torch.Tensor | None = None
+                 ) -> RouteReplay | None:
+    """For a mixture of experts (None for a dense model): route the model's next forwards -- and their
+    recomputation in backward (activation checkpointing) -- by ``routes`` ([..., layers, k] over a forward's
+    tokens, flattened in their order; None: as the routers choose), counting afresh the experts' load over the
+    ``real`` tokens (a mask of them in the same order; None: all)."""
     replay = _REPLAYS.get(model)
-    if routes is None:
-        if replay is not None:
-            replay.routes = None
-        return None
     if replay is None:
+        if not routers(model):
+            return None
         replay = _REPLAYS[model] = RouteReplay(model)
-    replay.routes = routes.reshape(-1, *routes.shape[-2:])
-    replay.matches = replay.choices = 0
+    replay.routes = routes.reshape(-1, *routes.shape[-2:]) if routes is not None else None
+    replay.real = real.bool() if real is not None else None
+    replay.reset()
     return replay
+
+
+def summarise(metrics: dict[str, float]) -> None:
+    """A step's (reduced) routing counts into what is logged, in place: ``moe/load_max_over_mean`` (the busiest
+    expert's tokens over the mean, in the most unbalanced layer: 1.0 is even) and, with replay,
+    ``moe/route_agreement`` (the share of the replayed choices the live routers made alike)."""
+    counts: dict[int, list[float]] = {}
+    for key in [k for k in metrics if k.startswith(LOAD)]:
+        layer = int(key[len(LOAD):].split("/")[0])
+        counts.setdefault(layer, []).append(metrics.pop(key))
+    ratios = [max(c) / (sum(c) / len(c)) for c in counts.values() if sum(c) > 0]
+    if ratios:
+        metrics["moe/load_max_over_mean"] = max(ratios)
+    if metrics.get("moe/route_choices"):
+        metrics["moe/route_agreement"] = metrics["moe/route_matches"] / metrics["moe/route_choices"]
