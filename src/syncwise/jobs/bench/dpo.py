@@ -117,8 +117,8 @@ def format_result(result: dict[str, Any], spec: DPOBenchSpec) -> str:
         lines += ["", f"syncwise / TRL pairs/s: {ours['pairs_per_s'] / trl['pairs_per_s']:.2f}x; peak RSS "
                       f"{ours['peak_rss_bytes'] / trl['peak_rss_bytes']:.2f}x"]
     if "score_share" in result.get("syncwise", {}):
-        lines.append(f"syncwise's scoring pass (the policy's and the reference's forward-only log-probs) is "
-                     f"{result['syncwise']['score_share']:.0%} of its step")
+        lines.append(f"syncwise's reference pass (its forward-only log-probs; and the policy's where a step's pairs "
+                     f"were split) is {result['syncwise']['score_share']:.0%} of its step")
     return "\n".join(lines)
 
 
