@@ -110,8 +110,27 @@ class RouteReplay:
         self._hooks = [router.register_forward_hook(self._hook(i)) for i, router in enumerate(self.layers)]
 
     def reset(self) -> None:
-        self.matches = self.choices = 0
-        self.load = torch.zeros(len(self.layers), self.experts, dtype=torch.float64)
+        # counted on the routers' device (no synchronisation a layer), read once a forward (metrics)
+        self._matches = self._choices = self._load = None
+
+    @property
+    def matches(self) -> int:
+        return int(self._matches) if self._matches is not None else 0
+
+    @property
+    def choices(self) -> int:
+        return int(self._choices) if self._choices is not None else 0
+
+    @property
+    def load(self) -> torch.Tensor:
+        """[layers, experts]: the tokens each layer sent to each expert so far."""
+        if self._load is None:
+            return torch.zeros(len(self.layers), self.experts, dtype=torch.float64)
+        return self._load.double().cpu()
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        before = getattr(self, name)
+        setattr(self, name, value if before is None else before + value)
 
     def _hook(self, layer: int):
         def replay(module, inputs, output):
@@ -129,18 +148,20 @@ class RouteReplay:
                     weights = weights / weights.sum(dim=-1, keepdim=True)
                 with torch.no_grad():
                     same = (chosen.unsqueeze(2) == live.unsqueeze(1)).any(dim=2) & known
-                    self.matches += int(same.sum())
-                    self.choices += int(known.sum()) * chosen.shape[1]
+                    self._add("_matches", same.sum())
+                    self._add("_choices", known.sum() * chosen.shape[1])
                 replaced = logits, weights.to(scores.dtype), chosen
             with torch.no_grad():
                 real = chosen if self.real is None else chosen[self.real.to(chosen.device).reshape(-1)]
-                self.load[layer] += torch.bincount(real.reshape(-1), minlength=self.experts).double().cpu()
+                counts = torch.zeros(len(self.layers), self.experts, dtype=torch.long, device=chosen.device)
+                counts[layer] = torch.bincount(real.reshape(-1), minlength=self.experts)
+                self._add("_load", counts)
             return replaced
         return replay
 
     def metrics(self) -> dict[str, torch.Tensor]:
         """This forward's counts as loss metrics (summed over micro-batches and ranks; see :func:`summarise`)."""
-        load = self.load.clone()  # as it is now: a checkpointed layer's recompute counts into self.load again
+        load = self.load  # a copy as it is now: a checkpointed layer's recompute counts again after
         out = {f"{LOAD}{layer}/{expert}": load[layer, expert]
                for layer in range(len(self.layers)) for expert in range(self.experts)}
         if self.routes is not None:
@@ -154,7 +175,7 @@ class RouteReplay:
 
 
 LOAD = "moe/expert_tokens/"  # per layer and expert, the step's tokens routed there (summarised, not logged)
-_REPLAYS: WeakKeyDictionary[nn.Module, RouteReplay] = WeakKeyDictionary()
+_REPLAYS: WeakKeyDictionary[nn.Module, RouteReplay | None] = WeakKeyDictionary()
 
 
 def route_replay(model: nn.Module, routes: torch.Tensor | None, real: torch.Tensor | None = None
@@ -163,11 +184,11 @@ def route_replay(model: nn.Module, routes: torch.Tensor | None, real: torch.Tens
     recomputation in backward (activation checkpointing) -- by ``routes`` ([..., layers, k] over a forward's
     tokens, flattened in their order; None: as the routers choose), counting afresh the experts' load over the
     ``real`` tokens (a mask of them in the same order; None: all)."""
-    replay = _REPLAYS.get(model)
+    if model not in _REPLAYS:  # looked for once a model: None for a dense one
+        _REPLAYS[model] = RouteReplay(model) if routers(model) else None
+    replay = _REPLAYS[model]
     if replay is None:
-        if not routers(model):
-            return None
-        replay = _REPLAYS[model] = RouteReplay(model)
+        return None
     replay.routes = routes.reshape(-1, *routes.shape[-2:]) if routes is not None else None
     replay.real = real.bool() if real is not None else None
     replay.reset()
