@@ -196,7 +196,7 @@ def _job(folder, replay: str) -> subprocess.CompletedProcess:
     environ = {**os.environ, "HF_HUB_OFFLINE": "1"}
     environ.pop("PYTHONPATH", None)
     return subprocess.run([sys.executable, "-m", "syncwise", "train", f"model.path={folder / 'qwen3_moe'}",
-                           "train.steps=2", "train.progress=false", f"train.out_dir={folder / replay}",
+                           "train.steps=1", "train.progress=false", f"train.out_dir={folder / replay}",
                            "rl.max_new_tokens=12", "rl.prompts_per_rank=2", "rl.samples_per_prompt=4",
                            "rl.rollout_dtype=bfloat16", f"rl.router_replay={replay}", "train.export=false"],
                           cwd=folder, capture_output=True, text=True, env=environ, timeout=600)
