@@ -174,6 +174,20 @@ def test_bench_sft_workload_quick(tmp_path):
     assert all(0 < f < 3 for f in result["fraction_of_gemm_peak"].values()) and result["gemm_flops_per_s"] > 0
 
 
+def test_bench_dpo_workload_quick(tmp_path):
+    """`syncwise bench --workload dpo --quick` without --trl-python: syncwise dpo's side alone on the example's
+    pairs and model, its steps trained in one pass, the reference's share of a step said."""
+    out = tmp_path / "bench_dpo"
+    _bench("--workload", "dpo", "--quick", "--out", str(out))
+    result = json.loads((out / "bench_dpo.json").read_text())["result"]
+    assert "TRL" not in result and len(result["per_round"]["syncwise"]) == 1
+    ours = result["syncwise"]
+    assert ours["pairs_per_s"] == pytest.approx(16 / ours["median_step_s"]) and 0 < ours["score_share"] < 1
+    assert "| syncwise |" in (out / "bench_dpo.md").read_text()
+    steps = [json.loads(line) for line in (out / "jobs" / "syncwise_0" / "metrics.jsonl").read_text().splitlines()]
+    assert [step["dpo/one_pass"] for step in steps] == [1.0] * 6
+
+
 def test_bench_rl_profile_has_the_default_step_beside_the_fixed_ones(tmp_path):
     """`syncwise bench --workload rl --profile`: torch.profiler's operator tables of one packed step, the
     defaults' (once auto has settled) beside the fixed 512-token cap with the head fused and materialised."""
