@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -192,14 +193,39 @@ def test_the_engine_trains_through_replayed_routes_in_every_mode_as_a_replay_by_
             assert load == expected_load.tolist(), (name, layer, load)
 
 
-def _job(folder, replay: str) -> subprocess.CompletedProcess:
+def _job(folder, replay: str, *extra: str, out: str | None = None) -> subprocess.CompletedProcess:
     environ = {**os.environ, "HF_HUB_OFFLINE": "1"}
     environ.pop("PYTHONPATH", None)
     return subprocess.run([sys.executable, "-m", "syncwise", "train", f"model.path={folder / 'qwen3_moe'}",
-                           "train.steps=1", "train.progress=false", f"train.out_dir={folder / replay}",
+                           "train.steps=1", "train.progress=false", f"train.out_dir={folder / (out or replay)}",
                            "rl.max_new_tokens=12", "rl.prompts_per_rank=2", "rl.samples_per_prompt=4",
-                           "rl.rollout_dtype=bfloat16", f"rl.router_replay={replay}", "train.export=false"],
+                           "rl.rollout_dtype=bfloat16", f"rl.router_replay={replay}", "train.export=false", *extra],
                           cwd=folder, capture_output=True, text=True, env=environ, timeout=600)
+
+
+def test_rollout_ranks_send_the_routes_and_a_resumed_lagged_job_replays_what_its_checkpoint_kept(tmp_path):
+    """dist.rollout_ranks=1 of 3 (a lag of one step): the rollout rank's sampler records the routes, they travel
+    to the trainers with the batch and into their checkpoints' queued batch -- the job resumed at step 2 trains step
+    3 as the one that ran through did (the same routes' agreement, log-prob gap and loss)."""
+    from user_models import save_model_dir
+
+    save_model_dir(tmp_path, "qwen3_moe")
+    keys = ("train.steps=3", "train.checkpoint_every=1", "dist.nproc=3", "dist.rollout_ranks=1")
+    through = _job(tmp_path, "true", *keys, out="through")
+    assert through.returncode == 0, failed(through.stderr, 3000)
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "through", resumed_dir)
+    shutil.rmtree(resumed_dir / "checkpoints" / "step_000003")
+    rows = (resumed_dir / "metrics.jsonl").read_text().splitlines()
+    (resumed_dir / "metrics.jsonl").write_text("\n".join(rows[:2]) + "\n")
+    resumed = _job(tmp_path, "true", *keys, f"train.resume={resumed_dir / 'checkpoints' / 'step_000002'}",
+                   out="resumed")
+    assert resumed.returncode == 0, failed(resumed.stderr, 3000)
+    steps = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+             for name in ("through", "resumed")}
+    assert all(0.5 < step["moe/route_agreement"] < 1.0 for step in steps["through"])
+    for key in ("moe/route_agreement", "rollout/log_prob_diff", "loss"):
+        assert steps["resumed"][2][key] == pytest.approx(steps["through"][2][key], rel=1e-6, abs=1e-9), key
 
 
 def test_a_grpo_job_trains_through_its_samplers_routes_and_its_log_prob_gap_drops(tmp_path):

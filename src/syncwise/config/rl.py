@@ -163,7 +163,8 @@ class RLConfig:
     rollout_dtype: str = "float32"
     # A mixture of experts (Qwen3-MoE, Mixtral): the training passes route each sampled token through the experts
     # the sampler chose, the weights from the live router (syncwise.rl.rollout.routes). auto: where the model is
-    # one and its rollouts can (the compact sampler, one turn, synchronous); true: refused where not; false: off
+    # one and its rollouts can (the compact sampler, one turn, not partial rollouts); true: refused where not;
+    # false: off
     router_replay: bool | str = "auto"
     advantage: str = "grpo"  # grpo | drgrpo | rloo
     mini_batches: int = 1  # optimizer steps per pass over a rollout batch (each rank's samples split alike)
