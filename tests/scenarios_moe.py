@@ -1,4 +1,5 @@
-"""Run on 2 gloo ranks by test_moe.py: a Qwen3-MoE's gradients under replayed routes through the engine -- FSDP2,
+"""Run on 2 gloo ranks by test_moe.py: a Qwen3-MoE's gradients under replayed routes, with its routers'
+load-balancing loss, through the engine -- FSDP2,
 every sync mode, packed and padded micro-batches, activation checkpointing's recompute -- for the test process to
 compare with a single-process reference that replays by hand."""
 
@@ -11,6 +12,7 @@ from syncwise.losses import make_sft_loss
 from syncwise.models import build_model
 from syncwise.models.moe import LOAD
 
+AUX_COEF = 0.05  # the routers' load-balancing loss, weighted well above a real model's (0.001) to be seen
 # (sync mode, extra keys): each a case the engine's split, packing or recompute could get the routes wrong in
 REPLAY_CASES = {
     "per_microbatch": ("per_microbatch", ()),
@@ -21,8 +23,9 @@ REPLAY_CASES = {
 
 
 def replay_suite(info, model_dir: str, batch: dict) -> dict:
-    """Each case's full gradient of the token-mean SFT loss on this rank's rows of ``batch`` (with its
-    ``routed_experts``), and how many replayed choices the live routers shared."""
+    """Each case's full gradient of the token-mean SFT loss plus the load-balancing loss on this rank's rows of
+    ``batch`` (with its ``routed_experts``; one sequence a micro-batch), how many replayed choices the live routers
+    shared, each expert's load and the balancing loss's share."""
     mine = {key: value[info.rank::info.world_size] for key, value in batch.items()}
     out = {}
     for name, (mode, extra) in REPLAY_CASES.items():
@@ -30,8 +33,10 @@ def replay_suite(info, model_dir: str, batch: dict) -> dict:
                                     "engine.micro_batch_size=1", "engine.max_tokens_per_micro_batch=0",
                                     "engine.fused_lm_head=false", "optim.name=sgd", "optim.lr=0", *extra])
         engine = Engine(config, build_model(config.model), info)
+        engine.router_aux_coef = AUX_COEF
         result = engine.forward_backward_batch(mine, make_sft_loss("token-mean"))
         out[name] = {"grads": full_grads(engine), "matches": result.metrics["moe/route_matches"],
                      "choices": result.metrics["moe/route_choices"],
-                     "load": {k: v for k, v in result.metrics.items() if k.startswith(LOAD)}}
+                     "load": {k: v for k, v in result.metrics.items() if k.startswith(LOAD)},
+                     "aux": result.metrics["moe/aux_loss"]}
     return out

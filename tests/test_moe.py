@@ -145,11 +145,12 @@ def test_the_engine_trains_through_replayed_routes_in_every_mode_as_a_replay_by_
     """2 gloo ranks, FSDP2: per_microbatch, deferred packed and padded, deferred_unsharded with activation
     checkpointing (the recompute routes as the forward did) -- each parameter's gradient, the routers' and the
     experts' included, equals one process's over the whole batch with every router replaced by a replay written
-    out by hand; padding tokens (-1) route live and count in no agreement."""
+    out by hand, the routers' load-balancing loss (transformers', per micro-batch) added alike; padding tokens (-1)
+    route live and count in no agreement."""
     from transformers import AutoModelForCausalLM
 
     from dist_harness import run_distributed
-    from scenarios_moe import REPLAY_CASES, replay_suite
+    from scenarios_moe import AUX_COEF, REPLAY_CASES, replay_suite
     from user_models import save_model_dir
 
     path = save_model_dir(tmp_path, "qwen3_moe", hidden=32, heads=4, inter=64)
@@ -167,14 +168,19 @@ def test_the_engine_trains_through_replayed_routes_in_every_mode_as_a_replay_by_
         routes[i, :n] = other[i]
     batch = {"input_ids": ids, "attention_mask": mask, "loss_mask": mask, ROUTES: routes}
 
-    # the reference: one process, each sequence alone, the token-mean over the whole batch's targets
+    # the reference: one process, each sequence alone (a micro-batch of its own), the token-mean over the whole
+    # batch's targets, and transformers' load-balancing loss of each sequence weighted by its share of them
     model.zero_grad()
     targets = sum(n - 1 for n in lengths)
+    aux_total = 0.0
     for i, n in enumerate(lengths):
         with _by_hand(model, other[i]):
-            logits = model(input_ids=ids[i, :n][None]).logits[0, :-1].float()
-        loss = -torch.log_softmax(logits, -1).gather(1, ids[i, 1:n, None]).sum() / targets
+            out = model(input_ids=ids[i, :n][None], output_router_logits=True)
+        logits = out.logits[0, :-1].float()
+        aux = out.aux_loss * (n - 1) / targets
+        loss = -torch.log_softmax(logits, -1).gather(1, ids[i, 1:n, None]).sum() / targets + AUX_COEF * aux
         loss.backward()
+        aux_total += float(aux.detach())
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
 
     outs = run_distributed(replay_suite, 2, str(path), batch)
@@ -186,6 +192,7 @@ def test_the_engine_trains_through_replayed_routes_in_every_mode_as_a_replay_by_
         choices = sum(out[name]["choices"] for out in outs)
         assert choices == 2 * 2 * sum(lengths), (name, choices)  # real tokens only, the recompute not again
         assert sum(out[name]["matches"] for out in outs) < choices
+        assert sum(out[name]["aux"] for out in outs) == pytest.approx(aux_total, rel=1e-5)
         # each layer's expert load: the replayed experts of the real tokens
         for layer in range(2):
             expected_load = torch.bincount(torch.cat([r[:, layer].reshape(-1) for r in other]), minlength=8)

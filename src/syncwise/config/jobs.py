@@ -47,6 +47,9 @@ class SFTConfig:
     tokenizer: str | None = None  # default: model.path's
     max_length: int = 1024  # longer samples are truncated (sft.truncation) and counted
     truncation: str = "right"  # right (keep the start) | left (keep the end) | drop
+    # A mixture of experts: its router's load-balancing loss (transformers' load_balancing_loss_func, per
+    # micro-batch) x this, added to the loss. auto: the model config's router_aux_loss_coef (0 for a dense model)
+    router_aux_loss_coef: float | str = "auto"
     on_bad_row: str = "error"  # error (one line naming the file and row) | skip (left out, counted)
     epochs: float = 1.0  # passes over sft.dataset (a fraction allowed)
     steps: int = 0  # > 0: this many steps instead of sft.epochs
@@ -66,6 +69,8 @@ class SFTConfig:
 
     def validate(self) -> SFTConfig:
         choice("sft.task", self.task, SFT_TASKS)
+        if self.router_aux_loss_coef != "auto":
+            non_negative("sft.router_aux_loss_coef", self.router_aux_loss_coef, "auto: the model config's")
         choice("sft.truncation", self.truncation, SFT_TRUNCATION)
         choice("sft.on_bad_row", self.on_bad_row, ("error", "skip"))
         non_negative("sft.steps", self.steps, "0: sft.epochs passes")

@@ -27,6 +27,9 @@ class PolicyLossConfig:
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.28  # the upper clip (DAPO's clip-higher: above clip_low)
     dual_clip: float = 0.0  # > 1: cap the loss of negative-advantage tokens at -A * dual_clip
+    # A mixture of experts: its router's load-balancing loss x this, added to the actor's loss (0: off, as
+    # verl's FSDP engine and TRL's GRPOTrainer by default)
+    router_aux_loss_coef: float = 0.0
     agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     norm_constant: float = 0.0  # seq-mean-token-sum-norm's divisor (0: the longest loss span)
     entropy_coef: float = 0.0  # > 0: an entropy bonus of this weight
@@ -64,6 +67,7 @@ class PolicyLossConfig:
 
     def validate(self, prefix: str = "rl.loss.") -> PolicyLossConfig:
         choice(f"{prefix}kind", self.kind, POLICY_LOSSES)
+        non_negative(f"{prefix}router_aux_loss_coef", self.router_aux_loss_coef, "0: off")
         choice(f"{prefix}agg", self.agg, AGG_MODES)
         choice(f"{prefix}kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         choice(f"{prefix}rollout_is", self.rollout_is, ROLLOUT_IS_LEVELS)

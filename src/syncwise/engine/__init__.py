@@ -95,6 +95,8 @@ class Engine:
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps) if trainable else None
         self.step = 0
         self.skipped_steps = 0
+        # a mixture of experts: its router's load-balancing loss x this in every training micro-batch (the job's)
+        self.router_aux_coef = 0.0
         self.memory_model = sharded_model_of(
             self.wrapped.units, self.wrapped.shard_size, config.model.param_dtype, config.model.reduce_dtype,
             flat_units=self.wrapped.strategy == "fsdp1",
@@ -172,7 +174,7 @@ class Engine:
             return accumulate(
                 self.model, plan, loss_fn, switches, device=self.info.device,
                 timeout_s=self.config.dist.timeout_s, chunk_tokens=self.config.engine.logprob_chunk_size,
-                meter=self._peak_meter, fused_head=self.fused_head,
+                meter=self._peak_meter, fused_head=self.fused_head, router_aux_coef=self.router_aux_coef,
             )
         except BaseException as error:
             clean_up_after(error, "the step's clean-up (gradients dropped, FSDP's iteration state reset)",

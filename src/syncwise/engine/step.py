@@ -19,6 +19,7 @@ from ..losses import (
     is_maximum,
     logprob_chunking,
     takes_fused_head,
+    target_mask,
     token_log_probs,
 )
 from ..memory.accounting import grad_bytes, unsharded_param_bytes
@@ -58,7 +59,7 @@ class ForwardBackwardResult:
 
 def forward_microbatch(
     model: nn.Module, mb: MicroBatch, loss_fn: LossFn | None, norm: Normalizer, device: torch.device,
-    with_log_probs: bool, temperature: float = 1.0, fused_head: bool = False,
+    with_log_probs: bool, temperature: float = 1.0, fused_head: bool = False, router_aux_coef: float = 0.0,
 ) -> LossOutput:
     """One micro-batch forward and its loss. A packed micro-batch gives the model restarting
     ``position_ids`` and no attention mask (see :mod:`syncwise.data.packing`). An empty micro-batch (this rank
@@ -83,10 +84,18 @@ def forward_microbatch(
             inputs["position_ids"] = positions_of(inputs["attention_mask"])
     # a mixture of experts: routed as its sampler did where the batch says, its experts' load counted
     replay = route_replay(model, data.get(ROUTES), data.get("attention_mask"))
+    if router_aux_coef:  # a mixture of experts: transformers computes its routers' load-balancing loss
+        inputs["output_router_logits"] = True
     model_out = _forward(model, fused, input_ids=data["input_ids"], use_cache=False, **inputs)
     result = loss_fn(model_out, data, norm) if loss_fn is not None else LossOutput(torch.zeros((), device=device))
     if replay is not None:
         result.metrics.update(replay.metrics())
+    if router_aux_coef:
+        # the micro-batch's load-balancing loss, weighted by its share of the step's loss tokens: summed over the
+        # micro-batches and ranks, the token-weighted mean (the batch's own where one micro-batch holds it)
+        aux = model_out.aux_loss * (target_mask(data).sum() / norm.tokens)
+        result.loss = result.loss + router_aux_coef * aux * norm.dp_size
+        result.metrics["moe/aux_loss"] = aux.detach()
     if with_log_probs:
         result.outputs.setdefault("log_probs", token_log_probs(model_out.logits, data["input_ids"], temperature))
     return result
@@ -143,6 +152,7 @@ class _Collector:
 def accumulate(
     model: nn.Module, plan: BatchPlan, loss_fn: LossFn, switches_of: SwitchesOf, *, device: torch.device,
     timeout_s: float, chunk_tokens: int, meter: PeakMeter | None = None, fused_head: bool = False,
+    router_aux_coef: float = 0.0,
 ) -> ForwardBackwardResult:
     """Forward and backward of every micro-batch, each under the switches its mode gives it; gradients
     accumulate into ``.grad`` (or FSDP's unsynced buffers until the syncing micro-batch). Log-probs are
@@ -158,7 +168,7 @@ def accumulate(
             chunk_tokens
         ):
             result = forward_microbatch(model, mb, loss_fn, plan.normalizer, device, with_log_probs=False,
-                                        fused_head=fused_head)
+                                        fused_head=fused_head, router_aux_coef=router_aux_coef)
             result.loss.backward()
         retained = max(retained, grad_bytes(model))
         gathered = max(gathered, unsharded_param_bytes(model))

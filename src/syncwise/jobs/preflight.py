@@ -187,6 +187,21 @@ def check_sandbox(config: Config, tools: dict) -> None:
         raise PreflightError(f"rl.tools: python: {REFUSAL}")
 
 
+def check_router_aux(config: Config, job: str) -> None:
+    """A load-balancing loss's weight (``sft.router_aux_loss_coef``, ``rl.loss.router_aux_loss_coef``) on a model
+    that is not a mixture of experts: one line."""
+    from ..models.moe import router_aux_coef
+
+    key = {"sft": "sft.router_aux_loss_coef", "train": "rl.loss.router_aux_loss_coef"}.get(job)
+    if key is None:
+        return
+    given = config.sft.router_aux_loss_coef if job == "sft" else config.rl.loss.router_aux_loss_coef
+    try:
+        router_aux_coef(_hf_config(config), given, key)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
+
+
 def check_router_replay(config: Config) -> None:
     """``rl.router_replay=true`` on a model that is not a mixture of experts, or with rollouts that cannot record
     the experts they chose: one line (``auto`` replays where it can and says so in the job's first lines)."""
@@ -365,6 +380,7 @@ def preflight(config: Config, job: str) -> None:
     check_model(config)
     check_lora(config)
     check_deferred_units(config)
+    check_router_aux(config, job)
     if job == "train":
         check_critic(config)
         check_rl(config)

@@ -50,6 +50,17 @@ def active_parameters(shapes: Iterable[tuple[int, ...]], hf_config) -> int:
     return total - held + held // experts * top_k
 
 
+def router_aux_coef(hf_config, given: float | str, key: str) -> float:
+    """The weight of a job's load-balancing loss: ``given``, or for ``auto`` the model config's
+    ``router_aux_loss_coef`` (0 for a dense model). A weight on a dense model is a ValueError naming ``key``."""
+    if experts_per_token(hf_config) is None:
+        if given not in ("auto", 0, 0.0):
+            raise ValueError(f"{key}={given}: the model is not a mixture of experts (its config has no "
+                             "num_experts_per_tok); it has no router to balance")
+        return 0.0
+    return float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0) if given == "auto" else float(given)
+
+
 # Routers whose choice is the top k of softmax(router logits), its weights those probabilities (renormalised over
 # the k where the router does): what replay recomputes from the live logits.
 SOFTMAX_TOP_K_ROUTERS = ("Qwen3MoeTopKRouter", "MixtralTopKRouter")

@@ -37,6 +37,7 @@ from ..logs import JobLogs, LogSettings
 from ..metrics import job_history, plot_curves, plot_phases
 from ..models import build_model
 from ..models.lora import adapters_disabled
+from ..models.moe import router_aux_coef
 from ..runtime.distributed import DistInfo, init_distributed
 from ..runtime.roles import JobRoles
 from ..runtime.signals import stopped
@@ -92,16 +93,16 @@ class RLTrainer:
         torch.manual_seed(train.seed * 1000 + info.rank)
         random.seed(train.seed * 1000 + info.rank)
         self.tokenizer = load_tokenizer(config)
-        self.source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools,
-                                    rl.environment)
+        self.source = prompt_source(rl.task, rl.dataset, rl.reward_fn, rl.reward_weights, rl.tools, rl.environment)
         self.source.encode(self.tokenizer, rl)
         overrides = {} if config.model.path else {"vocab_size": len(self.tokenizer)}
         updates_per_step = rl.mini_batches * rl.epochs
-        # Dropout off unless kept on purpose: the ratio, the old log-probs and the KL must see the network the
-        # sampler drew from (model.dropout=auto is off here)
+        # Dropout off unless kept: the ratio, old log-probs and KL must see the sampler's network (auto: off)
         model_cfg = replace(config.model, dropout="keep" if config.model.dropout == "keep" else "off")
         self.engine = Engine(config, build_model(model_cfg, deferred=True, **overrides), info,
                              total_steps=train.steps * updates_per_step + rl.warm_start_steps)
+        self.engine.router_aux_coef = router_aux_coef(self.engine.features.hf_config, rl.loss.router_aux_loss_coef,
+                                                      "rl.loss.router_aux_loss_coef")
         # The KL reference: a frozen copy of the initial model, or with LoRA the policy's own base model with
         # its adapters switched off (no second model in memory).
         self.reference = None

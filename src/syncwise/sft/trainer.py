@@ -27,6 +27,7 @@ from ..logs import JobLogs, LogSettings
 from ..losses import sft_loss
 from ..metrics import format_step, job_history, plot_curves
 from ..models import build_model
+from ..models.moe import router_aux_coef
 from ..runtime.distributed import DistInfo
 from ..runtime.signals import stopped
 from .data import sft_inputs, write_task_data
@@ -60,6 +61,8 @@ class SFTTrainer:
                                                              info.world_size)
         model_config = replace(config.model, path=self.model_path)  # the arith_chat task brings its own model
         self.engine = Engine(config, build_model(model_config, deferred=True), info, total_steps=self.total_steps)
+        self.engine.router_aux_coef = router_aux_coef(self.engine.features.hf_config, sft.router_aux_loss_coef,
+                                                      "sft.router_aux_loss_coef")
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints")
         self.resumed_from = self.checkpoints.resolve(sft.resume)
         state = self.checkpoints.load(self.resumed_from, self.engine) if self.resumed_from else {}
