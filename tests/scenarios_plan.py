@@ -11,7 +11,8 @@ from syncwise.models import build_model, preset_config
 
 # (preset, tokens per sequence, sequences per micro-batch, activation checkpointing, fused LM head)
 PEAK_SHAPES = [("qwen2-test", 128, 2, False, True), ("qwen2-test", 128, 2, False, False),
-               ("qwen2-tiny", 64, 2, False, True), ("llama-test", 96, 2, True, True)]
+               ("qwen2-tiny", 64, 2, False, True), ("llama-test", 96, 2, True, True),
+               ("qwen3-moe-test", 128, 2, False, True)]  # a mixture of experts: its k experts' activations
 MICROBATCHES = 4
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.moe import mlp_width, routing_width
 from .accounting import DTYPE_BYTES
 
 
@@ -65,7 +66,7 @@ def shared_read_cost(config) -> tuple[float, float]:
         return 0.0, 0.0
     hidden = _shape(config, "hidden_size")
     heads, kv_heads, head_dim = attention_shape(config)
-    inter = _shape(config, "intermediate_size", 4 * hidden)
+    inter = mlp_width(config, 4 * hidden)  # a mixture of experts: its k experts'
     width = 4 * hidden + 3 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter  # a packed-loop token
     return (2 * kv_heads * head_dim + heads * head_dim) / width, heads * head_dim / width
 
@@ -83,12 +84,13 @@ def estimate_activations(
     layers, about 2 for GPT-2's, whose tanh-GELU, LayerNorms and dropout keep more)."""
     hidden = _shape(config, "hidden_size")
     heads, kv_heads, head_dim = attention_shape(config)
-    inter = _shape(config, "intermediate_size", 4 * hidden)
+    inter = mlp_width(config, 4 * hidden)  # a mixture of experts: its k experts'
     layers = _shape(config, "num_hidden_layers")
     vocab = _shape(config, "vocab_size")
     tokens = seq_len * micro_batch_size
     size = DTYPE_BYTES[dtype]
-    full_layer = tokens * (4 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter) * size
+    full_layer = tokens * (4 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter
+                           + routing_width(config)) * size
     if packed_loop:  # each sequence's attention output, kept by its sdpa call beside the row's concatenated copy
         full_layer += tokens * heads * head_dim * size
     full_layer = int(full_layer * layer_scale)

@@ -51,6 +51,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     ),
+    # A mixture of experts (8 fused experts a layer, 2 a token): the memory plan's MoE check.
+    "qwen3-moe-test": dict(
+        model_type="qwen3_moe", vocab_size=512, hidden_size=128, intermediate_size=1024, moe_intermediate_size=64,
+        num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, norm_topk_prob=True,
+    ),
     # Real shapes, random weights (bench --workload gpu): Qwen2.5-0.5B and -1.5B as their configs have them.
     "qwen2.5-0.5b": dict(
         model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

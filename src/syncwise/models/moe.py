@@ -50,6 +50,33 @@ def active_parameters(shapes: Iterable[tuple[int, ...]], hf_config) -> int:
     return total - held + held // experts * top_k
 
 
+def mlp_width(hf_config, default: int) -> int:
+    """A token's MLP intermediates in a decoder layer, what its activations scale with: ``intermediate_size``
+    (``default`` without one) for a dense layer; in a MoE layer its k experts' (``moe_intermediate_size`` each,
+    Mixtral's ``intermediate_size``) -- the most of any layer where a model has both kinds."""
+    dense = int(getattr(hf_config, "intermediate_size", None) or default)
+    routed = experts_per_token(hf_config)
+    if routed is None:
+        return dense
+    expert = int(getattr(hf_config, "moe_intermediate_size", None) or dense)
+    layers = int(getattr(hf_config, "num_hidden_layers", 1))
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    only_dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    kinds = {"sparse" if i not in only_dense and (i + 1) % step == 0 else "dense" for i in range(layers)}
+    return max(routed[0] * expert if kind == "sparse" else dense for kind in kinds)
+
+
+def routing_width(hf_config) -> int:
+    """What a MoE layer keeps per token beyond its experts' intermediates, in elements: the token's copy sent to
+    each of its k experts, each expert's output and its weighted share (3 x k x hidden), and the router's logits
+    and probabilities (2 x E). 0 for a dense model."""
+    routed = experts_per_token(hf_config)
+    if routed is None:
+        return 0
+    top_k, experts = routed
+    return 3 * top_k * int(hf_config.hidden_size) + 2 * experts
+
+
 def router_aux_coef(hf_config, given: float | str, key: str) -> float:
     """The weight of a job's load-balancing loss: ``given``, or for ``auto`` the model config's
     ``router_aux_loss_coef`` (0 for a dense model). A weight on a dense model is a ValueError naming ``key``."""
