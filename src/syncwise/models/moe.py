@@ -2,7 +2,10 @@
 module holding every expert's weights as 3-D tensors (Qwen3-MoE's and Mixtral's ``gate_up_proj`` (E, 2I, H) and
 ``down_proj`` (E, H, I)), beside a router whose ``weight`` (E, H) scores the experts; each token goes through
 ``num_experts_per_tok`` (k) of the E. So every expert's parameters are held, trained and stored, but a token's
-matmuls use k / E of them: its useful FLOPs and the active-parameter count take the experts at that share."""
+matmuls use k / E of them: its useful FLOPs, the active-parameter count and the activations the memory plan counts
+take the experts at that share. Here too: the routers' choices recorded (:class:`RouteRecorder`, the sampler) and
+replayed with the live router's weights, the experts' load counted (:class:`RouteReplay`, every training forward),
+and the load-balancing loss's weight (:func:`router_aux_coef`)."""
 
 from __future__ import annotations
 
