@@ -211,13 +211,13 @@ def _job(folder, replay: str, *extra: str, out: str | None = None) -> subprocess
 
 
 def test_rollout_ranks_send_the_routes_and_a_resumed_lagged_job_replays_what_its_checkpoint_kept(tmp_path):
-    """dist.rollout_ranks=1 of 3 (a lag of one step): the rollout rank's sampler records the routes, they travel
-    to the trainers with the batch and into their checkpoints' queued batch -- the job resumed at step 2 trains step
-    3 as the one that ran through did (the same routes' agreement, log-prob gap and loss)."""
+    """PPO with dist.rollout_ranks=1 of 3 (a lag of one step): the rollout rank's sampler records the routes, they
+    travel to the trainers with the batch and into their checkpoints' queued batch -- the job resumed at step 2
+    trains step 3 as the one that ran through did (the same routes' agreement, log-prob gap and loss)."""
     from user_models import save_model_dir
 
     save_model_dir(tmp_path, "qwen3_moe")
-    keys = ("train.steps=3", "train.checkpoint_every=1", "dist.nproc=3", "dist.rollout_ranks=1")
+    keys = ("train.steps=3", "train.checkpoint_every=1", "dist.nproc=3", "dist.rollout_ranks=1", "rl.algorithm=ppo")
     through = _job(tmp_path, "true", *keys, out="through")
     assert through.returncode == 0, failed(through.stderr, 3000)
     resumed_dir = tmp_path / "resumed"
@@ -231,6 +231,9 @@ def test_rollout_ranks_send_the_routes_and_a_resumed_lagged_job_replays_what_its
     steps = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
              for name in ("through", "resumed")}
     assert all(0.5 < step["moe/route_agreement"] < 1.0 for step in steps["through"])
+    # PPO's critic, a mixture of experts too, routes by its own routers: its experts' load, no replay
+    assert all("critic/moe/load_max_over_mean" in step and "critic/moe/route_agreement" not in step
+               for step in steps["through"])
     for key in ("moe/route_agreement", "rollout/log_prob_diff", "loss"):
         assert steps["resumed"][2][key] == pytest.approx(steps["through"][2][key], rel=1e-6, abs=1e-9), key
 

@@ -28,6 +28,7 @@ from ...config import Config
 from ...engine import Engine
 from ...losses import LossOutput, Normalizer, reads, target_mask
 from ...models import build_model
+from ...models.moe import ROUTES
 from ...runtime.distributed import DistInfo, agree
 from .advantages import gae_advantages
 from .losses import ValueLossConfig, make_value_loss
@@ -150,11 +151,11 @@ class Critic:
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T-1] values of ``batch`` (forward only)."""
-        return self.engine.forward_batch(batch, value_outputs).outputs["values"]
+        return self.engine.forward_batch(_own_routes(batch), value_outputs).outputs["values"]
 
     def update(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
         """One optimizer step per mini-batch; the critic's metrics of the last (its losses averaged)."""
-        updates = [self.engine.train_batch(part, self.loss_fn) for part in parts]
+        updates = [self.engine.train_batch(_own_routes(part), self.loss_fn) for part in parts]
         row: dict[str, Any] = {}
         for key, value in updates[-1].items():
             if key.startswith("critic/"):
@@ -165,3 +166,9 @@ class Critic:
         row["critic/train/skipped"] = sum(u["train/skipped"] for u in updates)
         row["critic/train/optimizer_steps"] = len(updates)
         return row
+
+
+def _own_routes(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch without the policy sampler's routes: a mixture-of-experts critic routes by its own routers (router
+    replay is the policy's: its ratios compare the sampler's network with the trainer's)."""
+    return {key: value for key, value in batch.items() if key != ROUTES}
