@@ -11,7 +11,7 @@ import torch
 from dist_harness import run_distributed
 from numerics import assert_all_close
 from scenarios_balance import GROUP, balance_suite
-from syncwise.data.batching import karmarkar_karp
+from syncwise.data.partition import karmarkar_karp
 from syncwise.rl.algorithm.advantages import uniform_groups
 
 

@@ -3,18 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from syncwise.data.batching import (
-    ROW_GROUP,
-    BatchError,
-    capped_bins,
-    imbalance,
-    karmarkar_karp,
-    microbatches_needed,
-    restore_order,
-    split_batch,
-    token_cost,
-    workloads,
-)
+from syncwise.data.batching import ROW_GROUP, BatchError, microbatches_needed, restore_order, split_batch
+from syncwise.data.partition import capped_bins, imbalance, karmarkar_karp, token_cost, workloads
 
 
 def _long_tail(n: int = 64, seed: int = 0) -> torch.Tensor:

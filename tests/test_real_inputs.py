@@ -8,7 +8,8 @@ import torch
 
 from numerics import FP32_RTOL, assert_close
 from syncwise.config import load_config
-from syncwise.data.batching import split_batch, token_cost
+from syncwise.data.batching import split_batch
+from syncwise.data.partition import token_cost
 from syncwise.engine import Engine
 from syncwise.losses import LossOutput, sft_loss
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from ..runtime import script_objects
-from .batching import karmarkar_karp
 from .chat import FORMATS, TRUNCATION, RowError, assistant_mask_source, detect_format, tokenize_row, truncated
+from .partition import karmarkar_karp
 
 TOKENS_FORMAT = "tokens"  # pre-tokenised rows: 'input_ids' (and optionally 'loss_mask'), as built-in tasks give
 _CACHE_VERSION = "1"  # bump when tokenisation changes, so cached results are not reused

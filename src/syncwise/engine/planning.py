@@ -22,10 +22,9 @@ from ..data.batching import (
     sequence_lengths,
     split_batch,
     split_lengths,
-    token_cost,
-    workloads,
 )
 from ..data.packing import pack, packable, packing_pays
+from ..data.partition import token_cost, workloads
 from ..losses import LossFn, Normalizer, check_batch_keys, target_mask
 from ..memory.autosync import FIRST_CAP_FLOOR, LONGEST
 from ..runtime.distributed import agree

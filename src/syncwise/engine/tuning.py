@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..data.batching import Batch, capped_bins, capped_partition, split_lengths, token_cost, workloads
+from ..data.batching import Batch, split_lengths
+from ..data.partition import capped_bins, capped_partition, token_cost, workloads
 from ..memory.activations import estimate_activations, working_bytes
 from ..memory.autosync import CAPS, LONGEST, StepShape, step_shape
 from ..memory.calibrate import best_matmul_seconds, fit, sweep

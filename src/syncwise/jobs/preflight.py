@@ -151,7 +151,6 @@ def check_rl(config: Config) -> None:
     check_sandbox(config, source.all_tools)
     check_positions(config, source.prompt_ids, rl.max_new_tokens or source.max_new_tokens)
     check_rollout_engine(config, rl.max_new_tokens or source.max_new_tokens)
-    check_router_replay(config)
     try:
         checkpoint = CheckpointManager(Path(config.train.out_dir) / "checkpoints").resolve(config.train.resume)
         if checkpoint is not None and rl.algorithm == "ppo":
@@ -187,29 +186,20 @@ def check_sandbox(config: Config, tools: dict) -> None:
         raise PreflightError(f"rl.tools: python: {REFUSAL}")
 
 
-def check_router_aux(config: Config, job: str) -> None:
-    """A load-balancing loss's weight (``sft.router_aux_loss_coef``, ``rl.loss.router_aux_loss_coef``) on a model
-    that is not a mixture of experts: one line."""
+def check_moe(config: Config, job: str) -> None:
+    """A mixture of experts' keys: a load-balancing weight on a dense model, and (``train``)
+    ``rl.router_replay=true`` where the model or its rollouts cannot replay -- one line each."""
     from ..models.moe import router_aux_coef
-
-    key = {"sft": "sft.router_aux_loss_coef", "train": "rl.loss.router_aux_loss_coef"}.get(job)
-    if key is None:
-        return
-    given = config.sft.router_aux_loss_coef if job == "sft" else config.rl.loss.router_aux_loss_coef
-    try:
-        router_aux_coef(_hf_config(config), given, key)
-    except ValueError as exc:
-        raise PreflightError(str(exc)) from exc
-
-
-def check_router_replay(config: Config) -> None:
-    """``rl.router_replay=true`` on a model that is not a mixture of experts, or with rollouts that cannot record
-    the experts they chose: one line (``auto`` replays where it can and says so in the job's first lines)."""
     from ..rl.rollout.routes import replays_routes
 
+    hf_config = _hf_config(config)
     try:
-        replays_routes(config, _hf_config(config))
-    except ConfigError as exc:
+        if job == "sft":
+            router_aux_coef(hf_config, config.sft.router_aux_loss_coef, "sft.router_aux_loss_coef")
+        elif job == "train":
+            router_aux_coef(hf_config, config.rl.loss.router_aux_loss_coef, "rl.loss.router_aux_loss_coef")
+            replays_routes(config, hf_config)
+    except (ValueError, ConfigError) as exc:
         raise PreflightError(str(exc)) from exc
 
 
@@ -380,7 +370,7 @@ def preflight(config: Config, job: str) -> None:
     check_model(config)
     check_lora(config)
     check_deferred_units(config)
-    check_router_aux(config, job)
+    check_moe(config, job)
     if job == "train":
         check_critic(config)
         check_rl(config)

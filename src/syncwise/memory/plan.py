@@ -20,7 +20,7 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from ..config import LoraConfig
-from ..data.batching import capped_bins, token_cost
+from ..data.partition import capped_bins, token_cost
 from ..models import meta_model_units
 from ..models.moe import active_parameters
 from ..sync.modes import SyncChoice, SyncMode, spec, supported_modes
