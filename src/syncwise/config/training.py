@@ -215,9 +215,17 @@ class DistConfig:
     # the weights after each step (they draw step t + rl.off_policy_lag while step t trains, the lag 1 unless set;
     # with rl.max_staleness they draw partial rollouts on, taking each new policy between two rounds)
     rollout_ranks: int = 0
+    # Ulysses sequence parallelism: groups of N consecutive ranks share every packed row, each holding 1/N of its
+    # positions (its activations 1/N); 1: off; auto: the fewest that fit the longest sequence in the memory budget
+    sequence_parallel: int | str = 1
 
     def validate(self) -> DistConfig:
         positive("dist.nproc", self.nproc)
+        if self.sequence_parallel != "auto":
+            if isinstance(self.sequence_parallel, bool) or not isinstance(self.sequence_parallel, int):
+                raise ConfigError(f"dist.sequence_parallel: a number of ranks (1: off) or auto, "
+                                  f"got {self.sequence_parallel!r}")
+            positive("dist.sequence_parallel", self.sequence_parallel)
         non_negative("dist.rollout_ranks", self.rollout_ranks, "0: every rank trains and samples")
         if self.rollout_ranks and self.rollout_ranks > self.nproc - self.rollout_ranks:
             raise ConfigError(f"dist.rollout_ranks={self.rollout_ranks} of dist.nproc={self.nproc}: at least as many "

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ulysses
+
 NAME = "sdpa_varlen"
 _kernel = "loop"  # set by choose_kernel; per process (one device, one compute dtype)
 _kernel_gqa = True  # whether the chosen kernel maps query heads to fewer key / value heads itself
@@ -99,20 +101,30 @@ def varlen_sdpa_attention(
     plain sdpa (with ``attention_mask``) for anything else. A ``sliding_window`` (Mistral, Qwen2's sliding
     layers) is honoured: a token attends to itself and the ``window - 1`` before it, as transformers'
     own sliding-window mask has it."""
+    group = ulysses.active()
+    if group is not None and kwargs.get("cu_seq_lens_q") is not None:  # sequence parallel (dist.sequence_parallel)
+        query, key, value = ulysses.heads_from_sequence(query, key, value, group)  # the whole row, own heads
+        out = _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return ulysses.sequence_from_heads(out, group), None
+    return _attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs), None
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, **kwargs) -> torch.Tensor:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     bounds = kwargs.get("cu_seq_lens_q")
     if bounds is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         if _takes_masked_gqa(query, key, attention_mask, kwargs):
-            return masked_gqa(query, key, value, attention_mask, dropout, scaling), None
+            return masked_gqa(query, key, value, attention_mask, dropout, scaling)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+                                      **kwargs)[0]
     dropout = dropout if module.training else 0.0
     window = kwargs.get("sliding_window")
     prefixes = kwargs.get("shared_prefix")  # rows reading their leader's start (syncwise.data.prefixes)
     if (_kernel != "loop" and prefixes is None and not dropout
             and query.dtype in (torch.bfloat16, torch.float16)):
-        return _one_kernel(query, key, value, bounds, kwargs["max_length_q"], scaling, window), None
+        return _one_kernel(query, key, value, bounds, kwargs["max_length_q"], scaling, window)
     # grouped-query attention: sdpa maps each query head to its key/value head itself (no repeated copies of
     # the keys and values, which every sequence's backward would keep: ~17% of the loop's time on CPU)
     gqa = query.shape[1] != key.shape[1]
@@ -133,7 +145,7 @@ def varlen_sdpa_attention(
         else:
             parts.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True,
                                                         enable_gqa=gqa))
-    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
 
 def _after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,

@@ -46,6 +46,7 @@ from .governor import MemoryGovernor
 from .optim import build_optimizer, build_scheduler, clip_and_step, global_grad_norm
 from .planning import BatchPlan, plan_batch
 from .reduce import reduce_step
+from .sequence_parallel import gather_batch, own_share, sequence_group
 from .state import load_model_and_optim_state, load_resume_state, model_and_optim_state, resume_state
 from .step import ForwardBackwardResult, accumulate, forward_only
 from .tuning import build_tuning
@@ -85,6 +86,8 @@ class Engine:
         hsdp = mesh is not None and mesh.ndim == 2
         check_mode(self.sync_mode, config.engine.strategy, hsdp)
         self.flops = self.features.flops
+        # sequence parallelism: this rank's group, which trains its ranks' batches together (1/N of each row here)
+        self.sequence = sequence_group(self.info, config.dist.sequence_parallel, self.features)
         role = ("the critic (value model)" if self.features.value_head else "the trained model") if trainable \
             else "a frozen model (the reference)"
         self.wrapped: WrappedModel = wrap_model(raw, config.engine, config.model, self.info.device, mesh, role,
@@ -141,7 +144,17 @@ class Engine:
             varlen_attention=str(getattr(hf, "_attn_implementation", "")).startswith(("flash", attention.NAME)),
             vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
             loss_fn=loss_fn, split=(0, token_cap) if token_cap else None, stretch_cap=bool(token_cap),
+            replicas=self.sequence.size if self.sequence is not None else 1,
         )
+
+    def _group_batch(self, batch: Batch) -> tuple[Batch, slice | None]:
+        """Sequence parallelism: the group's batch, and where this rank's rows are in it (None: this rank's own)."""
+        if self.sequence is None or not _is_batch(batch):
+            return batch, None
+        return gather_batch(batch, self.sequence, self.config.dist.timeout_s)
+
+    def _own(self, result: ForwardBackwardResult, rows: slice | None) -> ForwardBackwardResult:
+        return own_share(result, rows, self.sequence) if rows is not None else result
 
     def _use(self, setting: Setting) -> None:
         """Run the next steps in ``setting`` (auto's choice): its sync mode, and its head and cap if auto's."""
@@ -168,14 +181,16 @@ class Engine:
             raise ValueError("forward_backward_batch: a loss_fn is needed unless forward_only=True")
         if not self.trainable:
             raise ValueError("this engine was built with trainable=False: forward_only passes only")
+        batch, rows = self._group_batch(batch)
         plan = self._plan(batch, require_tokens=True, loss_fn=loss_fn)
         switches = switches_of(self.active_mode, self.wrapped.units, self.config.sync.unsharded_forward)
         try:
-            return accumulate(
+            return self._own(accumulate(
                 self.model, plan, loss_fn, switches, device=self.info.device,
                 timeout_s=self.config.dist.timeout_s, chunk_tokens=self.config.engine.logprob_chunk_size,
                 meter=self._peak_meter, fused_head=self.fused_head, router_aux_coef=self.router_aux_coef,
-            )
+                sequence=self.sequence,
+            ), rows)
         except BaseException as error:
             clean_up_after(error, "the step's clean-up (gradients dropped, FSDP's iteration state reset)",
                            lambda: (self.optimizer.zero_grad(set_to_none=True), fsdp.reset_after_error(self.model)))
@@ -189,12 +204,13 @@ class Engine:
         ``loss_fn`` returns. Never touches gradients or sync state, also when it fails. ``token_cap``: the
         micro-batches' cap for this pass where another engine chose it (a frozen reference decides none of its own
         and would split by the config's fixed size: many more micro-batches, each gathering every unit again)."""
+        batch, rows = self._group_batch(batch)
         plan = self._plan(batch, require_tokens=False, loss_fn=loss_fn, token_cap=token_cap)
-        return forward_only(
+        return self._own(forward_only(
             self.model, plan, loss_fn, device=self.info.device, timeout_s=self.config.dist.timeout_s,
             chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature,
-            fused_head=self.fused_head, with_log_probs=not self.features.value_head,
-        )
+            fused_head=self.fused_head, with_log_probs=not self.features.value_head, sequence=self.sequence,
+        ), rows)
 
     # ----------------------------------------------------------------------------------------------
     # optimizer

@@ -55,7 +55,8 @@ def model_features(model: nn.Module, config: Config, device, say: bool) -> Model
         classes = tuple(decoder_layer_classes(model))
     except ValueError:  # said where a strategy needs them (wrap_model)
         classes = ()
-    packing = config.engine.packing and _packing_works(base, hf_config, say)
+    split = config.dist.sequence_parallel != 1  # sequence parallelism splits packed rows: it packs every one
+    packing = (config.engine.packing or split) and _packing_works(base, hf_config, say, split)
     kernel = "none"
     if packing:  # computed in FSDP's mixed-precision dtype, else in the parameters'
         sharded = config.engine.strategy in SHARDED_STRATEGIES
@@ -66,7 +67,7 @@ def model_features(model: nn.Module, config: Config, device, say: bool) -> Model
     fused = config.engine.fused_lm_head and _fused_head_works(model, head, config, say)
     merge = lora_adapters.LoraMerge(model) if base is not model else None
     value_head = head is None and getattr(hf_config, "num_labels", 0) == 1
-    share = packing and _sharing_works(base, hf_config, config.engine.share_prefixes, kernel, say)
+    share = packing and not split and _sharing_works(base, hf_config, config.engine.share_prefixes, kernel, say)
     return ModelFeatures(getattr(model, "config", None), packing, kernel, fused, merge, value_head, share, classes,
                          UsefulFlops.of(model, hf_config))
 
@@ -97,16 +98,18 @@ def _sharing_works(model: nn.Module, config, setting: bool | str, kernel: str, s
     return reason is None
 
 
-def _packing_works(model: nn.Module, config, say: bool) -> bool:
+def _packing_works(model: nn.Module, config, say: bool, split: bool = False) -> bool:
     """Whether ``model`` keeps packed sequences apart (checked once per kind of model); if not, one message
     and the padded path. An sdpa model is switched to ``sdpa_varlen`` (:mod:`syncwise.data.attention`): a
-    packed row's attention then costs what its sequences' would alone."""
+    packed row's attention then costs what its sequences' would alone. ``split`` (sequence parallelism, whose
+    head exchange lives in ``sdpa_varlen``): any attention is switched to it (on a GPU it runs the same
+    variable-length kernels as flash-attention)."""
     from ..data.packing import packs_correctly
 
     if config is None:
         reason = f"{type(model).__name__} is not a Hugging Face model (packing needs position_ids support)"
     else:
-        if config._attn_implementation == "sdpa":
+        if config._attn_implementation == "sdpa" or (split and config._attn_implementation != attention.NAME):
             attention.register()
             model.set_attn_implementation(attention.NAME)
         reason = packs_correctly(type(model), config.to_json_string(), config._attn_implementation)

@@ -81,6 +81,7 @@ def plan_batch(
     loss_fn: LossFn | None = None,
     split: tuple[int, int] | None = None,
     stretch_cap: bool = False,
+    replicas: int = 1,
 ) -> BatchPlan:
     """Validate ``batch``, agree with every rank (one all-reduce), split it into micro-batches, heaviest
     first. With ``packing``, each micro-batch is packed into one row where that computes less than padding
@@ -92,7 +93,9 @@ def plan_batch(
     ``stretch_cap``: a cap auto chose grows to this rank's longest sequence instead of refusing it.
     ``read_cost``: what a row reading a shared start keeps beyond its computed tokens, in computed tokens'
     activations: per token of its start and own part (the copied keys and values), per token of its start
-    (the empty queries and their outputs) -- counted into ``largest_tokens``, what memory is planned on."""
+    (the empty queries and their outputs) -- counted into ``largest_tokens``, what memory is planned on.
+    ``replicas``: ranks that hold this same batch (a sequence-parallel group, :mod:`.sequence_parallel`): every
+    micro-batch is packed, the normaliser counts each token once, and ``largest_tokens`` is a rank's share."""
     size, max_tokens = split or cfg.fixed_split
     error: BatchError | None = None
     sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]
@@ -112,6 +115,7 @@ def plan_batch(
         error = exc
         sums[2] = 1.0
     totals, per_rank = agree(sums, own, "the all-reduce of batch statistics (start of the step)", device, timeout_s)
+    totals[:2] /= replicas  # a sequence-parallel group's ranks each counted the group's batch
     if error is not None:
         raise error
     if totals[2] > 0:
@@ -129,7 +133,8 @@ def plan_batch(
     order = sorted(range(len(micro_batches)), key=lambda i: (-loads[i], i))
     micro_batches, loads = [micro_batches[i] for i in order], [loads[i] for i in order]
     computed, largest, shared = _pack_where_it_pays(micro_batches, packing, share_prefixes, varlen_attention,
-                                                    max_tokens, cfg.workload_linear_coef, read_cost)
+                                                    max_tokens, cfg.workload_linear_coef, read_cost, replicas > 1)
+    largest = math.ceil(largest / replicas)
     norm = Normalizer(
         tokens=float(totals[0]), sequences=float(totals[1]), dp_size=dp_size,
         max_target_len=float(per_rank[:, 1].max()),
@@ -144,17 +149,18 @@ def plan_batch(
 
 def _pack_where_it_pays(micro_batches: list[MicroBatch], packing: bool, share_prefixes: bool,
                         varlen_attention: bool, max_tokens: int, linear_coef: float,
-                        read_cost: tuple[float, float]) -> tuple[int, int, int]:
+                        read_cost: tuple[float, float], always: bool = False) -> tuple[int, int, int]:
     """Pack each micro-batch (in place) where that computes less than padding it -- always where its rows
     share a prefix -- or where padded it would break the cap; the positions computed (all), the most one
     micro-batch's activations count (with what reading a shared start keeps: ``read_cost``) and the real
-    tokens read from a shared start instead of computed."""
+    tokens read from a shared start instead of computed. ``always``: every micro-batch packed (sequence
+    parallelism splits packed rows)."""
     computed = largest = shared = 0
     for position, mb in enumerate(micro_batches):
         if mb.data is None:
             continue
         lengths = sequence_lengths(mb.data).tolist()
-        pays = packing and packing_pays(lengths, linear_coef, varlen_attention)
+        pays = always or (packing and packing_pays(lengths, linear_coef, varlen_attention))
         if packing and not pays and max_tokens > 0:  # padded, it must keep within the cap
             pays = token_cost(lengths, packed=False) > max_tokens
         # packed only where it is kept: where it pays, or to see whether the rows share a start

@@ -4,6 +4,7 @@ forward-only pass beside it (log-probs, evaluation), which never touches gradien
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from ..data.batching import MicroBatch, restore_order
 from ..data.packing import unpack
+from ..data.ulysses import SequenceGroup, ShardedLogits, gather_positions, shard_row, sharded_forward
 from ..losses import (
     LogitsFromHidden,
     LossFn,
@@ -60,6 +62,7 @@ class ForwardBackwardResult:
 def forward_microbatch(
     model: nn.Module, mb: MicroBatch, loss_fn: LossFn | None, norm: Normalizer, device: torch.device,
     with_log_probs: bool, temperature: float = 1.0, fused_head: bool = False, router_aux_coef: float = 0.0,
+    sequence: SequenceGroup | None = None,
 ) -> LossOutput:
     """One micro-batch forward and its loss. A packed micro-batch gives the model restarting
     ``position_ids`` and no attention mask (see :mod:`syncwise.data.packing`). An empty micro-batch (this rank
@@ -67,7 +70,9 @@ def forward_microbatch(
     every FSDP unit, so the collectives match the other ranks. Rows of a packed micro-batch that share a
     prefix read it from their leader (:mod:`syncwise.data.prefixes`). With ``fused_head`` (a model whose output
     layer is installed, :mod:`syncwise.models.head`) and a loss that takes it, the loss gets
-    :class:`LogitsFromHidden` as ``outputs.logits``: the logits are made a chunk at a time."""
+    :class:`LogitsFromHidden` as ``outputs.logits``: the logits are made a chunk at a time. With ``sequence``
+    (sequence parallelism; every micro-batch packed) this rank computes its share of the row's positions and the
+    loss gets the whole row's log-probs (:mod:`syncwise.data.ulysses`)."""
     data = mb.data
     fused = fused_head and takes_fused_head(loss_fn)
     if data is None:
@@ -76,17 +81,28 @@ def forward_microbatch(
         model_out = _forward(model, fused, input_ids=ids, use_cache=False)
         # through the log-prob path, so that every parameter the real micro-batches use gets a gradient
         return LossOutput(loss=token_log_probs(model_out.logits, ids).sum() * 0.0)
-    if mb.packing is not None:
-        inputs = {"position_ids": data["position_ids"], **mb.packing.attention_inputs()}
+    start = None  # sequence parallel: where this rank's positions start in the packed row
+    if sequence is not None:
+        inputs, start = shard_row(data, mb.packing.attention_inputs(), sequence, per_token=(ROUTES,))
+        routes = inputs.pop(ROUTES, None)
+        local = inputs["input_ids"].shape[1]  # the padding after the row's last token counts in no expert's load
+        real = (torch.arange(start, start + local, device=device) < data["input_ids"].shape[1])[None]
+    elif mb.packing is not None:
+        inputs = {"input_ids": data["input_ids"], "position_ids": data["position_ids"], **mb.packing.attention_inputs()}
+        routes, real = data.get(ROUTES), None
     else:
-        inputs = {"attention_mask": data.get("attention_mask")}
+        inputs = {"input_ids": data["input_ids"], "attention_mask": data.get("attention_mask")}
         if inputs["attention_mask"] is not None and hf_config_of(model) is not None:  # takes position_ids
             inputs["position_ids"] = positions_of(inputs["attention_mask"])
+        routes, real = data.get(ROUTES), data.get("attention_mask")
     # a mixture of experts: routed as its sampler did where the batch says, its experts' load counted
-    replay = route_replay(model, data.get(ROUTES), data.get("attention_mask"))
+    replay = route_replay(model, routes, real)
     if router_aux_coef:  # a mixture of experts: transformers computes its routers' load-balancing loss
         inputs["output_router_logits"] = True
-    model_out = _forward(model, fused, input_ids=data["input_ids"], use_cache=False, **inputs)
+    with sharded_forward(sequence) if sequence is not None else nullcontext():
+        model_out = _forward(model, fused, use_cache=False, **inputs)
+    if sequence is not None:  # the whole row's log-probs (or values) from every rank's positions
+        model_out.logits = whole_row_logits(model_out.logits, sequence, start, data["input_ids"].shape[1])
     result = loss_fn(model_out, data, norm) if loss_fn is not None else LossOutput(torch.zeros((), device=device))
     if replay is not None:
         result.metrics.update(replay.metrics())
@@ -94,11 +110,21 @@ def forward_microbatch(
         # the micro-batch's load-balancing loss, weighted by its share of the step's loss tokens: summed over the
         # micro-batches and ranks, the token-weighted mean (the batch's own where one micro-batch holds it)
         aux = model_out.aux_loss * (target_mask(data).sum() / norm.tokens)
+        if sequence is not None:  # each rank's routers saw 1/N of the row: the mean of the group's shards
+            aux = aux / sequence.size
         result.loss = result.loss + router_aux_coef * aux * norm.dp_size
         result.metrics["moe/aux_loss"] = aux.detach()
     if with_log_probs:
         result.outputs.setdefault("log_probs", token_log_probs(model_out.logits, data["input_ids"], temperature))
     return result
+
+
+def whole_row_logits(local, sequence: SequenceGroup, start: int, length: int):
+    """What the loss reads as the row's logits: :class:`ShardedLogits` (log-probs made on this rank's positions,
+    gathered), or a value model's values [1, T, 1] gathered whole (one number per position: no vocabulary)."""
+    if isinstance(local, torch.Tensor) and local.shape[-1] == 1:
+        return gather_positions(local, sequence)[:, :length]
+    return ShardedLogits(local, sequence, start, length)
 
 
 def _forward(model: nn.Module, fused: bool, **inputs):
@@ -152,7 +178,7 @@ class _Collector:
 def accumulate(
     model: nn.Module, plan: BatchPlan, loss_fn: LossFn, switches_of: SwitchesOf, *, device: torch.device,
     timeout_s: float, chunk_tokens: int, meter: PeakMeter | None = None, fused_head: bool = False,
-    router_aux_coef: float = 0.0,
+    router_aux_coef: float = 0.0, sequence: SequenceGroup | None = None,
 ) -> ForwardBackwardResult:
     """Forward and backward of every micro-batch, each under the switches its mode gives it; gradients
     accumulate into ``.grad`` (or FSDP's unsynced buffers until the syncing micro-batch). Log-probs are
@@ -164,11 +190,12 @@ def accumulate(
         if meter is not None:
             meter.before_microbatch((mb.positions or mb.data["input_ids"].numel()) if mb.data is not None else 0)
         what = f"micro-batch {i + 1}/{n} forward/backward (FSDP all-gather / reduce-scatter)"
+        # sequence parallel: heads exchanged in backward's recomputation too (activation checkpointing)
         with collective_timeout(what, timeout_s), apply_switches(model, switches_of(i, n)), logprob_chunking(
             chunk_tokens
-        ):
+        ), sharded_forward(sequence) if sequence is not None else nullcontext():
             result = forward_microbatch(model, mb, loss_fn, plan.normalizer, device, with_log_probs=False,
-                                        fused_head=fused_head, router_aux_coef=router_aux_coef)
+                                        fused_head=fused_head, router_aux_coef=router_aux_coef, sequence=sequence)
             result.loss.backward()
         retained = max(retained, grad_bytes(model))
         gathered = max(gathered, unsharded_param_bytes(model))
@@ -180,6 +207,7 @@ def accumulate(
 def forward_only(
     model: nn.Module, plan: BatchPlan, loss_fn: LossFn | None, *, device: torch.device, timeout_s: float,
     chunk_tokens: int, temperature: float = 1.0, fused_head: bool = False, with_log_probs: bool = True,
+    sequence: SequenceGroup | None = None,
 ) -> ForwardBackwardResult:
     """Forward of every micro-batch under ``no_grad``, with ``log_probs`` [B, T-1] of softmax(logits /
     ``temperature``) in the outputs (``with_log_probs``: a value model has none). Gradients and sync switches
@@ -193,7 +221,7 @@ def forward_only(
             with collective_timeout(what, timeout_s), logprob_chunking(chunk_tokens):
                 result = forward_microbatch(
                     model, mb, loss_fn, plan.normalizer, device, with_log_probs=with_log_probs, temperature=temperature,
-                    fused_head=fused_head,
+                    fused_head=fused_head, sequence=sequence,
                 )
             collected.add(mb, result)
     except BaseException as error:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..data.ulysses import ShardedLogits
 from .batch import LossFn
 
 # Tokens whose vocabulary-wide fp32 log-softmax exists at once (engine.logprob_chunk_size; 0: all).
@@ -89,30 +90,28 @@ class _TokenStats(torch.autograd.Function):
     [tokens, vocabulary] data than autograd's log_softmax + gather (``syncwise bench --workload loss``)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, with_entropy: bool):
-        rows, width, _ = logits.shape
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+        rows, width = targets.shape  # the first `width` positions predict (all but the last, or a shard's all)
         dtype = torch.promote_types(logits.dtype, torch.float32)
-        log_probs = logits.new_empty((rows, width - 1), dtype=dtype)
-        lse = logits.new_empty((rows, width - 1), dtype=dtype)
-        entropy = logits.new_empty((rows, width - 1) if with_entropy else (0,), dtype=dtype)
-        parts = _chunks(width - 1, rows)
-        targets = input_ids[:, 1:]
+        log_probs = logits.new_empty((rows, width), dtype=dtype)
+        lse = logits.new_empty((rows, width), dtype=dtype)
+        entropy = logits.new_empty((rows, width) if with_entropy else (0,), dtype=dtype)
+        parts = _chunks(width, rows)
         for part in parts:
             stats = _chunk_stats(_scaled(logits[:, part], temperature), targets[:, part], with_entropy)
             lse[:, part], log_probs[:, part] = stats[0], stats[1]
             if with_entropy:
                 entropy[:, part] = stats[2]
-        ctx.save_for_backward(logits, input_ids, lse, entropy)
+        ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.temperature, ctx.parts, ctx.with_entropy = temperature, parts, with_entropy
-        ctx.mark_non_differentiable(input_ids)
+        ctx.mark_non_differentiable(targets)
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None):
-        logits, input_ids, lse, entropy = ctx.saved_tensors
-        targets = input_ids[:, 1:]
+        logits, targets, lse, entropy = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        grad[:, -1] = 0  # the last position predicts nothing
+        grad[:, targets.shape[1]:] = 0  # the last position predicts nothing
         in_place = logits.dtype == lse.dtype  # fp32 logits: the chunk is computed in the gradient itself
         for part in ctx.parts:
             chunk = _chunk_logit_grad(
@@ -157,16 +156,15 @@ class _HeadTokenStats(torch.autograd.Function):
     matrix multiplies as materialised logits cost (one more in forward with entropy)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_ids: torch.Tensor,
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                 temperature: float, with_entropy: bool, with_predictions: bool):
-        rows, width, _ = hidden.shape
+        rows, width = targets.shape  # the first `width` positions predict
         dtype = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
-        log_probs = hidden.new_empty((rows, width - 1), dtype=dtype)
-        lse = hidden.new_empty((rows, width - 1), dtype=dtype)
-        entropy = hidden.new_empty((rows, width - 1) if with_entropy else (0,), dtype=dtype)
-        predictions = input_ids.new_empty((rows, width - 1) if with_predictions else (0,))
-        parts = _chunks(width - 1, rows)
-        targets = input_ids[:, 1:]
+        log_probs = hidden.new_empty((rows, width), dtype=dtype)
+        lse = hidden.new_empty((rows, width), dtype=dtype)
+        entropy = hidden.new_empty((rows, width) if with_entropy else (0,), dtype=dtype)
+        predictions = targets.new_empty((rows, width) if with_predictions else (0,))
+        parts = _chunks(width, rows)
         # the hidden states need a gradient, the layer's parameters none: keep E_p[W] (and E_p[log p W])
         frozen = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3])
         expected = hidden.new_zeros((2 if with_entropy else 1, *hidden.shape), dtype=dtype) if frozen else None
@@ -187,15 +185,14 @@ class _HeadTokenStats(torch.autograd.Function):
                     expected[1, :, part] = probs.mul_(log_p).to(weight.dtype) @ weight
                 del log_p, probs
             del logits, scaled, stats
-        ctx.save_for_backward(hidden, weight, bias, input_ids, lse, entropy, expected)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, expected)
         ctx.temperature, ctx.parts, ctx.with_entropy = temperature, parts, with_entropy
         ctx.mark_non_differentiable(predictions)
         return log_probs, entropy, predictions
 
     @staticmethod
     def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_predictions):
-        hidden, weight, bias, input_ids, lse, entropy, expected = ctx.saved_tensors
-        targets = input_ids[:, 1:]
+        hidden, weight, bias, targets, lse, entropy, expected = ctx.saved_tensors
         if expected is not None:
             return (_frozen_head_hidden_grad(hidden, weight, targets, entropy if ctx.with_entropy else None,
                                              expected, grad_log_probs, grad_entropy, ctx.temperature),
@@ -203,7 +200,7 @@ class _HeadTokenStats(torch.autograd.Function):
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         if grad_hidden is not None:
-            grad_hidden[:, -1] = 0  # the last position predicts nothing
+            grad_hidden[:, targets.shape[1]:] = 0  # the last position predicts nothing
         # Summed over the chunks in the weight's own dtype, as Liger's fused linear cross-entropy does: an fp32
         # sum of a bf16 head would hold V x H x 4 bytes more, more than the bf16 logits it replaces.
         grad_weight = torch.zeros_like(weight) if want_weight else None
@@ -240,10 +237,12 @@ def _frozen_head_hidden_grad(
     """The hidden states' gradient through a frozen output layer, from forward's expectations:
     d log p_y / dh = (W_y - E_p[W]) / T and dH / dh = -(E_p[log p W] + H E_p[W]) / T."""
     grad = torch.zeros_like(expected[0])
+    width = targets.shape[1]  # the positions that predict
     if grad_log_probs is not None:
-        grad[:, :-1] += grad_log_probs[..., None] * (F.embedding(targets, weight).to(grad.dtype) - expected[0, :, :-1])
+        grad[:, :width] += grad_log_probs[..., None] * (F.embedding(targets, weight).to(grad.dtype)
+                                                        - expected[0, :, :width])
     if entropy is not None and grad_entropy is not None:
-        grad[:, :-1] -= grad_entropy[..., None] * (expected[1, :, :-1] + entropy[..., None] * expected[0, :, :-1])
+        grad[:, :width] -= grad_entropy[..., None] * (expected[1, :, :width] + entropy[..., None] * expected[0, :, :width])
     if temperature != 1.0:
         grad /= temperature
     return grad.to(hidden.dtype)
@@ -255,21 +254,45 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits / temperature
 
 
-Logits = torch.Tensor | LogitsFromHidden
+Logits = torch.Tensor | LogitsFromHidden | ShardedLogits
 
 
 def _stats(logits: Logits, input_ids: torch.Tensor, temperature: float, with_entropy: bool,
            with_predictions: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(log-probs, entropy, predictions) from logits or, under the fused LM head, the hidden states."""
+    """(log-probs, entropy, predictions) from logits or, under the fused LM head, the hidden states; under
+    sequence parallelism (:class:`ShardedLogits`) this rank's positions' values, gathered from the group."""
+    if isinstance(logits, ShardedLogits):
+        return _sharded_stats(logits, input_ids, temperature, with_entropy, with_predictions)
+    return _local_stats(logits, input_ids[:, 1:], temperature, with_entropy, with_predictions)
+
+
+def _local_stats(logits: torch.Tensor | LogitsFromHidden, targets: torch.Tensor, temperature: float,
+                 with_entropy: bool, with_predictions: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`_stats` of the positions that predict ``targets`` [B, P] (the first P)."""
     if isinstance(logits, LogitsFromHidden):
-        return _HeadTokenStats.apply(logits.hidden, logits.weight, logits.bias, input_ids, float(temperature),
+        return _HeadTokenStats.apply(logits.hidden, logits.weight, logits.bias, targets, float(temperature),
                                      with_entropy, with_predictions)
-    log_probs, entropy = _TokenStats.apply(logits, input_ids, float(temperature), with_entropy)
+    log_probs, entropy = _TokenStats.apply(logits, targets, float(temperature), with_entropy)
     predictions = None
     if with_predictions:
         with torch.no_grad():
-            predictions = logits[:, :-1].argmax(-1)
+            predictions = logits[:, :targets.shape[1]].argmax(-1)
     return log_probs, entropy, predictions
+
+
+def _sharded_stats(logits: ShardedLogits, input_ids: torch.Tensor, temperature: float, with_entropy: bool,
+                   with_predictions: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The whole row's statistics from this rank's positions: its targets taken from the whole row (shifted before
+    the split), its values computed locally, then exchanged in one all-to-all (predictions, exact in fp32 for
+    any vocabulary under 2^24, travel with them)."""
+    log_probs, entropy, predictions = _local_stats(logits.local, logits.local_targets(input_ids), temperature,
+                                                   with_entropy, with_predictions)
+    parts = [log_probs] + ([entropy] if with_entropy else []) + ([predictions.to(log_probs.dtype)]
+                                                                  if with_predictions else [])
+    whole = logits.whole_row(torch.stack(parts, dim=-1)).unbind(-1)
+    entropy_out = whole[1] if with_entropy else entropy
+    predicted = whole[-1].detach().round().long() if with_predictions else None
+    return whole[0], entropy_out, predicted
 
 
 def token_log_probs(logits: Logits, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -301,9 +324,14 @@ def token_entropy(logits: Logits, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the next-token distribution softmax(logits / temperature) at each target position,
     [B, T-1], in fp32, a chunk of positions at a time."""
     shape = logits.shape
-    ids = torch.zeros(shape[:2], dtype=torch.long,
-                      device=(logits.hidden if isinstance(logits, LogitsFromHidden) else logits).device)
+    ids = torch.zeros(shape[:2], dtype=torch.long, device=_device_of(logits))
     return _stats(logits, ids, temperature, True)[1]
+
+
+def _device_of(logits: Logits) -> torch.device:
+    if isinstance(logits, ShardedLogits):
+        return _device_of(logits.local)
+    return (logits.hidden if isinstance(logits, LogitsFromHidden) else logits).device
 
 
 def fused_head_ready(loss_fn: LossFn) -> LossFn:

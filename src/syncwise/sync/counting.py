@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# sequence parallelism's exchanges (syncwise.data.ulysses): counted apart, present only where a step made any
+ALL_TO_ALL = "all_to_all"
 
 # The c10d functions FSDP2 sends its all-gathers and reduce-scatters through: ``*_single`` from torch 2.13,
 # ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before (torch 2.11 has no ``*_single``).
@@ -41,6 +43,7 @@ _WRAPPED: tuple[tuple[str, str, str], ...] = (
     ("reduce_scatter_tensor", "reduce_scatter", "input"),
     ("reduce_scatter", "reduce_scatter", "input_list"),
     ("all_reduce", "all_reduce", "tensor"),
+    ("all_to_all_single", ALL_TO_ALL, "output"),
 )
 
 
@@ -60,12 +63,12 @@ class CollectiveCounts:
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
 
     def add(self, kind: str, nbytes: int) -> None:
-        self.counts[kind] += 1
-        self.bytes[kind] += nbytes
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
 
     def as_metrics(self, prefix: str = "comm/") -> dict[str, int]:
         out = {}
-        for kind in KINDS:
+        for kind in self.counts:
             out[f"{prefix}{kind}_count"] = self.counts[kind]
             out[f"{prefix}{kind}_bytes"] = self.bytes[kind]
         return out
