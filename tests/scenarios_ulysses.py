@@ -11,8 +11,7 @@ from syncwise.config import PolicyLossConfig, load_config
 from syncwise.engine import Engine
 from syncwise.losses import Normalizer, make_sft_loss, target_mask, token_log_probs
 from syncwise.models import build_model, value_head_of
-from syncwise.rl.algorithm.losses import make_value_loss
-from syncwise.rl.algorithm.losses import make_policy_loss
+from syncwise.rl.algorithm.losses import make_policy_loss, make_value_loss
 from syncwise.sync.counting import count_collectives
 
 IDS = 100  # token ids below every test model's vocabulary

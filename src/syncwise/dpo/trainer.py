@@ -31,6 +31,7 @@ from ..data.batching import ROW_GROUP, split_lengths
 from ..data.preference import PreferenceData, preference_batch
 from ..data.sft_dataset import SampleOrder, rank_share
 from ..engine import Engine
+from ..engine.sequence_parallel import resolve_split
 from ..export import export_hf
 from ..logs import JobLogs, LogSettings
 from ..losses.preference import (
@@ -103,6 +104,7 @@ class DPOTrainer:
         # Dropout off unless kept on purpose (TRL's disable_dropout): the scoring pass and the training pass must
         # see one network, or the coefficients would be another pass's
         model_cfg = replace(config.model, dropout="keep" if config.model.dropout == "keep" else "off")
+        resolve_split(config, info, int(max(self.data.lengths)))  # dist.sequence_parallel=auto: for the longest
         self.engine = Engine(config, build_model(model_cfg, deferred=True), info, total_steps=self.total_steps)
         self.reference = self._reference(model_cfg)
         self.precomputed: dict[str, torch.Tensor] = {}

@@ -94,8 +94,7 @@ def plan_batch(
     ``read_cost``: what a row reading a shared start keeps beyond its computed tokens, in computed tokens'
     activations: per token of its start and own part (the copied keys and values), per token of its start
     (the empty queries and their outputs) -- counted into ``largest_tokens``, what memory is planned on.
-    ``replicas``: ranks that hold this same batch (a sequence-parallel group, :mod:`.sequence_parallel`): every
-    micro-batch is packed, the normaliser counts each token once, and ``largest_tokens`` is a rank's share."""
+    ``replicas``: ranks holding this batch alike (:mod:`.sequence_parallel`): all packed, each token counted once."""
     size, max_tokens = split or cfg.fixed_split
     error: BatchError | None = None
     sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]

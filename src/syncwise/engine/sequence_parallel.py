@@ -10,9 +10,13 @@ gradient equals one rank's on the whole batch.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
+from ..config import Config
+from ..data import attention
 from ..data.batching import ROW_GROUP, Batch
 from ..data.packing import layout
 from ..data.ulysses import SequenceGroup, split_check
@@ -26,9 +30,12 @@ _groups: dict[tuple[int, int], SequenceGroup] = {}  # (id of the default group, 
 _LOCAL_METRICS = ("moe/",)
 
 
-def sequence_group(info: DistInfo, size: int, features: ModelFeatures) -> SequenceGroup | None:
+def sequence_group(info: DistInfo, size: int | str, features: ModelFeatures) -> SequenceGroup | None:
     """This rank's group of ``size`` consecutive ranks (made once per process group; collective the first time),
     or None for ``size`` 1. A model it cannot split raises, naming why (:func:`unsplittable`)."""
+    if size == "auto":
+        raise ValueError("dist.sequence_parallel=auto is resolved by a job from its longest sequence "
+                         "(syncwise.engine.sequence_parallel.resolve_split); an Engine of your own takes a number")
     if size <= 1:
         return None
     if not dist.is_initialized() or info.world_size % size:
@@ -39,7 +46,34 @@ def sequence_group(info: DistInfo, size: int, features: ModelFeatures) -> Sequen
     if key not in _groups:
         group, _ = dist.new_subgroups(group_size=size)
         _groups[key] = SequenceGroup(group, size, info.rank % size)
+        if info.is_main:
+            print(f"syncwise: dist.sequence_parallel={size}: each packed row split across {size} consecutive ranks "
+                  f"(Ulysses: attention's heads exchanged); {info.world_size // size} data-parallel group(s)",
+                  flush=True)
     return _groups[key]
+
+
+def resolve_split(config: Config, info: DistInfo, longest: int) -> None:
+    """``dist.sequence_parallel=auto`` made a number, in place, before a job builds its engines (every rank alike,
+    from the same shapes): the fewest ranks per sequence whose predicted peak for its ``longest`` sequence fits
+    ``sync.memory_budget`` (:mod:`syncwise.memory.sequence_split`); the main rank says which and why."""
+    if config.dist.sequence_parallel != "auto":
+        return
+    from ..memory.accounting import resolve_budget
+    from ..memory.sequence_split import choose_split, split_options
+    from ..models import hf_config_for
+
+    hf_config = hf_config_for(config.model)
+    options = split_options(hf_config, info.world_size, longest, param_dtype=config.model.param_dtype,
+                            reduce_dtype=config.model.reduce_dtype, lora_rank=config.model.lora.rank,
+                            checkpointing=config.engine.activation_checkpointing,
+                            fused_head=config.engine.fused_lm_head is not False,
+                            logprob_chunk=config.engine.logprob_chunk_size)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+    size, line = choose_split(options, resolve_budget(config.sync.memory_budget, info.device, local), longest)
+    config.dist.sequence_parallel = size
+    if info.is_main:
+        print(f"syncwise: {line}", flush=True)
 
 
 def unsplittable(hf_config, packs: bool, size: int) -> str | None:
@@ -55,6 +89,31 @@ def unsplittable(hf_config, packs: bool, size: int) -> str | None:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     reason = split_check(heads, kv_heads, size)
     return f"dist.sequence_parallel={size}: {name} cannot be split: {reason}" if reason else None
+
+
+def split_problem(config: Config, hf_config, world: int) -> str | None:
+    """What is wrong with ``dist.sequence_parallel`` for this job before any rank starts (one line), or None: a
+    size that does not divide the ranks that train, a model whose packed rows cannot be split or whose heads
+    cannot be shared out."""
+    from ..data.packing import packs_correctly
+
+    size = config.dist.sequence_parallel
+    if not isinstance(size, int) or size == 1:
+        return None
+    trainers = world - config.dist.rollout_ranks
+    if config.dist.rollout_ranks:
+        return (f"dist.sequence_parallel={size} beside dist.rollout_ranks={config.dist.rollout_ranks}: not supported "
+                f"yet (the trainers' groups would have to exclude the rollout ranks); use one or the other")
+    if trainers % size:
+        return f"dist.sequence_parallel={size} does not divide the {trainers} ranks that train (dist.nproc)"
+    if config.engine.strategy not in ("fsdp2", "fsdp1", "ddp"):
+        return f"dist.sequence_parallel={size} needs ranks: engine.strategy={config.engine.strategy} runs one process"
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    attention.register()  # the packed attention whose heads the group exchanges, as the engine will switch to
+    packs = model_class is not None and packs_correctly(model_class, hf_config.to_json_string(), attention.NAME) is None
+    return unsplittable(hf_config, packs, size)
 
 
 def gather_batch(batch: Batch, group: SequenceGroup, timeout_s: float) -> tuple[Batch, slice]:

@@ -188,6 +188,8 @@ def _add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--seq-len", type=int, default=0, help="estimate activations from the shapes: tokens/sequence")
     plan.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (with --seq-len)")
     plan.add_argument("--activation-checkpointing", action="store_true", help="each decoder layer recomputed")
+    plan.add_argument("--sequence-parallel", type=int, default=1,
+                      help="dist.sequence_parallel: ranks sharing each sequence (with --seq-len: every size's peak)")
     plan.add_argument("--logprob-chunk", type=int, default=1024, help="tokens per log-prob chunk (0: unchunked)")
     plan.add_argument("--fused-lm-head", default="auto", type=lambda v: {"true": True, "false": False}.get(v, v),
                       help="engine.fused_lm_head: auto (chosen with the mode, the default), true or false")

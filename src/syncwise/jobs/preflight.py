@@ -10,6 +10,7 @@ reported by :mod:`syncwise.runtime.launcher` instead.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,12 +89,9 @@ def check_attention(implementation: str, hf_config) -> None:
 
 def _hf_config(config: Config):
     """The Hugging Face config of the job's model (``model.path``'s, or the preset's)."""
-    from transformers import AutoConfig
+    from ..models import hf_config_for
 
-    from ..models import preset_config
-
-    path = config.model.path
-    return AutoConfig.from_pretrained(path, local_files_only=True) if path else preset_config(config.model.preset)
+    return hf_config_for(config.model)
 
 
 def _meta_model_units(config: Config, value_head: bool = False):
@@ -226,8 +224,6 @@ def check_sft(config: Config) -> None:
     """The tokenizer loads; every row of the dataset (and the evaluation set) tokenises into something to
     train on, or is skipped as asked; the checkpoint to resume exists. The tokenised rows stay in
     ``datasets``' cache for the ranks."""
-    import os
-
     from ..sft.data import sft_inputs, write_task_data
 
     sft = config.sft
@@ -246,8 +242,6 @@ def check_sft(config: Config) -> None:
 def check_dpo(config: Config) -> None:
     """The tokenizer loads; every pair of the dataset (and the evaluation set) tokenises into something to train on,
     or is skipped as asked; the reference model is a model folder; the checkpoint to resume exists."""
-    import os
-
     from ..dpo.data import preference_inputs
     from ..sft.data import load_sft_tokenizer
 
@@ -337,8 +331,6 @@ def critic_shortfall(config: Config, critic: Config) -> str | None:
     sharded parameters and AdamW state, the rollout copy and the critic's sharded gradients (per_microbatch,
     the mode that holds least) against the critic's budget (``critic.sync.memory_budget``, else the
     actor's; 0: 90% of the device) -- before a step runs, activations not yet counted."""
-    import os
-
     from ..memory.accounting import DTYPE_BYTES, format_bytes, resolve_budget
     from ..memory.plan import resident_per_rank, sharded_model_for
     from ..sync.modes import SyncMode
@@ -371,6 +363,10 @@ def preflight(config: Config, job: str) -> None:
     check_lora(config)
     check_deferred_units(config)
     check_moe(config, job)
+    from ..engine.sequence_parallel import split_problem
+
+    if reason := split_problem(config, _hf_config(config), int(os.environ.get("WORLD_SIZE", config.dist.nproc))):
+        raise PreflightError(reason)
     if job == "train":
         check_critic(config)
         check_rl(config)

@@ -242,7 +242,8 @@ def _frozen_head_hidden_grad(
         grad[:, :width] += grad_log_probs[..., None] * (F.embedding(targets, weight).to(grad.dtype)
                                                         - expected[0, :, :width])
     if entropy is not None and grad_entropy is not None:
-        grad[:, :width] -= grad_entropy[..., None] * (expected[1, :, :width] + entropy[..., None] * expected[0, :, :width])
+        grad[:, :width] -= grad_entropy[..., None] * (expected[1, :, :width]
+                                                      + entropy[..., None] * expected[0, :, :width])
     if temperature != 1.0:
         grad /= temperature
     return grad.to(hidden.dtype)

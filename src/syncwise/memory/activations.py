@@ -20,6 +20,7 @@ the hidden states' gradient, and the output layer's gradient (V·h), summed over
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -74,21 +75,28 @@ def shared_read_cost(config) -> tuple[float, float]:
 def estimate_activations(
     config, seq_len: int, micro_batch_size: int = 1, checkpointing: bool = False, dtype: str = "bfloat16",
     logprob_chunk: int = 1024, fused_head: bool = False, head_trains: bool = True, value_head: bool = False,
-    packed_loop: bool = False, layer_scale: float = 1.0,
+    packed_loop: bool = False, layer_scale: float = 1.0, sequence_parallel: int = 1,
 ) -> ActivationEstimate:
     """The activation peak of one micro-batch of ``micro_batch_size`` sequences of ``seq_len`` tokens
     (``head_trains``: the output layer has a gradient -- not under LoRA; ``value_head``: PPO's critic, whose
     head gives one value per token: no vocabulary-wide logits; ``packed_loop``: packed rows whose attention runs
     one sdpa call per sequence, :mod:`syncwise.data.attention`; ``layer_scale``: what a decoder layer really
     keeps over what the formula above says, measured (:class:`LayerActivationMeter`) -- 1 for Llama-shaped
-    layers, about 2 for GPT-2's, whose tanh-GELU, LayerNorms and dropout keep more)."""
+    layers, about 2 for GPT-2's, whose tanh-GELU, LayerNorms and dropout keep more). ``sequence_parallel`` N
+    (:mod:`syncwise.data.ulysses`): one rank's share -- 1/N of the tokens, their attention over the whole row
+    for 1/N of the heads (the same bytes per rank, key / value heads repeated where fewer than N), and one
+    layer's exchange in flight (what it sends and receives)."""
     hidden = _shape(config, "hidden_size")
     heads, kv_heads, head_dim = attention_shape(config)
     inter = mlp_width(config, 4 * hidden)  # a mixture of experts: its k experts'
     layers = _shape(config, "num_hidden_layers")
     vocab = _shape(config, "vocab_size")
+    if sequence_parallel > 1:
+        seq_len = -(-seq_len // sequence_parallel)
+        kv_heads *= sequence_parallel // math.gcd(kv_heads, sequence_parallel)
     tokens = seq_len * micro_batch_size
     size = DTYPE_BYTES[dtype]
+    exchange = 2 * tokens * (heads + 2 * kv_heads) * head_dim * size if sequence_parallel > 1 else 0
     full_layer = tokens * (4 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 4 * inter
                            + routing_width(config)) * size
     if packed_loop:  # each sequence's attention output, kept by its sdpa call beside the row's concatenated copy
@@ -114,7 +122,7 @@ def estimate_activations(
     # otherwise the gradients in flight while its saved activations are freed one by one -- the MLP's
     # (gate, up and their product: 3·i) and the layer's input and output (2·h). Measured against the
     # engine's peaks: tests/test_plan.py.
-    layer_phase = full_layer if checkpointing else tokens * (2 * hidden + 3 * inter) * size
+    layer_phase = (full_layer if checkpointing else tokens * (2 * hidden + 3 * inter) * size) + exchange
     peak = saved + max(loss_phase, layer_phase)
     return ActivationEstimate(tokens, kept, saved, loss_phase, layer_phase, peak)
 

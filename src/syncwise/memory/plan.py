@@ -70,6 +70,8 @@ class Plan:
     bandwidth_gbps: float = 0.0
     held_outside_bytes: int = 0  # kept beside this model for the whole job (PPO: the other model, the copy)
     critic: Plan | None = None  # PPO (--critic): the value model's own plan, with the actor held outside it
+    # with --seq-len: each dist.sequence_parallel size's per-rank peak and exchange (memory/sequence_split.py)
+    splits: list = field(default_factory=list)
 
 
 @dataclass
@@ -200,7 +202,8 @@ def _model_plan(inp: PlanInput, hf_config, links: Links, sharded: ShardedModel, 
     if inp.seq_len:
         act = estimate_activations(hf_config, inp.seq_len, inp.micro_batch_size, inp.activation_checkpointing,
                                    inp.param_dtype, inp.logprob_chunk, inp.fused_lm_head,
-                                   head_trains=not inp.lora_rank, value_head=value_head)
+                                   head_trains=not inp.lora_rank, value_head=value_head,
+                                   sequence_parallel=inp.sequence_parallel)
         activation_bytes = act.peak_bytes
         working = working_bytes(act, in_loss, in_layer)
     else:  # activations as measured (if given), plus the most FSDP2 holds in flight with them
@@ -239,6 +242,13 @@ def _model_plan(inp: PlanInput, hf_config, links: Links, sharded: ShardedModel, 
     plan.auto_reason = auto.decisions[-1]
     plan.auto_runner_up = auto.runner_up.label if auto.runner_up is not None else ""
     plan.auto_predicted_peak = auto.predicted_peak
+    if inp.seq_len and not value_head:
+        from .sequence_split import split_options  # it reads this module's sizes
+
+        plan.splits = split_options(hf_config, shard, inp.seq_len, param_dtype=inp.param_dtype,
+                                    reduce_dtype=inp.reduce_dtype, lora_rank=inp.lora_rank,
+                                    checkpointing=inp.activation_checkpointing,
+                                    fused_head=inp.fused_lm_head is not False, logprob_chunk=inp.logprob_chunk)
     return plan
 
 
@@ -253,7 +263,8 @@ def _step_shape(inp: PlanInput, hf_config, links: Links, units, in_loss: int, in
     def activations(tokens: int, fused: bool | None) -> int:
         act = estimate_activations(hf_config, tokens, 1, inp.activation_checkpointing, inp.param_dtype,
                                    inp.logprob_chunk, fixed_fused if fused is None else fused,
-                                   head_trains=not inp.lora_rank, value_head=value_head)
+                                   head_trains=not inp.lora_rank, value_head=value_head,
+                                   sequence_parallel=inp.sequence_parallel)
         return working_bytes(act, in_loss, in_layer)
 
     lengths = [inp.seq_len] * (inp.microbatches * inp.micro_batch_size)
@@ -304,6 +315,15 @@ def format_plan(plan: Plan) -> str:
                   f"{format_bytes(r.scores_bytes)} -> peak "
                   f"{format_bytes(r.peak_bytes)} ({'fits' if r.fits else 'does NOT fit'}"
                   f"{'' if inp.rollout_ranks else '; the same in every mode'})"]
+    if plan.splits:
+        lines += ["", f"dist.sequence_parallel (one {inp.seq_len}-token sequence per micro-batch, per_microbatch; "
+                  f"auto takes the fewest that fit):", "", "| N | peak per rank | fits | all-to-all bytes / rank "
+                  "| all-to-all time |", "|---|---|---|---|---|"]
+        for option in plan.splits:
+            seconds = option.exchange_seconds(inp.latency_us * 1e-6, inp.bandwidth_gbps * 1e9)
+            lines.append(f"| {option.size} | {format_bytes(option.peak_bytes)} | "
+                         f"{'yes' if option.peak_bytes <= plan.budget_bytes else 'NO'} | "
+                         f"{format_bytes(option.exchange_bytes)} | {seconds * 1e3:.1f} ms |")
     if plan.critic is None:
         lines += ["", f"auto would choose: {plan.auto_choice} (predicted peak {format_bytes(plan.auto_predicted_peak)})"
                   + (f"; runner-up: {plan.auto_runner_up}" if plan.auto_runner_up else ""), f"  {plan.auto_reason}"]

@@ -58,6 +58,7 @@ class PlanInput:
     seq_len: int = 0  # > 0: estimate activations from the model's shapes instead (tokens per sequence)
     micro_batch_size: int = 1
     activation_checkpointing: bool = False
+    sequence_parallel: int = 1  # dist.sequence_parallel: ranks sharing each sequence (activations at 1/N)
     logprob_chunk: int = 1024  # tokens whose fp32 log-softmax exists at once (engine.logprob_chunk_size)
     # engine.fused_lm_head: true (no [tokens, vocabulary] logits kept), false, or auto (chosen with the mode)
     fused_lm_head: bool | str = "auto"
@@ -109,6 +110,9 @@ class PlanInput:
             raise ValueError("--latency-us and --activation-gib must be >= 0")
         if self.seq_len < 0 or self.micro_batch_size < 1 or self.logprob_chunk < 0:
             raise ValueError("--seq-len must be >= 0, --micro-batch-size >= 1, --logprob-chunk >= 0")
+        if self.sequence_parallel < 1 or self.trainers % self.sequence_parallel:
+            raise ValueError(f"--sequence-parallel {self.sequence_parallel} must divide the {self.trainers} training "
+                             f"ranks")
         if self.fused_lm_head not in (True, False, "auto"):
             raise ValueError(f"--fused-lm-head: {self.fused_lm_head!r} is not one of auto, true, false")
         if self.auto_cap and not self.seq_len:

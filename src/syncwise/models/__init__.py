@@ -303,6 +303,13 @@ def unwrapped_model(model: nn.Module) -> nn.Module:
     return base_model_of(getattr(model, "module", model))
 
 
+def hf_config_for(cfg: ModelConfig) -> Any:
+    """The Hugging Face config of the model ``cfg`` describes (``cfg.path``'s, or the preset's): no weights."""
+    if cfg.path:
+        return AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+    return preset_config(cfg.preset)
+
+
 def hf_config_of(model: nn.Module) -> Any | None:
     """The Hugging Face config of ``model`` (under its wrappers), or None for a model that is not one."""
     config = getattr(unwrapped_model(model), "config", None)

@@ -32,6 +32,7 @@ import torch
 from ..checkpoint import CheckpointManager
 from ..config import Config, config_to_dict
 from ..engine import Engine
+from ..engine.sequence_parallel import resolve_split
 from ..export import export_hf
 from ..logs import JobLogs, LogSettings
 from ..metrics import job_history, plot_curves, plot_phases
@@ -99,6 +100,8 @@ class RLTrainer:
         updates_per_step = rl.mini_batches * rl.epochs
         # Dropout off unless kept: the ratio, old log-probs and KL must see the sampler's network (auto: off)
         model_cfg = replace(config.model, dropout="keep" if config.model.dropout == "keep" else "off")
+        resolve_split(config, info, max(map(len, self.source.prompt_ids), default=0)  # sequence_parallel=auto
+                      + (rl.max_new_tokens or self.source.max_new_tokens))
         self.engine = Engine(config, build_model(model_cfg, deferred=True, **overrides), info,
                              total_steps=train.steps * updates_per_step + rl.warm_start_steps)
         self.engine.router_aux_coef = router_aux_coef(self.engine.features.hf_config, rl.loss.router_aux_loss_coef,

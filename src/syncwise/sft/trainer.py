@@ -22,6 +22,7 @@ from ..checkpoint import CheckpointManager
 from ..config import Config, config_to_dict
 from ..data.sft_dataset import SampleOrder, padded_batch, rank_share
 from ..engine import Engine
+from ..engine.sequence_parallel import resolve_split
 from ..export import export_hf
 from ..logs import JobLogs, LogSettings
 from ..losses import sft_loss
@@ -60,6 +61,7 @@ class SFTTrainer:
         self.total_steps = sft.steps or self.order.steps_for(sft.epochs, sft.batch_size, sft.batch_tokens,
                                                              info.world_size)
         model_config = replace(config.model, path=self.model_path)  # the arith_chat task brings its own model
+        resolve_split(config, info, int(max(self.data.lengths)))  # dist.sequence_parallel=auto: for the longest
         self.engine = Engine(config, build_model(model_config, deferred=True), info, total_steps=self.total_steps)
         self.engine.router_aux_coef = router_aux_coef(self.engine.features.hf_config, sft.router_aux_loss_coef,
                                                       "sft.router_aux_loss_coef")
