@@ -203,12 +203,17 @@ def masked_gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask
 
 
 def register() -> None:
-    """Make ``sdpa_varlen`` a transformers attention implementation (its masks are sdpa's)."""
+    """Make ``sdpa_varlen`` a transformers attention implementation (its masks are sdpa's, but none under sequence
+    parallelism: the row's bounds say everything, and a shard's [L, L] mask would be built from positions that do
+    not start at 0 -- 64 MiB of bools for an 8k-token shard, unused)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    def mask(*args, **kwargs):
+        return None if ulysses.active() is not None else sdpa_mask(*args, **kwargs)
+
     AttentionInterface.register(NAME, varlen_sdpa_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, mask)
 
 
 def sequence_bounds(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int]:
