@@ -7,7 +7,8 @@ from __future__ import annotations
 # the rest follow in their usual order. A module missing here only runs later, it is not skipped.
 SLOWEST_FIRST = ("test_readme_recipe", "test_train", "test_stop_and_errors", "test_rollout_engines", "test_bench",
                  "test_ppo_job", "test_dpo", "test_auto_output", "test_warm_start", "test_grpo_user", "test_agents",
-                 "test_tool_jobs", "test_sft", "test_sequence_parallel", "test_loggers", "test_plan", "test_auto_tuning")
+                 "test_tool_jobs", "test_sft", "test_sequence_parallel", "test_loggers", "test_plan",
+                 "test_auto_tuning")
 
 
 def pytest_collection_modifyitems(items) -> None:
