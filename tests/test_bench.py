@@ -174,6 +174,43 @@ def test_bench_sft_workload_quick(tmp_path):
     assert all(0 < f < 3 for f in result["fraction_of_gemm_peak"].values()) and result["gemm_flops_per_s"] > 0
 
 
+def test_bench_long_workload_quick(tmp_path):
+    """Issue 78: `syncwise bench --workload long --quick`: SFT steps on a long sequence at dist.sequence_parallel
+    N = 1 and 2 side by side -- the measured peak per rank (N = 2 below N = 1's, the memory model's prediction
+    within 15% of it), tokens/s, the all-to-alls' share (none at N = 1) and the longest length fitting the budget
+    (longer at N = 2)."""
+    out = tmp_path / "bench_long"
+    _bench("--workload", "long", "--quick", "--out", str(out))
+    result = json.loads((out / "bench_long.json").read_text())["result"]
+    one, two = result["rows"]
+    assert (one["size"], two["size"]) == (1, 2) and two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert two["peak_bytes"] < 0.75 * one["peak_bytes"]
+    for row in (one, two):
+        assert row["predicted_peak_bytes"] == pytest.approx(row["peak_bytes"], rel=0.15)
+        assert row["tokens_per_s"] > 0
+    assert one["all_to_all_share"] == 0 < two["all_to_all_share"] < 1 and two["all_to_all_bytes"] > 0
+    assert two["longest_fitting"] > one["longest_fitting"]
+    assert "| 2 |" in (out / "bench_long.md").read_text()
+
+
+def test_the_moe_bench_compares_a_dense_model_of_the_same_active_size(tmp_path):
+    """Issue 79: `syncwise bench --workload moe`'s models, saved with save_pretrained as its jobs load them: the dense
+    row's parameters are the MoE's active ones but for the routers (a token's matmuls alike), its experts 4x more."""
+    from transformers import AutoModelForCausalLM
+
+    from syncwise.jobs.bench.moe import ROWS, write_models
+    from syncwise.models.moe import active_parameters
+
+    paths = write_models(tmp_path)
+    moe, dense = (AutoModelForCausalLM.from_pretrained(paths[name]) for name in ("moe", "dense"))
+    routers = sum(layer.mlp.gate.weight.numel() for layer in moe.model.layers)
+    active = active_parameters((p.shape for p in moe.parameters()), moe.config)
+    assert active - routers == sum(p.numel() for p in dense.parameters())
+    assert sum(p.numel() for p in moe.parameters()) > active
+    assert next(iter(ROWS)).startswith("dense") and {keys for _, keys in ROWS.values()} >= {
+        ("rl.router_replay=true",), ("rl.router_replay=false",)}
+
+
 def test_bench_dpo_workload_quick(tmp_path):
     """`syncwise bench --workload dpo --quick` without --trl-python: syncwise dpo's side alone on the example's
     pairs and model, its steps trained in one pass, the reference's share of a step said."""

@@ -8,17 +8,23 @@ a 16k-token SFT sequence's measured peak at N = 2 against N = 1, and auto's choi
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from cli_harness import run_cli
 from dist_harness import run_distributed
 from numerics import assert_close
 from scenarios_ulysses import LENGTHS, sequence_parallel_suite
+from syncwise.config import load_config
+from syncwise.engine.sequence_parallel import resolve_split
+from syncwise.runtime.distributed import DistInfo
 from user_models import save_model_dir
 
 QWEN = "model.preset=qwen2-test"
@@ -105,7 +111,7 @@ def test_rows_cross_shard_borders():
         assert sum(lengths) % 2 or any(n % 2 for n in lengths)
 
 
-def _sft(tmp_path, name: str, *keys: str) -> tuple[dict, str]:
+def _sft(tmp_path, name: str, *keys: str) -> dict:
     out = tmp_path / name
     environ = {**os.environ, "HF_HUB_OFFLINE": "1"}
     environ.pop("PYTHONPATH", None)
@@ -115,24 +121,27 @@ def _sft(tmp_path, name: str, *keys: str) -> tuple[dict, str]:
          "engine.micro_batch_size=1", "sft.export=false", "sft.progress=false", f"sft.out_dir={out}", *keys],
         cwd=tmp_path, capture_output=True, text=True, env=environ, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0]), result.stdout
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
 
 def test_long_sequence_peak_halves_and_auto_chooses_two(tmp_path):
     """A 16k-token SFT sequence: the job's own measured peak at N = 2 is at most 0.6x of N = 1's, the loss the same;
-    with a budget that holds about half, auto chooses N = 2 and says why in the job's first lines."""
+    with a budget that holds 3/4 of N = 1's peak, auto chooses N = 2 and says why (the job's first line)."""
     save_model_dir(tmp_path, "qwen2", positions=16500)
-    one, _ = _sft(tmp_path, "one", "dist.sequence_parallel=1")
-    two, _ = _sft(tmp_path, "two", "dist.sequence_parallel=2")
+    one = _sft(tmp_path, "one", "dist.sequence_parallel=1")
+    two = _sft(tmp_path, "two", "dist.sequence_parallel=2")
     assert two["batch/real_tokens"] == one["batch/real_tokens"] > 32000
     assert two["memory/peak_measured"] and one["memory/peak_measured"]
     assert two["memory/peak_bytes"] <= 0.6 * one["memory/peak_bytes"], (two["memory/peak_bytes"],
                                                                          one["memory/peak_bytes"])
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-    budget = int(0.75 * one["memory/peak_bytes"])
-    chosen, said = _sft(tmp_path, "auto", "dist.sequence_parallel=auto", f"sync.memory_budget={budget}")
-    assert "dist.sequence_parallel=auto: 2 (the fewest ranks per sequence" in said
-    assert chosen["comm/all_to_all_count"] > 0
+    # auto, as the job resolves it before building its engines, for a budget that holds 3/4 of N = 1's peak
+    config = load_config(None, [f"model.path={tmp_path / 'qwen2'}", "dist.sequence_parallel=auto",
+                                f"sync.memory_budget={int(0.75 * one['memory/peak_bytes'])}"])
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        resolve_split(config, DistInfo(0, 2, 0, torch.device("cpu")), int(one["batch/real_tokens"]) // 2)
+    assert config.dist.sequence_parallel == 2
+    assert "dist.sequence_parallel=auto: 2 (the fewest ranks per sequence" in said.getvalue()
 
 
 @pytest.mark.parametrize(("keys", "says"), [
@@ -162,7 +171,7 @@ def test_grpo_job_trains_through_the_groups(tmp_path):
     for size in (1, 2):
         out = tmp_path / f"sp{size}"
         result = subprocess.run([sys.executable, "-m", "syncwise", "train", f"dist.sequence_parallel={size}",
-                                 "train.steps=4", "train.progress=false", "train.export=false",
+                                 "train.steps=3", "train.progress=false", "train.export=false",
                                  f"train.out_dir={out}"], cwd=tmp_path, capture_output=True, text=True, env=environ,
                                 timeout=600)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -170,3 +179,25 @@ def test_grpo_job_trains_through_the_groups(tmp_path):
         rewards[size] = [row["reward/mean"] for row in rows]
         assert all(row.get("comm/all_to_all_count", 0) > 0 for row in rows) == (size == 2)
     assert rewards[2] == pytest.approx(rewards[1], abs=0.05)
+
+
+def test_a_checkpoint_resumes_with_another_size(tmp_path):
+    """FSDP shards over every rank whatever N is, so a checkpoint taken at N = 2 resumes at N = 1 (and the other way)
+    exactly where it stopped: the resumed steps' losses are those of a job that never stopped, at N = 1."""
+    environ = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    environ.pop("PYTHONPATH", None)
+
+    def sft(out: str, *keys: str) -> list[dict]:
+        result = subprocess.run([sys.executable, "-m", "syncwise", "sft", "model.preset=qwen2-test", "sft.export=false",
+                                 "sft.progress=false", "sft.batch_size=4", "optim.lr=0.01", f"sft.out_dir={out}",
+                                 *keys], cwd=tmp_path, capture_output=True, text=True, env=environ, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+    whole = sft("whole", "sft.steps=4")
+    sft("split", "sft.steps=2", "dist.sequence_parallel=2")
+    resumed = sft("split", "sft.steps=4", "sft.resume=auto", "dist.sequence_parallel=1")
+    losses = {row["train/step"]: row["loss"] for row in resumed if "loss" in row}
+    for row in whole:
+        if row.get("train/step") in (3, 4) and "loss" in row:
+            assert losses[row["train/step"]] == pytest.approx(row["loss"], rel=1e-4), row["train/step"]

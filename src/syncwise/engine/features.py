@@ -68,6 +68,9 @@ def model_features(model: nn.Module, config: Config, device, say: bool) -> Model
     merge = lora_adapters.LoraMerge(model) if base is not model else None
     value_head = head is None and getattr(hf_config, "num_labels", 0) == 1
     share = packing and not split and _sharing_works(base, hf_config, config.engine.share_prefixes, kernel, say)
+    if split and config.engine.share_prefixes is not False and say:
+        print(f"syncwise: engine.share_prefixes: off (dist.sequence_parallel={config.dist.sequence_parallel} splits "
+              f"each row by position; a group's prompt is computed in every row)", flush=True)
     return ModelFeatures(getattr(model, "config", None), packing, kernel, fused, merge, value_head, share, classes,
                          UsefulFlops.of(model, hf_config))
 

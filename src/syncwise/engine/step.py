@@ -187,8 +187,9 @@ def accumulate(
     collected, retained, gathered = _Collector(), 0, 0
     n = len(plan.micro_batches)
     for i, mb in enumerate(plan.micro_batches):
-        if meter is not None:
-            meter.before_microbatch((mb.positions or mb.data["input_ids"].numel()) if mb.data is not None else 0)
+        if meter is not None:  # the positions this rank computes (sequence parallel: its share of the row)
+            positions = (mb.positions or mb.data["input_ids"].numel()) if mb.data is not None else 0
+            meter.before_microbatch(-(-positions // sequence.size) if sequence is not None else positions)
         what = f"micro-batch {i + 1}/{n} forward/backward (FSDP all-gather / reduce-scatter)"
         # sequence parallel: heads exchanged in backward's recomputation too (activation checkpointing)
         with collective_timeout(what, timeout_s), apply_switches(model, switches_of(i, n)), logprob_chunking(

@@ -30,6 +30,12 @@ WORKLOADS: dict[str, Workload] = {
                     "and loss: pairs/s and peak memory, A B B A (--repeats: rounds)", "syncwise.jobs.bench.dpo:run"),
     "load": Workload("loading model.path: every rank whole on its CPU vs built on the meta device, each rank reading "
                      "its shards (peak host memory per rank, seconds)", "syncwise.jobs.bench.load:run"),
+    "long": Workload("SFT steps on long sequences at dist.sequence_parallel N = 1, 2 (4) side by side: per-rank peak "
+                     "(measured, predicted), tokens/s, the all-to-alls' share, the longest length fitting a budget",
+                     "syncwise.jobs.bench.long:run"),
+    "moe": Workload("a tiny mixture of experts through GRPO jobs with and without router replay, beside a dense model "
+                    "of the same active size: tokens/s, peak memory, route agreement, the sampler-trainer gap",
+                    "syncwise.jobs.bench.moe:run"),
     "gpu": Workload("the one command for a GPU: the CUDA tests, the engine on Qwen2.5-0.5B / -1.5B shapes beside a "
                     "hand-written loop, GRPO steps (--quick on a CPU: its parts, small)",
                     "syncwise.jobs.bench.gpu:run"),
