@@ -105,3 +105,27 @@ def sequence_parallel_suite(info, cases: dict) -> dict:
         if info.rank == 0:
             out[name]["reference"] = reference(model, info.world_size, kind, extra)
     return out
+
+
+def resume_across_sizes(info, folder: str) -> dict:
+    """Two SGD steps of SFT at N = 1, and the same two with the first at N = 2, checkpointed (DCP) and resumed by
+    an engine at N = 1 for the second: the parameters after each (FSDP shards over every rank whatever N is)."""
+    from scenarios import full_params
+    from syncwise.checkpoint import CheckpointManager
+    from syncwise.losses import sft_loss
+
+    def engine(size: int) -> Engine:
+        config = case_config("model.preset=qwen2-test", size, "optim.lr=0.5")  # SGD: linear in the gradients
+        return Engine(config, build_model(config.model), info)
+
+    first, second = rows_of(info.rank), rows_of(info.rank + 2)
+    whole = engine(1)
+    whole.train_batch(first, sft_loss)
+    whole.train_batch(second, sft_loss)
+    split = engine(2)
+    split.train_batch(first, sft_loss)
+    saved = CheckpointManager(folder).save(1, split, {"step": 1})
+    resumed = engine(1)
+    CheckpointManager(folder).load(saved, resumed)
+    resumed.train_batch(second, sft_loss)
+    return {"whole": full_params(whole), "resumed": full_params(resumed), "steps": resumed.step}
