@@ -98,12 +98,15 @@ def reference(model: str, world: int, kind: str, extra: tuple[str, ...] = ()) ->
 
 
 def sequence_parallel_suite(info, cases: dict) -> dict:
-    """Every case on this process group; rank 0 adds each case's single-process reference."""
+    """Every case on this process group; rank 0 adds each case's single-process reference. On 2 ranks, also what
+    each raises when their batches do not join (:func:`keys_that_do_not_join`)."""
     out = {}
     for name, (model, size, kind, extra) in cases.items():
         out[name] = sequence_parallel_step(info, model, size, kind, extra)
         if info.rank == 0:
             out[name]["reference"] = reference(model, info.world_size, kind, extra)
+    if info.world_size == 2:
+        out["keys that do not join"] = keys_that_do_not_join(info)
     return out
 
 
@@ -129,3 +132,20 @@ def resume_across_sizes(info, folder: str) -> dict:
     CheckpointManager(folder).load(saved, resumed)
     resumed.train_batch(second, sft_loss)
     return {"whole": full_params(whole), "resumed": full_params(resumed), "steps": resumed.step}
+
+
+def keys_that_do_not_join(info) -> str:
+    """Rank 1 gives a key fewer than rank 0 in one sequence-parallel group: what each rank raises (no rank left
+    waiting in a collective)."""
+    from syncwise.data.batching import BatchError
+
+    config = case_config("model.preset=qwen2-test", 2)
+    engine = Engine(config, build_model(config.model), info)
+    batch = rows_of(info.rank)
+    if info.rank == 1:
+        del batch["returns"]
+    try:
+        engine.forward_backward_batch(batch, make_sft_loss("token-mean"))
+    except BatchError as exc:
+        return str(exc)
+    return "nothing raised"

@@ -183,3 +183,11 @@ def test_a_checkpoint_resumes_with_another_size(tmp_path):
     result = run_distributed(resume_across_sizes, 2, str(tmp_path))[0]
     assert result["steps"] == 2
     assert_all_close(result["resumed"], result["whole"], what="resumed at another N")
+
+
+def test_a_groups_batches_that_do_not_join_raise_on_every_rank(on_two):
+    """Rank 1 leaves out a key rank 0 gives: both raise a one-line error, none waits in a collective (the plan's
+    all-reduce carries it)."""
+    said = [on_two[rank]["keys that do not join"] for rank in range(2)]
+    assert "differ from those of rank" in said[0] and "every rank must give the same keys" in said[0]
+    assert "invalid on 1 other rank(s)" in said[1] or "differ from those of rank" in said[1]

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..config import SHARDED_STRATEGIES, Config
 from ..data import attention
-from ..data.batching import Batch
+from ..data.batching import Batch, BatchError
 from ..losses import LossFn
 from ..memory.accounting import resident_bytes, sharded_model_of
 from ..memory.activations import shared_read_cost
@@ -133,7 +133,7 @@ class Engine:
     # passes over a batch
     # ----------------------------------------------------------------------------------------------
     def _plan(self, batch: Batch, require_tokens: bool, loss_fn: LossFn | None = None,
-              token_cap: int | None = None) -> BatchPlan:
+              token_cap: int | None = None, rejected: BatchError | None = None) -> BatchPlan:
         batch = {k: v.to(self.info.device) for k, v in batch.items()} if _is_batch(batch) else batch
         token_cap = token_cap or self.token_cap
         hf = self.features.hf_config
@@ -144,14 +144,18 @@ class Engine:
             varlen_attention=str(getattr(hf, "_attn_implementation", "")).startswith(("flash", attention.NAME)),
             vocab_size=getattr(hf, "vocab_size", None), max_positions=getattr(hf, "max_position_embeddings", None),
             loss_fn=loss_fn, split=(0, token_cap) if token_cap else None, stretch_cap=bool(token_cap),
-            replicas=self.sequence.size if self.sequence is not None else 1,
+            replicas=self.sequence.size if self.sequence is not None else 1, rejected=rejected,
         )
 
-    def _group_batch(self, batch: Batch) -> tuple[Batch, slice | None]:
-        """Sequence parallelism: the group's batch, and where this rank's rows are in it (None: this rank's own)."""
+    def _group_batch(self, batch: Batch) -> tuple[Batch, slice | None, BatchError | None]:
+        """Sequence parallelism: the group's batch, where this rank's rows are in it (None: this rank's own), and
+        why the group's batches do not join (raised by the plan on every rank, not here: the others would wait)."""
         if self.sequence is None or not _is_batch(batch):
-            return batch, None
-        return gather_batch(batch, self.sequence, self.config.dist.timeout_s)
+            return batch, None, None
+        try:
+            return *gather_batch(batch, self.sequence, self.config.dist.timeout_s), None
+        except BatchError as exc:
+            return batch, None, exc
 
     def _own(self, result: ForwardBackwardResult, rows: slice | None) -> ForwardBackwardResult:
         return own_share(result, rows, self.sequence) if rows is not None else result
@@ -181,8 +185,8 @@ class Engine:
             raise ValueError("forward_backward_batch: a loss_fn is needed unless forward_only=True")
         if not self.trainable:
             raise ValueError("this engine was built with trainable=False: forward_only passes only")
-        batch, rows = self._group_batch(batch)
-        plan = self._plan(batch, require_tokens=True, loss_fn=loss_fn)
+        batch, rows, rejected = self._group_batch(batch)
+        plan = self._plan(batch, require_tokens=True, loss_fn=loss_fn, rejected=rejected)
         switches = switches_of(self.active_mode, self.wrapped.units, self.config.sync.unsharded_forward)
         try:
             return self._own(accumulate(
@@ -204,8 +208,8 @@ class Engine:
         ``loss_fn`` returns. Never touches gradients or sync state, also when it fails. ``token_cap``: the
         micro-batches' cap for this pass where another engine chose it (a frozen reference decides none of its own
         and would split by the config's fixed size: many more micro-batches, each gathering every unit again)."""
-        batch, rows = self._group_batch(batch)
-        plan = self._plan(batch, require_tokens=False, loss_fn=loss_fn, token_cap=token_cap)
+        batch, rows, rejected = self._group_batch(batch)
+        plan = self._plan(batch, require_tokens=False, loss_fn=loss_fn, token_cap=token_cap, rejected=rejected)
         return self._own(forward_only(
             self.model, plan, loss_fn, device=self.info.device, timeout_s=self.config.dist.timeout_s,
             chunk_tokens=self.config.engine.logprob_chunk_size, temperature=temperature,

@@ -82,6 +82,7 @@ def plan_batch(
     split: tuple[int, int] | None = None,
     stretch_cap: bool = False,
     replicas: int = 1,
+    rejected: BatchError | None = None,
 ) -> BatchPlan:
     """Validate ``batch``, agree with every rank (one all-reduce), split it into micro-batches, heaviest
     first. With ``packing``, each micro-batch is packed into one row where that computes less than padding
@@ -89,16 +90,19 @@ def plan_batch(
     ``share_prefixes`` too, rows that begin alike (GRPO's samples of one prompt) stay in one micro-batch where
     the split allows and compute their common start once (:mod:`syncwise.data.prefixes`). The keys
     ``loss_fn`` declares (:func:`~syncwise.losses.reads`) are checked with the rest, before the all-reduce.
-    ``split``: (sequences per micro-batch, token cap) of this step (default: ``cfg.fixed_split``);
-    ``stretch_cap``: a cap auto chose grows to this rank's longest sequence instead of refusing it.
+    ``split``: (sequences per micro-batch, token cap) (default ``cfg.fixed_split``); ``stretch_cap``: auto's cap grows
+    to this rank's longest sequence.
     ``read_cost``: what a row reading a shared start keeps beyond its computed tokens, in computed tokens'
     activations: per token of its start and own part (the copied keys and values), per token of its start
     (the empty queries and their outputs) -- counted into ``largest_tokens``, what memory is planned on.
-    ``replicas``: ranks holding this batch alike (:mod:`.sequence_parallel`): all packed, each token counted once."""
+    ``replicas``: ranks holding this batch alike (:mod:`.sequence_parallel`): all packed, each token counted once.
+    ``rejected``: found before (a sequence-parallel group's batches that do not join), raised on every rank."""
     size, max_tokens = split or cfg.fixed_split
     error: BatchError | None = None
     sums, own = [0.0, 0.0, 0.0], [0.0, 0.0]  # [tokens, sequences, bad ranks], [micro-batches, longest span]
     try:
+        if rejected is not None:
+            raise rejected
         if stretch_cap and max_tokens > 0 and (lengths := split_lengths(batch, packing)).numel():
             floor = FIRST_CAP_FLOOR if max_tokens == LONGEST else max_tokens  # auto's first step: the longest
             max_tokens = max(floor, int(lengths.max()))

@@ -15,11 +15,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import Config, ModelConfig
 from ..data import attention
-from ..data.batching import ROW_GROUP, Batch
+from ..data.batching import ROW_GROUP, Batch, BatchError
 from ..data.packing import layout
 from ..data.ulysses import SequenceGroup, split_check
+from ..losses import is_maximum
 from ..runtime.distributed import DistInfo, collective_timeout
 from .features import ModelFeatures
 from .step import ForwardBackwardResult
@@ -53,17 +54,18 @@ def sequence_group(info: DistInfo, size: int | str, features: ModelFeatures) -> 
     return _groups[key]
 
 
-def resolve_split(config: Config, info: DistInfo, longest: int) -> None:
+def resolve_split(config: Config, info: DistInfo, longest: int, model: ModelConfig | None = None) -> None:
     """``dist.sequence_parallel=auto`` made a number, in place, before a job builds its engines (every rank alike,
     from the same shapes): the fewest ranks per sequence whose predicted peak for its ``longest`` sequence fits
-    ``sync.memory_budget`` (:mod:`syncwise.memory.sequence_split`); the main rank says which and why."""
+    ``sync.memory_budget`` (:mod:`syncwise.memory.sequence_split`); the main rank says which and why. ``model``:
+    the model the job trains where it is not ``config.model`` (a task that brings its own)."""
     if config.dist.sequence_parallel != "auto":
         return
     from ..memory.accounting import resolve_budget
     from ..memory.sequence_split import choose_split, split_options
     from ..models import hf_config_for
 
-    hf_config = hf_config_for(config.model)
+    hf_config = hf_config_for(model or config.model)
     options = split_options(hf_config, info.world_size, longest, param_dtype=config.model.param_dtype,
                             reduce_dtype=config.model.reduce_dtype, lora_rank=config.model.lora.rank,
                             checkpointing=config.engine.activation_checkpointing,
@@ -123,6 +125,10 @@ def gather_batch(batch: Batch, group: SequenceGroup, timeout_s: float) -> tuple[
     own = {key: value.cpu() for key, value in batch.items()}
     with collective_timeout("the sequence-parallel group's gather of its batches", timeout_s):
         dist.all_gather_object(parts, own, group=group.group)
+    for rank, part in enumerate(parts):
+        if sorted(part) != sorted(own):
+            raise BatchError(f"batch: its keys {sorted(own)} differ from those of rank {rank} of this "
+                             f"sequence-parallel group ({sorted(part)}); every rank must give the same keys")
     rows = [part["input_ids"].shape[0] for part in parts]
     width = max(part["input_ids"].shape[1] for part in parts)
     device = batch["input_ids"].device
@@ -147,6 +153,6 @@ def own_share(result: ForwardBackwardResult, rows: slice, group: SequenceGroup) 
     """``result`` of the group's batch as this rank's: its own rows' outputs, and the metrics every rank of the
     group computed alike (from the whole rows) at 1/N each, so that summed over ranks they count once."""
     result.outputs = {key: value[rows] for key, value in result.outputs.items()}
-    result.metrics = {key: value if key.startswith(_LOCAL_METRICS) or key.endswith("_max") else value / group.size
+    result.metrics = {key: value if key.startswith(_LOCAL_METRICS) or is_maximum(key) else value / group.size
                       for key, value in result.metrics.items()}
     return result

@@ -61,7 +61,7 @@ class SFTTrainer:
         self.total_steps = sft.steps or self.order.steps_for(sft.epochs, sft.batch_size, sft.batch_tokens,
                                                              info.world_size)
         model_config = replace(config.model, path=self.model_path)  # the arith_chat task brings its own model
-        resolve_split(config, info, int(max(self.data.lengths)))  # dist.sequence_parallel=auto: for the longest
+        resolve_split(config, info, int(max(self.data.lengths)), model_config)  # sequence_parallel=auto
         self.engine = Engine(config, build_model(model_config, deferred=True), info, total_steps=self.total_steps)
         self.engine.router_aux_coef = router_aux_coef(self.engine.features.hf_config, sft.router_aux_loss_coef,
                                                       "sft.router_aux_loss_coef")
