@@ -76,13 +76,10 @@ def plan_batch(
     share_prefixes: bool = False,
     read_cost: tuple[float, float] = (0.0, 0.0),
     varlen_attention: bool = False,
-    vocab_size: int | None = None,
-    max_positions: int | None = None,
+    vocab_size: int | None = None, max_positions: int | None = None,
     loss_fn: LossFn | None = None,
-    split: tuple[int, int] | None = None,
-    stretch_cap: bool = False,
-    replicas: int = 1,
-    rejected: BatchError | None = None,
+    split: tuple[int, int] | None = None, stretch_cap: bool = False,
+    replicas: int = 1, rejected: BatchError | None = None,
 ) -> BatchPlan:
     """Validate ``batch``, agree with every rank (one all-reduce), split it into micro-batches, heaviest
     first. With ``packing``, each micro-batch is packed into one row where that computes less than padding
@@ -91,9 +88,8 @@ def plan_batch(
     the split allows and compute their common start once (:mod:`syncwise.data.prefixes`). The keys
     ``loss_fn`` declares (:func:`~syncwise.losses.reads`) are checked with the rest, before the all-reduce.
     ``split``: (sequences per micro-batch, token cap) (default ``cfg.fixed_split``); ``stretch_cap``: auto's cap grows
-    to this rank's longest sequence.
-    ``read_cost``: what a row reading a shared start keeps beyond its computed tokens, in computed tokens'
-    activations: per token of its start and own part (the copied keys and values), per token of its start
+    to this rank's longest sequence. ``read_cost``: what a row reading a shared start keeps beyond its computed
+    tokens, in computed tokens' activations: per token of its start and own part (the copied keys and values), per token of its start
     (the empty queries and their outputs) -- counted into ``largest_tokens``, what memory is planned on.
     ``replicas``: ranks holding this batch alike (:mod:`.sequence_parallel`): all packed, each token counted once.
     ``rejected``: found before (a sequence-parallel group's batches that do not join), raised on every rank."""
