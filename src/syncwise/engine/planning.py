@@ -89,8 +89,8 @@ def plan_batch(
     ``loss_fn`` declares (:func:`~syncwise.losses.reads`) are checked with the rest, before the all-reduce.
     ``split``: (sequences per micro-batch, token cap) (default ``cfg.fixed_split``); ``stretch_cap``: auto's cap grows
     to this rank's longest sequence. ``read_cost``: what a row reading a shared start keeps beyond its computed
-    tokens, in computed tokens' activations: per token of its start and own part (the copied keys and values), per token of its start
-    (the empty queries and their outputs) -- counted into ``largest_tokens``, what memory is planned on.
+    tokens, in computed tokens' activations: per token of its start and own part (the copied keys and values), per
+    token of its start (the empty queries and their outputs) -- counted into ``largest_tokens``.
     ``replicas``: ranks holding this batch alike (:mod:`.sequence_parallel`): all packed, each token counted once.
     ``rejected``: found before (a sequence-parallel group's batches that do not join), raised on every rank."""
     size, max_tokens = split or cfg.fixed_split
