@@ -141,6 +141,36 @@ def test_the_compact_sampler_records_the_experts_each_token_went_through():
     assert agree / total > 0.99, agree / total  # incremental and whole forwards: fp32 near-ties may part
 
 
+def test_generate_records_the_experts_each_token_went_through():
+    """``rl.rollout_engine=generate`` under replay: each sequence's routes as the compact sampler files them -- its
+    prompt's from the prefill of the left-padded rows, each drawn token's from the decode step that fed it, the last
+    -1 -- the routes a whole forward of the same model over prompt and response chooses."""
+    from types import SimpleNamespace
+
+    from syncwise.config import RLConfig
+    from syncwise.rl.rollout.base import StopStrings
+    from syncwise.rl.rollout.compact import Truncation
+    from syncwise.rl.rollout.local import GenerateRollout
+
+    rollout = GenerateRollout.__new__(GenerateRollout)  # its copy is the test's model (no refresh from a trainer)
+    rollout.cfg, rollout.device, rollout.record_routes = RLConfig(), torch.device("cpu"), True
+    rollout.tokenizer, rollout.end_ids = SimpleNamespace(pad_token_id=127), [0, 1, 2]
+    rollout.cut, rollout.stop = Truncation(0, 1.0, 0.0), StopStrings([], None)
+    rollout.model = _moe().eval()
+    prompts = [[5, 9, 17, 33, 2], [7, 8]]
+    samples = rollout.sample(prompts, 3, 9, seed=3)
+    assert len(samples.routes) == 6
+    agree = total = 0
+    for k, (tokens, routes) in enumerate(zip(samples.tokens, samples.routes, strict=True)):
+        prompt = torch.tensor(prompts[k // 3])
+        assert routes.shape == (len(prompt) + len(tokens), 2, 2)
+        assert bool((routes[-1] == -1).all()) and bool((routes[:-1] >= 0).all())
+        whole = _routes_of(rollout.model, torch.cat([prompt, tokens])[None])[:-1]
+        agree += int((whole.sort(-1).values == routes[:-1].sort(-1).values).sum())
+        total += whole.numel()
+    assert agree / total > 0.99, agree / total  # incremental and whole forwards: fp32 near-ties may part
+
+
 def test_the_engine_trains_through_replayed_routes_in_every_mode_as_a_replay_by_hand_does(tmp_path):
     """2 gloo ranks, FSDP2: per_microbatch, deferred packed and padded, deferred_unsharded with activation
     checkpointing (the recompute routes as the forward did) -- each parameter's gradient, the routers' and the
@@ -276,9 +306,9 @@ def test_router_replay_where_it_cannot_be_is_one_line(tmp_path):
     from user_models import save_model_dir
 
     path = save_model_dir(tmp_path, "qwen3_moe")
-    job = run_cli(["train", f"model.path={path}", "rl.router_replay=true", "rl.rollout_engine=generate",
+    job = run_cli(["train", f"model.path={path}", "rl.router_replay=true", "rl.rollout_engine=vllm",
                    f"train.out_dir={tmp_path / 'run'}"])
-    assert job.returncode == 2 and ("rl.router_replay=true: rl.rollout_engine=generate does not say which experts "
+    assert job.returncode == 2 and ("rl.router_replay=true: rl.rollout_engine=vllm does not say which experts "
                                     "it chose") in job.stderr, failed(job.stderr)
     assert len(job.stderr.strip().splitlines()) == 1
     assert ROUTES == "routed_experts"

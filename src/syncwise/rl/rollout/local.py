@@ -16,8 +16,42 @@ import torch
 
 from ...engine.weights import load_by_unit
 from ...models import uninitialised_model
+from ...models.moe import RouteRecorder
 from .base import RolloutSetup, Samples, StopStrings, sequence_seeds
 from .compact import Truncation, left_padded, sample
+
+
+@contextmanager
+def recorded_routes(model: torch.nn.Module, record: bool) -> Iterator[list[torch.Tensor]]:
+    """Within it (where ``record``: a mixture of experts under router replay), each forward's chosen experts --
+    [tokens, layers, k], the prefill's first, then one a decode step -- as ``generate`` runs them."""
+    forwards: list[torch.Tensor] = []
+    if not record:
+        yield forwards
+        return
+    recorder = RouteRecorder(model)
+    after_forward = model.register_forward_hook(lambda module, inputs, output: forwards.append(recorder.take()))
+    try:
+        yield forwards
+    finally:
+        after_forward.remove()
+        recorder.close()
+
+
+def generated_routes(forwards: list[torch.Tensor], prompts: list[list[int]], n: int,
+                     responses: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each sequence's routes (prompt-major, ``n`` a prompt, as ``generate`` returns them): its prompt's from the
+    prefill of the left-padded rows, then each drawn token's from the decode step that fed it; the last token's -1
+    (it fed no step that trains), as the compact sampler's."""
+    rows = len(responses)
+    prefill = forwards[0].view(rows, -1, *forwards[0].shape[1:])  # [rows, width, layers, k]
+    steps = torch.stack(forwards[1:], dim=1) if len(forwards) > 1 else prefill[:, :0]  # [rows, steps, layers, k]
+    out = []
+    for k, response in enumerate(responses):
+        fed = steps[k, :max(len(response) - 1, 0)]
+        last = torch.full((1, *prefill.shape[2:]), -1, dtype=prefill.dtype, device=prefill.device)
+        out.append(torch.cat([prefill[k, prefill.shape[1] - len(prompts[k // n]):], fed, last]).cpu())
+    return out
 
 
 class LocalCopy:
@@ -93,12 +127,13 @@ class GenerateRollout(LocalCopy):
                      for k, own in enumerate(sequence_seeds(seed, len(prompts), n))]
             return Samples([t for s in alone for t in s.tokens], [t for s in alone for t in s.log_probs],
                            sum(s.computed_rows for s in alone), [e for s in alone for e in s.ended],
-                           [t for s in alone for t in s.full_log_probs])
+                           [t for s in alone for t in s.full_log_probs],
+                           [r for s in alone for r in s.routes] if self.record_routes else None)
         tok, cut = self.tokenizer, self.cut
         input_ids, mask = left_padded([torch.tensor(ids, dtype=torch.long) for ids in prompts], tok.pad_token_id,
                                       self.device)
         width = input_ids.shape[1]
-        with self.seeded(seed):
+        with self.seeded(seed), recorded_routes(self.model, self.record_routes) as forwards:
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=self.cfg.temperature,
                 top_k=cut.top_k, top_p=cut.top_p, min_p=cut.min_p or None, max_new_tokens=max_new_tokens,
@@ -118,7 +153,8 @@ class GenerateRollout(LocalCopy):
         return Samples(responses, [drawn[i, : len(r)] for i, r in enumerate(responses)],
                        computed_rows=len(responses) * (out.sequences.shape[1] - width),
                        ended=[e for _, e in cut_at],
-                       full_log_probs=[full[i, : len(r)] for i, r in enumerate(responses)])
+                       full_log_probs=[full[i, : len(r)] for i, r in enumerate(responses)],
+                       routes=generated_routes(forwards, prompts, n, responses) if self.record_routes else None)
 
     def _end_of(self, ids: torch.Tensor) -> tuple[int, bool]:
         """(length, ended): up to and including the first end token or the token completing a stop string."""

@@ -31,9 +31,9 @@ def replays_routes(config: Config, hf_config: Any) -> tuple[bool, str | None]:
     if getattr(hf_config, "model_type", None) not in REPLAYED_MODELS:
         obstacle = (f"its routers ({hf_config.model_type}) are not ones replay knows ({', '.join(REPLAYED_MODELS)}: "
                     "softmax over the experts, top k)")
-    elif rl.rollout_engine != "compact":
+    elif rl.rollout_engine not in ("compact", "generate"):
         obstacle = (f"rl.rollout_engine={rl.rollout_engine} does not say which experts it chose (the compact "
-                    "sampler does)")
+                    "sampler and generate do)")
     elif rl.tools or rl.environment or rl.agent:
         obstacle = "multi-turn rollouts (rl.tools, rl.environment, rl.agent) are not replayed yet"
     elif rl.max_staleness:
