@@ -29,8 +29,8 @@ from user_models import save_model_dir
 
 QWEN = "model.preset=qwen2-test"
 PAIRS = {  # name -> (model, N, loss, extra keys); the model directories are filled in by the fixture
-    "sft": (QWEN, 2, "sft:token-mean", ()),
-    "grpo token-mean": (QWEN, 2, "ppo:token-mean", ()),
+    "sft": (QWEN, 2, "sft:token-mean", ("engine.fused_lm_head=true",)),
+    "grpo token-mean": (QWEN, 2, "ppo:token-mean", ("engine.fused_lm_head=true",)),
     "grpo seq-mean-token-sum": (QWEN, 2, "ppo:seq-mean-token-sum", ()),
     "gspo": (QWEN, 2, "gspo:seq-mean-token-mean", ()),
     "critic": (QWEN, 2, "value", ()),
