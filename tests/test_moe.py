@@ -312,3 +312,32 @@ def test_router_replay_where_it_cannot_be_is_one_line(tmp_path):
                                     "it chose") in job.stderr, failed(job.stderr)
     assert len(job.stderr.strip().splitlines()) == 1
     assert ROUTES == "routed_experts"
+
+
+def test_an_sft_job_on_two_ranks_exports_the_experts_bit_for_bit(tmp_path):
+    """A tiny Qwen3-MoE saved with save_pretrained through `syncwise sft` on 2 gloo ranks (loaded on the meta device
+    shard by shard, FSDP2 over its fused experts, the routers' load-balancing loss at its config's coefficient): with
+    the learning rate at 0 the export's logits are the original's bit for bit, and the job logs the experts' load and
+    the balancing loss."""
+    from transformers import AutoModelForCausalLM
+
+    from syncwise.sft.tasks import write_example_data
+    from user_models import save_model_dir
+
+    path = save_model_dir(tmp_path, "qwen3_moe")
+    data = write_example_data(tmp_path / "data", train_rows=32, eval_rows=4, prompt_rows=4)
+    environ = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    environ.pop("PYTHONPATH", None)
+    job = subprocess.run([sys.executable, "-m", "syncwise", "sft", f"model.path={path}",
+                          f"sft.dataset={data / 'train.jsonl'}", "sft.steps=2", "sft.batch_size=8", "optim.lr=0",
+                          "optim.warmup_steps=0", "sft.progress=false", f"sft.out_dir={tmp_path / 'run'}"],
+                         cwd=tmp_path, capture_output=True, text=True, env=environ, timeout=600)
+    assert job.returncode == 0, failed(job.stdout + job.stderr)
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(step["moe/aux_loss"] > 0 and 1.0 <= step["moe/load_max_over_mean"] <= 8.0 for step in steps
+               if "loss" in step)
+    want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export", dtype=torch.float32).eval()
+    ids = torch.randint(0, want.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=ids).logits, want(input_ids=ids).logits)
