@@ -341,3 +341,27 @@ def test_an_sft_job_on_two_ranks_exports_the_experts_bit_for_bit(tmp_path):
     ids = torch.randint(0, want.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(exported(input_ids=ids).logits, want(input_ids=ids).logits)
+
+
+def test_a_partial_rollout_keeps_each_tokens_routes_from_the_forward_that_fed_it():
+    """rl.max_staleness: a response drawn over rounds, each round prefilling prompt + tokens so far under the newest
+    weights. Its routes keep what each earlier token was fed with; the last token before a round (never fed then:
+    -1) takes the round's prefill's, the round's tokens their decode steps'; a stop string cut takes them back."""
+    from syncwise.rl.rollout.base import Samples, Trajectory
+
+    def call(tokens: list[int], routes: torch.Tensor) -> Samples:
+        return Samples([torch.tensor(tokens)], [torch.zeros(len(tokens))], 1, [False],
+                       [torch.zeros(len(tokens))], [routes])
+
+    def routes(values: list[int]) -> torch.Tensor:  # one layer, k = 1
+        return torch.tensor(values, dtype=torch.int16)[:, None, None]
+
+    sample = Trajectory(prompt=[11, 12, 13])
+    sample.take(call([21, 22, 23], routes([1, 1, 1, 2, 2, -1])), 0, 10, version=0)
+    assert sample.routes.flatten().tolist() == [1, 1, 1, 2, 2, -1]
+    # round 2 under new weights: its prefill re-routes prompt + the 3 tokens (7s), then 2 drawn tokens
+    sample.take(call([24, 25], routes([7, 7, 7, 7, 7, 7, 3, -1])), 0, 10, version=1)
+    assert sample.routes.flatten().tolist() == [1, 1, 1, 2, 2, 7, 3, -1]
+    assert sample.versions == [0, 0, 0, 1, 1]
+    sample.cut(4)
+    assert sample.routes.flatten().tolist() == [1, 1, 1, 2, 2, 7, 3]

@@ -145,15 +145,27 @@ in flight goes into a checkpoint as it is."""
         room = max_new_tokens - len(self.tokens)
         ended = bool(samples.ended[k]) and len(tokens) <= room
         tokens = tokens[:room]
-        if samples.routes is not None and not self.tokens:  # one turn: the prompt's routes, then the response's
-            self.routes = samples.routes[k][: len(self.prompt) + len(tokens)]
+        if samples.routes is not None:  # one turn: the prompt's routes, then the response's
+            self._take_routes(samples.routes[k][: len(self.prompt) + len(self.tokens) + len(tokens)])
         drawn = samples.log_probs[k][: len(tokens)].float().tolist() if samples.log_probs is not None else None
         self.add(tokens, sampled=True, full=samples.full_log_probs[k][: len(tokens)].float().tolist(), drawn=drawn,
                  version=version)
         return tokens, ended
 
+    def _take_routes(self, routes: torch.Tensor) -> None:
+        """A call's routes of prompt + tokens so far + its own: the first call's whole; a partial rollout's next
+        round keeps the routes each earlier token was fed with and takes the rest -- the last token before the round
+        (never fed then: -1) from the round's prefill, which fed it, and the round's own tokens'."""
+        if self.routes is None or not self.tokens:
+            self.routes = routes
+            return
+        fed = len(self.prompt) + len(self.tokens) - 1  # the last token so far, fed by this round's prefill
+        self.routes = torch.cat([self.routes[:fed], routes[fed:]])
+
     def cut(self, length: int) -> None:
         """Only the first ``length`` tokens kept (what came after a stop string a round's sample ran past)."""
+        if self.routes is not None:
+            self.routes = self.routes[: len(self.prompt) + length]
         del self.tokens[length:], self.versions[length:], self.sampled[length:], self.full_log_probs[length:]
         if self.drawn_log_probs is not None:
             del self.drawn_log_probs[length:]

@@ -1,8 +1,9 @@
 """Router replay (``rl.router_replay``): whether a job's mixture of experts trains through the experts its sampler
 chose for each token (R3, arXiv 2510.11370) -- the sampler and the trainer otherwise route some tokens to other
 experts (another dtype, another kernel, a near-tie), which turns the importance ratios into noise. The compact
-sampler records each token's experts per layer, they travel with the batch (``routed_experts``: queued a lag ahead,
-checkpointed with it, sent from a rollout rank), and every
+sampler and ``generate`` record each token's experts per layer, they travel with the batch (``routed_experts``:
+queued a lag ahead, checkpointed with it, sent from a rollout rank, carried round to round with a partial rollout
+-- each token keeping the routes of the forward that fed it), and every
 training forward routes by them while the routing weights come from the live router, so the router still learns
 (:mod:`syncwise.models.moe`)."""
 
@@ -36,8 +37,6 @@ def replays_routes(config: Config, hf_config: Any) -> tuple[bool, str | None]:
                     "sampler and generate do)")
     elif rl.tools or rl.environment or rl.agent:
         obstacle = "multi-turn rollouts (rl.tools, rl.environment, rl.agent) are not replayed yet"
-    elif rl.max_staleness:
-        obstacle = "partial rollouts (rl.max_staleness: a response drawn over rounds) are not replayed yet"
     if obstacle is None:
         return True, None
     if wanted is True:
