@@ -365,3 +365,17 @@ def test_a_partial_rollout_keeps_each_tokens_routes_from_the_forward_that_fed_it
     assert sample.versions == [0, 0, 0, 1, 1]
     sample.cut(4)
     assert sample.routes.flatten().tolist() == [1, 1, 1, 2, 2, 7, 3]
+
+
+def test_lora_on_the_fused_experts_is_one_line_before_any_rank(tmp_path):
+    """LoRA adapts the attention's linear layers of a mixture of experts; naming the fused experts module is refused
+    in one line naming it (peft's own error would be its module's whole repr)."""
+    from user_models import save_model_dir
+
+    path = save_model_dir(tmp_path, "qwen3_moe")
+    job = run_cli(["sft", f"model.path={path}", "model.lora.rank=4", "model.lora.target_modules=q_proj,experts",
+                   f"sft.out_dir={tmp_path / 'run'}"])
+    assert job.returncode == 2, failed(job.stderr)
+    assert job.stderr.strip() == ("syncwise: error: model.lora.target_modules='q_proj,experts': Qwen3MoeExperts holds "
+                                  "every expert's weights in one module, which LoRA cannot adapt; LoRA adapts the "
+                                  "attention's linear layers (all-linear) and leaves the experts and routers frozen")

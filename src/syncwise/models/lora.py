@@ -43,6 +43,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0, value_head: str
 
     names = cfg.target_modules.strip()
     targets: str | list[str] = names if names == "all-linear" else [n.strip() for n in names.split(",") if n.strip()]
+    if reason := _fused_experts_named(model, targets):
+        raise ValueError(f"model.lora.target_modules={cfg.target_modules!r}: {reason}")
     peft_config = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
         task_type="TOKEN_CLS" if value_head else "CAUSAL_LM", modules_to_save=[value_head] if value_head else None,
@@ -53,6 +55,19 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0, value_head: str
             return with_adapters(model, peft_config)
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
             raise ValueError(f"model.lora.target_modules={cfg.target_modules!r}: {str(exc).splitlines()[0]}") from exc
+
+
+def _fused_experts_named(model: nn.Module, targets: str | list[str]) -> str | None:
+    """Why LoRA cannot adapt a named module, where it is a mixture of experts' fused experts (one module holding
+    every expert's weights as 3-D parameters, which peft, adapting ``nn.Linear``-like layers, cannot): or None."""
+    if isinstance(targets, str):
+        return None
+    for name, module in model.named_modules():
+        fused = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+        if fused and name.rsplit(".", 1)[-1] in targets:
+            return (f"{type(module).__name__} holds every expert's weights in one module, which LoRA cannot adapt; "
+                    f"LoRA adapts the attention's linear layers (all-linear) and leaves the experts and routers frozen")
+    return None
 
 
 def with_adapters(model: nn.Module, peft_config) -> nn.Module:
