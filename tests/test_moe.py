@@ -379,3 +379,28 @@ def test_lora_on_the_fused_experts_is_one_line_before_any_rank(tmp_path):
     assert job.stderr.strip() == ("syncwise: error: model.lora.target_modules='q_proj,experts': Qwen3MoeExperts holds "
                                   "every expert's weights in one module, which LoRA cannot adapt; LoRA adapts the "
                                   "attention's linear layers (all-linear) and leaves the experts and routers frozen")
+
+
+def test_a_mixtral_replays_as_qwen3_moe_does():
+    """Mixtral's router (softmax over the experts, top k) records and replays alike: its own routes give the live
+    forward's logits exactly, other routes reach every router with a gradient."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config).float()
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    own = _routes_of(model, ids)
+    with torch.no_grad():
+        live = model(input_ids=ids).logits
+    replay = route_replay(model, own.view(2, 11, 2, 2))
+    with torch.no_grad():
+        replayed = model(input_ids=ids).logits
+    assert (replay.matches, replay.choices) == (88, 88)
+    assert_close(replayed, live, 1e-6, "Mixtral replaying its own routes")
+    replay = route_replay(model, (own.long() + 1) % 8)
+    model(input_ids=ids).logits.float().square().mean().backward()
+    assert replay.matches < replay.choices == 88
+    assert all(layer.mlp.gate.weight.grad.abs().sum() > 0 for layer in model.model.layers)
+    route_replay(model, None)
