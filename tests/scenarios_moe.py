@@ -40,3 +40,28 @@ def replay_suite(info, model_dir: str, batch: dict) -> dict:
                      "load": {k: v for k, v in result.metrics.items() if k.startswith(LOAD)},
                      "aux": result.metrics["moe/aux_loss"]}
     return out
+
+
+def few_experts_model():
+    """A Qwen3-MoE of one expert a layer (top-1): fewer experts than the 2 ranks that shard it."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_experts=1, num_experts_per_tok=1, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(config).float()
+
+
+def few_experts_suite(info, batches: list[dict]) -> dict:
+    """The engine (FSDP2, deferred) on :func:`few_experts_model` with this rank's rows: the fused experts'
+    placement and local shape, and every gradient of the token-mean SFT loss."""
+    config = load_config(None, ["engine.strategy=fsdp2", "sync.mode=deferred", "engine.micro_batch_size=2",
+                                "optim.name=sgd", "optim.lr=0", "engine.fused_lm_head=false"])
+    engine = Engine(config, few_experts_model(), info)
+    experts = next(p for n, p in engine.model.named_parameters() if n.endswith("gate_up_proj"))
+    engine.forward_backward_batch(batches[info.rank], make_sft_loss("token-mean"))
+    return {"sharded_dims": [getattr(p, "dim", None) for p in experts.placements],
+            "local": tuple(experts.to_local().shape),
+            "grads": full_grads(engine)}

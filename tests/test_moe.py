@@ -404,3 +404,24 @@ def test_a_mixtral_replays_as_qwen3_moe_does():
     assert replay.matches < replay.choices == 88
     assert all(layer.mlp.gate.weight.grad.abs().sum() > 0 for layer in model.model.layers)
     route_replay(model, None)
+
+
+def test_fused_experts_fewer_than_the_ranks_shard_on_their_next_dimension():
+    """FSDP2 shards a parameter on dim 0; a MoE with fewer experts than ranks would leave a rank holding padding, so
+    its fused experts shard on the next dimension: on 2 ranks one expert's (1, 32, 32) gate_up_proj is (1, 16, 32)
+    a rank, and every gradient equals one process's over both ranks' rows."""
+    from dist_harness import run_distributed
+    from scenarios_moe import few_experts_model, few_experts_suite
+    from syncwise.losses import Normalizer, make_sft_loss, target_mask
+
+    gen = torch.Generator().manual_seed(4)
+    batches = [{"input_ids": torch.randint(1, 128, (3, 10), generator=gen)} for _ in range(2)]
+    ranks = run_distributed(few_experts_suite, 2, batches)
+    assert all(r["sharded_dims"] == [1] and r["local"] == (1, 16, 32) for r in ranks)
+    model = few_experts_model()
+    batch = {"input_ids": torch.cat([b["input_ids"] for b in batches])}
+    mask = target_mask(batch)
+    norm = Normalizer(tokens=float(mask.sum()), sequences=float((mask.sum(1) > 0).sum()), dp_size=1)
+    make_sft_loss("token-mean")(model(input_ids=batch["input_ids"]), batch, norm).loss.backward()
+    for name, param in model.named_parameters():
+        assert_close(ranks[0]["grads"][name], param.grad, what=name)

@@ -122,6 +122,20 @@ def checkpoint_decoder_layers(model: nn.Module, classes: tuple[type[nn.Module], 
     )
 
 
+def expert_placement(ranks: int):
+    """FSDP2's placement of each parameter: its default (dim 0) but for a mixture of experts' fused experts
+    ([experts, ...], 3-D) where the ranks that shard outnumber the experts -- on dim 0 some ranks would hold only
+    padding -- which shard on their next dimension instead."""
+    from torch.distributed.tensor import Shard
+
+    def place(param: nn.Parameter):
+        if param.dim() == 3 and param.shape[0] < ranks <= param.shape[1]:
+            return Shard(1)
+        return None
+
+    return place
+
+
 def _wrap_fsdp2(
     model: nn.Module, engine_cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device,
     mesh: DeviceMesh | None, layer_classes: tuple[type[nn.Module], ...], say: str | None = None,
@@ -134,6 +148,8 @@ def _wrap_fsdp2(
         reshard_after_forward=engine_cfg.reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
     )
+    if mesh is not None:
+        kwargs["shard_placement_fn"] = expert_placement(mesh.size(mesh.ndim - 1))
     deferred = pending_of(model) is not None  # built on the meta device: materialised once sharded
     if engine_cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()

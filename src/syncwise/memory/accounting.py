@@ -154,10 +154,13 @@ class ShardedModel:
 
 
 def _padded_numel(shape: tuple[int, ...], shard_size: int) -> int:
+    """Elements over every rank once FSDP2 pads the sharded dimension to a multiple of the ranks: dim 0, or dim 1 for a
+    mixture of experts' fused experts with fewer experts than ranks (:func:`syncwise.engine.wrap.expert_placement`)."""
     if not shape:
         return shard_size  # a scalar becomes one element per rank
-    rows = math.ceil(shape[0] / shard_size) * shard_size
-    return rows * math.prod(shape[1:])
+    dim = 1 if len(shape) == 3 and shape[0] < shard_size <= shape[1] else 0
+    padded = math.ceil(shape[dim] / shard_size) * shard_size
+    return padded * math.prod(shape) // shape[dim]
 
 
 def sharded_model_of(
