@@ -79,6 +79,7 @@ VERL_KEYS: dict[str, str] = {
     "actor_rollout_ref.actor.entropy_coeff": "rl.loss.entropy_coef",
     "actor_rollout_ref.actor.loss_agg_mode": "rl.loss.agg",
     "actor_rollout_ref.actor.fsdp_config.param_offload": "engine.cpu_offload",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "dist.sequence_parallel (or auto)",
     "algorithm.adv_estimator": "rl.advantage (grpo | drgrpo | rloo; gae: rl.algorithm=ppo)",
     "algorithm.kl_ctrl.kl_coef": "rl.loss.kl_coef (in the reward: rl.kl_in_reward)",
     "algorithm.use_kl_in_reward": "rl.kl_in_reward",
