@@ -102,10 +102,7 @@ def split_problem(config: Config, hf_config, world: int) -> str | None:
     size = config.dist.sequence_parallel
     if not isinstance(size, int) or size == 1:
         return None
-    trainers = world - config.dist.rollout_ranks
-    if config.dist.rollout_ranks:
-        return (f"dist.sequence_parallel={size} beside dist.rollout_ranks={config.dist.rollout_ranks}: not supported "
-                f"yet (the trainers' groups would have to exclude the rollout ranks); use one or the other")
+    trainers = world - config.dist.rollout_ranks  # rollout ranks only sample: the trainers form the groups
     if trainers % size:
         return f"dist.sequence_parallel={size} does not divide the {trainers} ranks that train (dist.nproc)"
     if config.engine.strategy not in ("fsdp2", "fsdp1", "ddp"):
