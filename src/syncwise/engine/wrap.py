@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import SHARDED_STRATEGIES, EngineConfig, ModelConfig
+from ..memory.accounting import sharded_dim
 from ..models import decoder_layer_classes, decoder_layers
 from ..models.loading import materialize, pending_of
 from ..runtime.distributed import rank_and_world
@@ -123,15 +124,13 @@ def checkpoint_decoder_layers(model: nn.Module, classes: tuple[type[nn.Module], 
 
 
 def expert_placement(ranks: int):
-    """FSDP2's placement of each parameter: its default (dim 0) but for a mixture of experts' fused experts
-    ([experts, ...], 3-D) where the ranks that shard outnumber the experts -- on dim 0 some ranks would hold only
-    padding -- which shard on their next dimension instead."""
+    """FSDP2's placement of each parameter over ``ranks``: its default (dim 0) but where :func:`sharded_dim` says
+    otherwise (a mixture of experts' fused experts fewer than the ranks)."""
     from torch.distributed.tensor import Shard
 
     def place(param: nn.Parameter):
-        if param.dim() == 3 and param.shape[0] < ranks <= param.shape[1]:
-            return Shard(1)
-        return None
+        dim = sharded_dim(tuple(param.shape), ranks)
+        return Shard(dim) if dim else None
 
     return place
 

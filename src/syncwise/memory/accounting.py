@@ -153,12 +153,18 @@ class ShardedModel:
         return self.extra_bytes(mode, num_microbatches) - root
 
 
+def sharded_dim(shape: tuple[int, ...], ranks: int) -> int:
+    """The dimension FSDP2 shards a parameter of ``shape`` on over ``ranks``: 0, but for a mixture of experts' fused
+    experts ([experts, ...], 3-D) where the ranks outnumber the experts -- on dim 0 some would hold only padding --
+    the next one (the engine's placement, :func:`syncwise.engine.wrap.expert_placement`)."""
+    return 1 if len(shape) == 3 and shape[0] < ranks <= shape[1] else 0
+
+
 def _padded_numel(shape: tuple[int, ...], shard_size: int) -> int:
-    """Elements over every rank once FSDP2 pads the sharded dimension to a multiple of the ranks: dim 0, or dim 1 for a
-    mixture of experts' fused experts with fewer experts than ranks (:func:`syncwise.engine.wrap.expert_placement`)."""
+    """Elements over every rank once FSDP2 pads the sharded dimension (:func:`sharded_dim`) to a multiple of them."""
     if not shape:
         return shard_size  # a scalar becomes one element per rank
-    dim = 1 if len(shape) == 3 and shape[0] < shard_size <= shape[1] else 0
+    dim = sharded_dim(shape, shard_size)
     padded = math.ceil(shape[dim] / shard_size) * shard_size
     return padded * math.prod(shape) // shape[dim]
 
