@@ -166,7 +166,7 @@ def _padded_numel(shape: tuple[int, ...], shard_size: int) -> int:
         return shard_size  # a scalar becomes one element per rank
     dim = sharded_dim(shape, shard_size)
     padded = math.ceil(shape[dim] / shard_size) * shard_size
-    return padded * math.prod(shape) // shape[dim]
+    return padded * math.prod(tuple(shape[:dim]) + tuple(shape[dim + 1:]))
 
 
 def sharded_model_of(
