@@ -79,7 +79,7 @@ class _Exchange(torch.autograd.Function):
         return _exchange(grad, ctx.group), None
 
 
-def kv_repeats(query_heads: int, kv_heads: int, size: int) -> int:
+def kv_repeats(kv_heads: int, size: int) -> int:
     """How many times each key / value head is repeated so that the group's ranks get whole heads: the fewest
     that make their count a multiple of ``size``."""
     return size // math.gcd(kv_heads, size)
@@ -89,7 +89,7 @@ def split_check(query_heads: int, kv_heads: int, size: int) -> str | None:
     """Why a model with these heads cannot be split over ``size`` ranks by heads, or None."""
     if query_heads % size:
         return f"its {query_heads} attention heads are not a multiple of dist.sequence_parallel={size}"
-    repeats = kv_repeats(query_heads, kv_heads, size)
+    repeats = kv_repeats(kv_heads, size)
     if (query_heads // kv_heads) % repeats:
         return (f"its {kv_heads} key/value heads cannot be repeated to a multiple of dist.sequence_parallel={size} "
                 f"that its {query_heads} query heads share evenly")
@@ -101,7 +101,7 @@ def heads_from_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """Sequence-sharded [1, heads, L, dim] queries, keys and values -> head-sharded [1, heads / N, N L, dim], in one
     exchange (the three stacked per destination)."""
     size = group.size
-    repeats = kv_repeats(query.shape[1], key.shape[1], size)
+    repeats = kv_repeats(key.shape[1], size)
     if repeats > 1:  # each key / value head beside itself, as transformers' repeat_kv lays them out
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
     batch, _, length, dim = query.shape

@@ -20,12 +20,12 @@ the hidden states' gradient, and the output layer's gradient (V·h), summed over
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..data.ulysses import kv_repeats
 from ..models.moe import mlp_width, routing_width
 from .accounting import DTYPE_BYTES
 
@@ -93,7 +93,7 @@ def estimate_activations(
     vocab = _shape(config, "vocab_size")
     if sequence_parallel > 1:
         seq_len = -(-seq_len // sequence_parallel)
-        kv_heads *= sequence_parallel // math.gcd(kv_heads, sequence_parallel)
+        kv_heads *= kv_repeats(kv_heads, sequence_parallel)
     tokens = seq_len * micro_batch_size
     size = DTYPE_BYTES[dtype]
     exchange = 2 * tokens * (heads + 2 * kv_heads) * head_dim * size if sequence_parallel > 1 else 0

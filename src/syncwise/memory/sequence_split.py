@@ -11,10 +11,9 @@ the size as given.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from ..data.ulysses import split_check
+from ..data.ulysses import kv_repeats, split_check
 from ..sync.modes import SyncMode
 from .accounting import DTYPE_BYTES, format_bytes
 from .activations import attention_shape, estimate_activations, working_bytes
@@ -48,7 +47,7 @@ def split_options(hf_config, world: int, longest: int, *, param_dtype: str, redu
             continue
         act = estimate_activations(hf_config, longest, 1, checkpointing, param_dtype, logprob_chunk, fused_head,
                                    head_trains=not lora_rank, value_head=value_head, sequence_parallel=size)
-        repeated = kv_heads * (size // math.gcd(kv_heads, size))
+        repeated = kv_heads * kv_repeats(kv_heads, size)
         per_layer = (heads + 2 * repeated + heads) * head_dim * act.tokens * (size - 1) // size
         exchange = 2 * layers * per_layer * DTYPE_BYTES[param_dtype] if size > 1 else 0  # forward and backward
         options.append(SplitOption(size, held + working_bytes(act, in_loss, in_layer), exchange,
