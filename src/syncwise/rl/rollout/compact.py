@@ -201,16 +201,17 @@ def _sample(model: nn.Module, prompts: list[torch.Tensor], samples_per_prompt: i
     counts = torch.bincount(sequence, minlength=total).tolist()
     log_probs = list(torch.cat(drawn_log_probs)[order].split(counts))
     full_log_probs = list(torch.cat(drawn_full)[order].split(counts)) if cut.active else log_probs
-    routes = _sequence_routes(prompt_routes, step_routes, prompts, n, counts) if recorder is not None else None
+    routes = sequence_routes(prompt_routes, step_routes, prompts, n, counts) if recorder is not None else None
     return Samples(list(torch.cat(drawn_tokens)[order].split(counts)), log_probs, computed, stopped.tolist(),
                    full_log_probs, routes)
 
 
-def _sequence_routes(prompt_routes: torch.Tensor, step_routes: list[tuple[torch.Tensor, torch.Tensor]],
-                     prompts: list[torch.Tensor], n: int, counts: list[int]) -> list[torch.Tensor]:
-    """Each sequence's routes (prompt-major, ``n`` a prompt): its prompt's from the prefill's left-padded rows, then
-    each drawn token's from the decode step that fed it (``step_routes``: the sequences it ran and their routes);
-    -1 for a token no forward was given (the last)."""
+def sequence_routes(prompt_routes: torch.Tensor, step_routes: list[tuple[torch.Tensor, torch.Tensor]],
+                    prompts: list, n: int, counts: list[int]) -> list[torch.Tensor]:
+    """Each sequence's routes (prompt-major, ``n`` a prompt): its prompt's from the prefill's left-padded rows (one
+    a prompt), then each drawn token's from the decode step that fed it (``step_routes``: the sequences it ran and
+    their routes); -1 for a token no forward was given (the last). ``generate``'s too
+    (:func:`syncwise.rl.rollout.local.generated_routes`)."""
     drawn = torch.full((len(counts), max(counts), *prompt_routes.shape[2:]), -1, dtype=prompt_routes.dtype,
                        device=prompt_routes.device)
     for step, (sequences, chosen) in enumerate(step_routes):

@@ -18,7 +18,7 @@ from ...engine.weights import load_by_unit
 from ...models import uninitialised_model
 from ...models.moe import RouteRecorder
 from .base import RolloutSetup, Samples, StopStrings, sequence_seeds
-from .compact import Truncation, left_padded, sample
+from .compact import Truncation, left_padded, sample, sequence_routes
 
 
 @contextmanager
@@ -40,18 +40,17 @@ def recorded_routes(model: torch.nn.Module, record: bool) -> Iterator[list[torch
 
 def generated_routes(forwards: list[torch.Tensor], prompts: list[list[int]], n: int,
                      responses: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each sequence's routes (prompt-major, ``n`` a prompt, as ``generate`` returns them): its prompt's from the
-    prefill of the left-padded rows, then each drawn token's from the decode step that fed it; the last token's -1
-    (it fed no step that trains), as the compact sampler's."""
-    rows = len(responses)
+    """Each sequence's routes (prompt-major, ``n`` a prompt, as ``generate`` returns them) filed as the compact
+    sampler files its own (:func:`~syncwise.rl.rollout.compact.sequence_routes`): ``generate`` prefills every
+    sequence's row and feeds every row at each decode step -- step s token s -- so a sequence's routes at step s are
+    kept where token s is not its last (a finished sequence is fed padding)."""
+    rows, counts = len(responses), [len(response) for response in responses]
     prefill = forwards[0].view(rows, -1, *forwards[0].shape[1:])  # [rows, width, layers, k]
-    steps = torch.stack(forwards[1:], dim=1) if len(forwards) > 1 else prefill[:, :0]  # [rows, steps, layers, k]
-    out = []
-    for k, response in enumerate(responses):
-        fed = steps[k, :max(len(response) - 1, 0)]
-        last = torch.full((1, *prefill.shape[2:]), -1, dtype=prefill.dtype, device=prefill.device)
-        out.append(torch.cat([prefill[k, prefill.shape[1] - len(prompts[k // n]):], fed, last]).cpu())
-    return out
+    fed_by = []
+    for step, chosen in enumerate(forwards[1:]):
+        fed = torch.tensor([count - 1 > step for count in counts], device=chosen.device).nonzero().flatten()
+        fed_by.append((fed, chosen[fed]))
+    return sequence_routes(prefill, fed_by, [prompts[k // n] for k in range(rows)], 1, counts)
 
 
 class LocalCopy:
