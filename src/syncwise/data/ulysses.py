@@ -46,7 +46,7 @@ _active: SequenceGroup | None = None  # set while a sequence-parallel forward ru
 
 @contextmanager
 def sharded_forward(group: SequenceGroup) -> Iterator[None]:
-    """Within the block, packed attention exchanges heads across ``group`` (:func:`attention_across`)."""
+    """Within the block, packed attention exchanges heads across ``group`` (:func:`heads_from_sequence`)."""
     global _active
     before, _active = _active, group
     try:
@@ -155,8 +155,8 @@ def gather_positions(local: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
 @dataclass
 class ShardedLogits:
     """What stands for a packed row's logits under sequence parallelism: this rank's logits (or
-    :class:`~syncwise.losses.LogitsFromHidden`) for its positions [start, start + L) of the row padded to
-    ``padded`` positions, of which the first ``length`` are the row's. :func:`~syncwise.losses.token_log_probs`
+    :class:`~syncwise.losses.LogitsFromHidden`) for its positions [start, start + L) of the row padded to a
+    multiple of N positions, of which the first ``length`` are the row's. :func:`~syncwise.losses.token_log_probs`
     and its siblings take it as they take whole logits and return the whole row's values."""
 
     local: object  # torch.Tensor [1, L, V] or LogitsFromHidden
